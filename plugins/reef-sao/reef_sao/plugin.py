@@ -1,0 +1,10 @@
+"""Hook implementations of reef-sao, loaded through the ``reef`` entry point."""
+
+from __future__ import annotations
+
+from reef_core import hookimpl
+
+
+@hookimpl
+def reef_config_searchpath():
+    return "pkg://reef_sao.conf"

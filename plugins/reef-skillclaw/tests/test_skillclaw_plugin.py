@@ -1,0 +1,19 @@
+"""reef-skillclaw registers through the hooks and its recipe composes."""
+
+from reef_core.config import available_recipes, compose_config
+from reef_core.plugins import PluginManager
+
+
+def test_skillclaw_plugin_loads_and_registers_searchpath():
+    pm = PluginManager()
+    assert "skillclaw" in pm.info, pm.failures
+    assert "reef_config_searchpath" in pm.info["skillclaw"].hooks
+    assert "pkg://reef_skillclaw.conf" in pm.config_searchpath()
+
+
+def test_skillclaw_recipe_composes():
+    pm = PluginManager()
+    assert "skillclaw" in available_recipes(pm)
+    cfg = compose_config(["+recipe=skillclaw"], pm)
+    assert cfg.recipe.name == "skillclaw"
+    assert cfg.recipe.description

@@ -1,0 +1,1 @@
+"""reef-ttt: TTT-Discover and Guidance-TTT: test-time training on grouped, continuously scored rollouts."""

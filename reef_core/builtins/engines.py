@@ -1,0 +1,46 @@
+"""Built-in inference engines: ``local`` (embedded transformers model) and ``upstream`` (proxy)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .. import hookimpl
+from ..errors import ConfigError
+
+
+def make_local_engine(config, data_dir: Path):
+    from ..engines.local import LocalEngine
+    from ..grow.models import resolve_model
+
+    model_dir = resolve_model(str(config.model), Path(data_dir))
+    return LocalEngine(
+        model_dir,
+        max_new_tokens=int(config.max_new_tokens),
+        temperature=float(config.temperature),
+        top_p=float(config.top_p),
+        seed=config.seed,
+    )
+
+
+def make_upstream_engine(config, data_dir: Path):
+    from ..engines.upstream import UpstreamEngine
+
+    url = config.upstream_url or os.environ.get("REEF_UPSTREAM_URL")
+    if not url:
+        raise ConfigError("engine.kind=upstream needs engine.upstream_url (or REEF_UPSTREAM_URL)")
+    if config.upstream_dialect not in ("openai", "anthropic"):
+        raise ConfigError(f"engine.upstream_dialect must be 'openai' or 'anthropic', not {config.upstream_dialect!r}")
+    return UpstreamEngine(
+        url,
+        api_key=config.upstream_api_key or os.environ.get("REEF_UPSTREAM_API_KEY"),
+        dialect=config.upstream_dialect,
+        timeout_s=float(config.timeout_s),
+        model=config.upstream_model or os.environ.get("REEF_UPSTREAM_MODEL"),
+    )
+
+
+@hookimpl
+def reef_register_engines(register):
+    register("local", make_local_engine, description="embedded transformers model on CPU or one GPU")
+    register("upstream", make_upstream_engine, description="any OpenAI- or Anthropic-compatible endpoint")

@@ -1,0 +1,1 @@
+"""Built-in processors (registered through hooks)."""

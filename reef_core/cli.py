@@ -1,0 +1,165 @@
+"""The ``reef`` command.
+
+Exit codes: 0 success, 2 bad config or usage, 1 runtime failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from . import __version__
+from .errors import ConfigError, ReefError
+
+EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="reef",
+        description="Reef: serve agents, record every interaction, learn from feedback, publish gated releases.",
+    )
+    parser.add_argument("--version", "-V", action="version", version=f"reef {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="start the HTTP server (e.g. reef serve +recipe=sao server.port=8900)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides")
+
+    p = sub.add_parser("config", help="print the resolved config, secrets redacted")
+    p.add_argument("overrides", nargs="*")
+
+    p = sub.add_parser("plugins", help="list loaded plugins, their hooks and components")
+    p.add_argument("--all", action="store_true", help="include Reef's built-in plugins")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = sub.add_parser("recipes", help="list installed recipes")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("sweep", help="Hydra multirun of offline tasks (reef sweep -m +recipe=sao,gepa seed=0,1)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="Hydra arguments, e.g. -m and overrides")
+
+    p = sub.add_parser("gc", help="apply the artifact retention policy")
+    p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
+    p.add_argument("overrides", nargs="*")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    if argv and argv[0] == "sweep":
+        # Hydra parses sweep arguments itself (-m, --cfg, --help, overrides).
+        from .sweep import run_sweep
+
+        return run_sweep(argv[1:])
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help/--version
+        return int(exc.code or 0)
+    if not args.command:
+        parser.print_help()
+        return EXIT_USAGE
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as exc:
+        print(f"reef: error: {exc.message}", file=sys.stderr)
+        return EXIT_USAGE
+    except ReefError as exc:
+        print(f"reef: error: {exc.message}", file=sys.stderr)
+        return EXIT_RUNTIME
+    except KeyboardInterrupt:
+        return EXIT_RUNTIME
+
+
+def cmd_serve(args) -> int:
+    from .config import compose_config
+    from .serve.server import serve
+
+    cfg = compose_config(args.overrides)
+    return serve(cfg)
+
+
+def cmd_config(args) -> int:
+    from omegaconf import OmegaConf
+
+    from .config import compose_config, redacted
+
+    cfg = compose_config(args.overrides)
+    print(OmegaConf.to_yaml(OmegaConf.create(redacted(cfg))), end="")
+    return EXIT_OK
+
+
+def cmd_plugins(args) -> int:
+    from .plugins import get_plugin_manager
+
+    pm = get_plugin_manager()
+    rows = []
+    for info in pm.info.values():
+        if info.builtin and not args.all:
+            continue
+        components = {
+            kind: sorted(name for name, c in by_name.items() if c.plugin == info.name)
+            for kind, by_name in pm.components.items()
+        }
+        rows.append({
+            "name": info.name, "version": info.version, "module": info.module, "builtin": info.builtin,
+            "hooks": info.hooks, "components": {k: v for k, v in components.items() if v},
+        })
+    failed = [{"name": name, "error": error} for name, error in sorted(pm.failures.items())]
+    if args.json:
+        print(json.dumps({"plugins": rows, "failed": failed}, indent=2))
+        return EXIT_OK
+    for row in rows:
+        print(f"{row['name']} {row['version'] or ''}".rstrip())
+        print(f"  hooks: {', '.join(row['hooks'])}")
+        for kind, names in row["components"].items():
+            print(f"  {kind}: {', '.join(names)}")
+    for row in failed:
+        print(f"{row['name']} FAILED")
+        print("  " + row["error"].replace("\n", "\n  "))
+    if not rows and not failed:
+        print("no plugins installed (reef plugins --all shows the built-ins)")
+    return EXIT_OK
+
+
+def cmd_recipes(args) -> int:
+    from .config import recipe_descriptions
+
+    recipes = recipe_descriptions()
+    if args.json:
+        print(json.dumps(recipes, indent=2))
+    elif not recipes:
+        print("no recipes installed; install one, e.g. pip install reef-sao")
+    else:
+        width = max(len(name) for name in recipes)
+        for name, description in recipes.items():
+            print(f"{name.ljust(width)}  {description}")
+    return EXIT_OK
+
+
+def cmd_sweep(args) -> int:
+    from .sweep import run_sweep
+
+    return run_sweep(args.args)
+
+
+def cmd_gc(args) -> int:
+    from .commit.gc_command import run_gc_command
+
+    from .config import compose_config
+
+    cfg = compose_config(args.overrides)
+    return run_gc_command(cfg, dry_run=args.dry_run)
+
+
+COMMANDS = {
+    "serve": cmd_serve, "config": cmd_config, "plugins": cmd_plugins, "recipes": cmd_recipes,
+    "sweep": cmd_sweep, "gc": cmd_gc,
+}
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Compose the deployment config from Hydra overrides (``+recipe=sao server.port=8900``).
+
+Recipe packages contribute their config directories through the ``reef_config_searchpath``
+hook, so ``+recipe=<name>`` finds a recipe however its package was installed.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterable
+
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ..errors import ConfigError
+from .schema import SECRET_KEYS, register_schema
+
+CONFIG_MODULE = "reef_core.conf"
+CONFIG_NAME = "config"
+
+
+def searchpath_override(plugin_manager) -> list[str]:
+    paths = plugin_manager.config_searchpath()
+    return [f"hydra.searchpath=[{','.join(paths)}]"] if paths else []
+
+
+def compose_config(overrides: Iterable[str] = (), plugin_manager=None) -> DictConfig:
+    """Return the resolved, validated config; raise ConfigError naming what is wrong."""
+    from ..plugins import get_plugin_manager
+
+    pm = plugin_manager or get_plugin_manager()
+    register_schema()
+    overrides = list(overrides)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            try:
+                cfg = compose(config_name=CONFIG_NAME, overrides=overrides + searchpath_override(pm))
+            except (MissingConfigException, ConfigCompositionException) as exc:
+                raise _explain(exc, overrides, pm) from None
+            OmegaConf.resolve(cfg)
+            return cfg
+    except HydraException as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from None
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_omegaconf_message(exc)) from None
+
+
+def available_recipes(plugin_manager=None) -> list[str]:
+    """Names of the ``recipe`` config group across reef_core and every plugin's search path."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+
+    from ..plugins import get_plugin_manager
+
+    pm = plugin_manager or get_plugin_manager()
+    search_path = create_config_search_path(f"pkg://{CONFIG_MODULE}")
+    for path in pm.config_searchpath():
+        search_path.append(provider="reef-plugin", path=path)
+    return sorted(ConfigLoaderImpl(config_search_path=search_path).get_group_options("recipe"))
+
+
+def recipe_descriptions(plugin_manager=None) -> dict[str, str]:
+    """Recipe name → one-line description, read from each recipe's own config."""
+    out: dict[str, str] = {}
+    for name in available_recipes(plugin_manager):
+        try:
+            cfg = compose_config([f"+recipe={name}"], plugin_manager)
+            out[name] = str(cfg.recipe.description or "").strip().splitlines()[0] if cfg.recipe.description else ""
+        except ConfigError as exc:
+            out[name] = f"(invalid config: {exc.message})"
+    return out
+
+
+def redacted(cfg: DictConfig) -> dict[str, Any]:
+    """A plain copy of the config with secret values replaced by ``***``."""
+    data = OmegaConf.to_container(cfg, resolve=True)
+    data = copy.deepcopy(data)
+
+    def scrub(node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in SECRET_KEYS and value:
+                    node[key] = ["***"] * len(value) if isinstance(value, list) else "***"
+                else:
+                    scrub(value)
+        elif isinstance(node, list):
+            for item in node:
+                scrub(item)
+
+    scrub(data)
+    return data
+
+
+def _explain(exc: Exception, overrides: list[str], pm) -> ConfigError:
+    text = str(exc)
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key == "recipe" and ("recipe" in text and value in text):
+            names = available_recipes(pm)
+            return ConfigError(
+                f"unknown recipe {value!r}; available recipes: {', '.join(names) or 'none installed'}",
+                available=names,
+            )
+    if "Could not override 'recipe'" in text:
+        return ConfigError("select a recipe with '+recipe=<name>' (note the '+')", available=available_recipes(pm))
+    cause = exc.__cause__
+    if isinstance(cause, OmegaConfBaseException):
+        return ConfigError(_omegaconf_message(cause))
+    return ConfigError(f"invalid configuration: {text}")
+
+
+def _omegaconf_message(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None)
+    msg = (getattr(exc, "msg", None) or str(exc)).splitlines()[0]
+    if key:
+        return f"invalid value for {key}: {msg}"
+    return f"invalid configuration: {msg}"

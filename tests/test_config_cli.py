@@ -1,0 +1,91 @@
+"""Configuration composition and the reef CLI, run as a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import yaml
+
+from reef_core.config import compose_config, redacted
+
+
+def reef(*args, env=None, cwd=None):
+    return subprocess.run([sys.executable, "-m", "reef_core.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, cwd=cwd, timeout=180)
+
+
+def test_config_prints_resolved_port():
+    result = reef("config", "+recipe=sao", "server.port=9001")
+    assert result.returncode == 0, result.stderr
+    cfg = yaml.safe_load(result.stdout)
+    assert cfg["server"]["port"] == 9001
+    assert cfg["recipe"]["name"] == "sao"
+
+
+def test_unknown_recipe_exits_2_and_lists_recipes():
+    result = reef("config", "+recipe=nope")
+    assert result.returncode == 2
+    assert "unknown recipe 'nope'" in result.stderr
+    for name in ("sao", "gepa", "ttt", "openclaw", "skillclaw"):
+        assert name in result.stderr
+
+
+def test_bad_value_names_the_field():
+    result = reef("config", "server.port=abc")
+    assert result.returncode == 2
+    assert "server.port" in result.stderr
+
+
+def test_recipe_without_plus_is_explained():
+    result = reef("config", "recipe=sao")
+    assert result.returncode == 2
+    assert "+recipe" in result.stderr or "sao" in result.stderr
+
+
+def test_secrets_are_redacted():
+    cfg = compose_config(["server.tokens=[s3cret-a,s3cret-b]", "engine.upstream_api_key=sk-x"])
+    data = redacted(cfg)
+    assert data["server"]["tokens"] == ["***", "***"]
+    assert data["engine"]["upstream_api_key"] == "***"
+    result = reef("config", "server.tokens=[s3cret-a]", "engine.upstream_api_key=sk-x")
+    assert result.returncode == 0 and "s3cret" not in result.stdout and "sk-x" not in result.stdout
+
+
+def test_version_and_usage_exit_codes():
+    assert reef("--version").stdout.startswith("reef ")
+    assert reef().returncode == 2
+    assert reef("frobnicate").returncode == 2
+
+
+def test_sweep_runs_four_jobs_with_four_resolved_configs(tmp_path):
+    result = reef("sweep", "-m", "+recipe=sao,gepa", "seed=0,1", f"hydra.sweep.dir={tmp_path}/sweep",
+                  "engine.model=tiny", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr + result.stdout
+    resolved = sorted((tmp_path / "sweep").glob("*/resolved.yaml"))
+    assert len(resolved) == 4
+    combos = {(yaml.safe_load(p.read_text())["recipe"]["name"], yaml.safe_load(p.read_text())["seed"])
+              for p in resolved}
+    assert combos == {("sao", 0), ("sao", 1), ("gepa", 0), ("gepa", 1)}
+    summaries = [json.loads(p.with_name("summary.json").read_text()) for p in resolved]
+    assert all(s["task"] == "dry_run" for s in summaries)
+
+
+def test_sweep_job_with_unknown_component_fails(tmp_path):
+    result = reef("sweep", "-m", "engine.kind=nope", f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "no engine named 'nope'" in (result.stderr + result.stdout)
+
+
+def test_third_party_recipe_package():
+    # tests/fixtures/reef-example-thirdparty is pip-installed like a user would (see .ci/run).
+    result = reef("recipes")
+    assert "thumbs" in result.stdout
+    result = reef("config", "+recipe=thumbs")
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["recipe"]["report_schema"] == "thumbs"
+    plugins = json.loads(reef("plugins", "--json").stdout)
+    example = next(p for p in plugins["plugins"] if p["name"] == "example")
+    assert example["components"] == {"report_schema": ["thumbs"]}
