@@ -40,8 +40,10 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 def reef_register_processors(register):
     """Register processors: turn a scenario's record stream into training batches.
 
-    A processor factory is called as ``factory(scenario=..., options=..., store=...)`` and returns
-    an object implementing ``reef_core.observe.processor.Processor``: it ingests every stored
+    A processor factory is called as ``factory(scenario=..., options=..., serving_version=...,
+    judge=None)`` (``options`` from ``recipe.options``; ``serving_version()`` returns the version
+    now serving the scenario; ``judge`` scores next-state pairs) and returns an object
+    implementing ``reef_core.observe.processor.Processor``: it ingests every stored
     record of its scenario in order (inference and report), never blocks the request path, and
     exposes ``ready()``, ``pending_batch()`` (the same batch until acknowledged),
     ``acknowledge(batch_id) -> consumed record ids``, ``release(batch_id)`` and ``status()``.

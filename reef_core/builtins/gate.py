@@ -1,37 +1,57 @@
-"""Built-in evaluators and selection policies of the evaluation gate."""
+"""Built-in evaluators and selection policies of the evaluation gate.
+
+Evaluator factories are called as ``factory(tasks=..., run=..., options=...)``: ``tasks`` are
+the evaluation tasks (dicts), ``run(subject, task)`` produces an output for a candidate or the
+current release, and ``options`` come from ``evaluation.options``. Selection-policy factories
+take the policy's options as keyword arguments.
+"""
 
 from __future__ import annotations
-
-import importlib
 
 from .. import hookimpl
 
 
-def _lazy(module: str, attr: str):
-    # Import on first use: listing plugins must not import the gate's dependencies.
-    def factory(**options):
-        return getattr(importlib.import_module(module), attr)(**options)
+def _task_evaluator(scorer_name: str):
+    def factory(*, tasks, run, options=None):
+        from ..commit.evaluators import SCORERS, TaskEvaluator
 
-    factory.__qualname__ = f"{module}.{attr}"
+        options = dict(options or {})
+        repeats = int(options.pop("repeats", 1))
+        scorer = SCORERS[scorer_name](**options)
+        return TaskEvaluator(tasks, run, scorer, name=scorer_name, repeats=repeats)
+
+    return factory
+
+
+def _replay(*, tasks, run, options=None):
+    from ..commit.evaluators import ReplayEvaluator
+
+    return ReplayEvaluator(tasks, run)
+
+
+def _policy(name: str):
+    def factory(**options):
+        from ..commit.policies import make_policy
+
+        return make_policy(name, **options)
+
     return factory
 
 
 @hookimpl
 def reef_register_selection_policies(register):
-    policies = "reef_core.commit.policies"
-    register("always", _lazy(policies, "AlwaysSelect"), description="select every candidate")
-    register("score_comparison", _lazy(policies, "ScoreComparison"),
+    register("always", _policy("always"), description="select every candidate")
+    register("score_comparison", _policy("score_comparison"),
              description="candidate vs current on the same tasks: wins - losses > margin")
-    register("paired_confidence", _lazy(policies, "PairedConfidence"),
+    register("paired_confidence", _policy("paired_confidence"),
              description="one-sided sign test + seeded bootstrap over paired task scores")
-    register("floor", _lazy(policies, "Floor"), description="candidate reaches a floor score on every task")
+    register("floor", _policy("floor"), description="candidate reaches a floor score on every task")
 
 
 @hookimpl
 def reef_register_evaluators(register):
-    evaluators = "reef_core.commit.evaluators"
-    register("exact_match", _lazy(evaluators, "ExactMatch"), description="output equals the expected answer")
-    register("regex", _lazy(evaluators, "RegexMatch"), description="output matches a regular expression")
-    register("json_schema", _lazy(evaluators, "JsonSchemaMatch"), description="output is JSON valid against a schema")
-    register("python", _lazy(evaluators, "PythonVerifier"), description="a verifier function named by dotted path")
-    register("replay", _lazy(evaluators, "Replay"), description="replay held-out recorded tasks with their scores")
+    register("exact_match", _task_evaluator("exact_match"), description="output equals the task's expected answer")
+    register("regex", _task_evaluator("regex"), description="output matches a regular expression")
+    register("json_schema", _task_evaluator("json_schema"), description="output is JSON valid against a schema")
+    register("python", _task_evaluator("python"), description="a verifier function named by dotted path")
+    register("replay", _replay, description="held-out recorded tasks scored against their reported scores")

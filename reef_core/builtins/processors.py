@@ -1,1 +1,102 @@
-"""Built-in processors (registered through hooks)."""
+"""Built-in processors (registered through hooks): ``per_report``, ``grouped`` and ``next_state``.
+
+Every factory is called as ``factory(*, scenario, options, serving_version, judge=None, **context)`` and returns a
+``reef_core.observe.processor.Processor``. ``options`` come from the recipe config (``recipe.options``); keys may be
+snake_case or kebab-case (``max-staleness``), unknown keys are a :class:`ConfigError`. Extra context keywords (a
+record store...) are accepted and ignored, so the host may pass more than a processor needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .. import hookimpl
+from ..errors import ConfigError
+
+_REPORTED = ("batch_size", "max_staleness", "require_score", "max_held_inferences")
+_GROUPED = ("group_size", "key", "groups_per_batch", "partial_policy", "timeout_s", "min_partial_size", "slot",
+            "max_staleness", "require_score", "max_held_inferences")
+_NEXT_STATE = ("batch_size", "max_staleness", "session_tag", "session_ttl_s", "max_open_turns",
+               "max_judge_attempts", "judge")
+
+
+def _options(kind: str, options: Any, allowed: tuple[str, ...]) -> dict:
+    """``options`` as a plain dict with snake_case keys, refusing keys ``kind`` does not know."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        try:  # an OmegaConf DictConfig
+            from omegaconf import OmegaConf
+
+            options = OmegaConf.to_container(options, resolve=True)
+        except Exception as exc:  # noqa: BLE001
+            raise ConfigError(f"processor {kind!r}: options must be a mapping") from exc
+    out = {}
+    for key, value in dict(options).items():
+        name = str(key).replace("-", "_")
+        if name not in allowed:
+            raise ConfigError(f"processor {kind!r} has no option {key!r} (known: {', '.join(sorted(allowed))})")
+        out[name] = value
+    return out
+
+
+def _build(kind: str, cls, **kwargs):
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"processor {kind!r}: {exc}") from exc
+
+
+def resolve_judge(path: str) -> Callable:
+    """The callable named ``"package.module:attribute"`` (or ``"package.module.attribute"``)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"judge {path!r} is not 'module:attribute'")
+    try:
+        target = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"judge {path!r} cannot be imported: {exc}") from exc
+    if not callable(target):
+        raise ConfigError(f"judge {path!r} is not callable")
+    return target
+
+
+def make_per_report(*, scenario: str, options: Any = None, serving_version=None, judge=None, **_context):
+    from ..observe.processors import PerReportProcessor
+
+    opts = _options("per_report", options, _REPORTED)
+    return _build("per_report", PerReportProcessor, scenario=scenario, serving_version=serving_version, **opts)
+
+
+def make_grouped(*, scenario: str, options: Any = None, serving_version=None, judge=None, **_context):
+    from ..observe.processors import GroupedProcessor
+
+    opts = _options("grouped", options, _GROUPED)
+    if "group_size" not in opts:
+        raise ConfigError("processor 'grouped' needs the option group_size")
+    return _build("grouped", GroupedProcessor, scenario=scenario, serving_version=serving_version, **opts)
+
+
+def make_next_state(*, scenario: str, options: Any = None, serving_version=None, judge=None, **_context):
+    from ..observe.processors import NextStateProcessor
+
+    opts = _options("next_state", options, _NEXT_STATE)
+    named = opts.pop("judge", None)
+    if judge is None and named:
+        judge = resolve_judge(str(named))
+    return _build("next_state", NextStateProcessor, scenario=scenario, serving_version=serving_version,
+                  judge=judge, **opts)
+
+
+@hookimpl
+def reef_register_processors(register):
+    register("per_report", make_per_report,
+             description="one sample per report; several receipts form one multi-turn trajectory")
+    register("grouped", make_grouped,
+             description="samples released in complete groups sharing a key (prompt, task, metadata field)")
+    register("next_state", make_next_state,
+             description="each turn judged by the next request of its conversation (session tag or transcript)")

@@ -1,0 +1,349 @@
+"""Training losses and advantage estimators shared by the weight recipes (pure torch).
+
+Every function works on plain tensors so a recipe can run it on CPU with a tiny model and on a
+GPU with a real one. Shape conventions: ``[B, T]`` for per-token tensors (``B`` samples,
+``T`` response positions), ``[B]`` for per-sample tensors; ``mask`` selects the tokens a loss
+trains on (1 = model token). Formulas follow the recipe reference (SAO §3, TTT-Discover §5,
+OPD §9.2, the GRPO probe arm §11); the golden vectors of §12 are the unit tests.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+# TTT-Discover's adaptive-β search constants (target KL ln 2, cap 1e6, 60 bisection steps).
+_ENTROPIC_TARGET_KL = math.log(2.0)
+_ENTROPIC_BETA_CAP = 1e6
+_ENTROPIC_BISECT_ITERS = 60
+_ENTROPIC_EPS = 1e-12
+_PPO_LOG_RATIO_CLAMP = 20.0
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
+    """Sum of ``x`` over positions where ``mask`` is set (NaN/inf outside the mask are ignored)."""
+    m = mask.to(torch.bool)
+    return torch.where(m, x, torch.zeros_like(x)).sum()
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``x`` over the masked positions; 0 (still differentiable) when the mask is empty."""
+    count = mask.to(x.dtype).sum()
+    return masked_sum(x, mask) / count.clamp(min=1.0)
+
+
+def gather_logprobs(logits: Tensor, token_ids: Tensor) -> Tensor:
+    """Full-vocabulary log-probability of each ``token_ids`` entry: ``logit - logsumexp(logits)``.
+
+    ``logits`` is ``[..., V]`` aligned with ``token_ids`` ``[...]`` (shift before calling: the
+    logits at position t score the token at t + 1). Computed in float32 for stability.
+    """
+    logits = logits.float()
+    picked = logits.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def _per_token(advantages: Tensor, like: Tensor) -> Tensor:
+    """Broadcast per-sample advantages ``[B]`` to ``like``'s ``[B, T]``; per-token ones pass through."""
+    if advantages.dim() == like.dim():
+        return advantages
+    if advantages.dim() == like.dim() - 1:
+        return advantages.unsqueeze(-1).expand_as(like)
+    raise ValueError(
+        f"advantages must be per sample {tuple(like.shape[:-1])} or per token {tuple(like.shape)},"
+        f" got {tuple(advantages.shape)}"
+    )
+
+
+# --------------------------------------------------------------------------- GRPO / PPO
+
+
+def grpo_advantages(
+    rewards: Tensor, group_size: int, normalize_std: bool = False, eps: float = 1e-6
+) -> Tensor:
+    """Group-relative advantages: ``r - mean(r)`` within consecutive groups of ``group_size``.
+
+    With ``normalize_std`` the centred reward is divided by ``std + eps`` (unbiased std, as in
+    TRL's GRPO). The probe's GRPO arm and the SAO control arm use no normalisation.
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    flat = rewards.reshape(-1)
+    if flat.numel() % group_size:
+        raise ValueError(f"{flat.numel()} rewards do not split into groups of {group_size}")
+    groups = flat.view(-1, group_size)
+    adv = groups - groups.mean(dim=1, keepdim=True)
+    if normalize_std:
+        std = groups.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(adv)
+        adv = adv / (std + eps)
+    return adv.reshape(rewards.shape)
+
+
+def ppo_clip_loss(
+    logp: Tensor,
+    old_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO clipped surrogate, token mean over ``mask``.
+
+    Per token ``max(-A·ρ, -A·clip(ρ, 1 - eps_low, 1 + eps_high))`` with
+    ``ρ = exp(clamp(logp - old_logp, -20, 20))``. ``advantages`` is ``[B]`` or ``[B, T]``.
+    ``old_logp`` is normally the rollout log-probs (refused if missing or NaN on a trained token).
+    Metrics: ``clip_fraction`` (masked tokens where the clipped branch wins), ``ratio_mean``,
+    ``approx_kl`` (mean of ``old_logp - logp``).
+    """
+    adv = _per_token(advantages, logp).to(logp.dtype)
+    m = mask.to(torch.bool)
+    safe_old = torch.where(m, _require_rollout_logp(old_logp, m), logp.detach())
+    log_ratio = (logp - safe_old).clamp(-_PPO_LOG_RATIO_CLAMP, _PPO_LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    per_token = torch.maximum(unclipped, clipped)
+    loss = masked_mean(per_token, m)
+    with torch.no_grad():
+        metrics = {
+            "clip_fraction": float(masked_mean((clipped > unclipped).to(logp.dtype), m)),
+            "ratio_mean": float(masked_mean(ratio, m)),
+            "approx_kl": float(masked_mean(-log_ratio, m)),
+        }
+    return loss, metrics
+
+
+# --------------------------------------------------------------------------- SAO
+
+
+def length_adaptive_lambda(length: float, alpha: float = 1.5) -> float:
+    """SAO's actor λ for a response of ``length`` tokens: ``clamp(1 - 1/(alpha·length), 0, 1)``.
+
+    ``length`` is the whole response span, observation tokens included.
+    """
+    denom = alpha * float(length)
+    if denom <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - 1.0 / denom))
+
+
+def skip_observation_gae(
+    values: Tensor,
+    action_mask: Tensor,
+    reward: Tensor | float,
+    gamma: float = 1.0,
+    lam: float | Tensor = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Skip-observation GAE (SAO §3.2). Returns ``(advantages, returns)`` shaped like ``values``.
+
+    ``values``/``action_mask`` are ``[T]`` (one sample, scalar ``reward``) or ``[B, T]`` (``reward``
+    ``[B]``; ``lam`` a float or per-sample ``[B]``). The scalar reward sits on the last action
+    token; the recursion walks action tokens only, so ``V_next`` of an action's last token is the
+    value of the first token of the *next action*, bridging the observation span. Observation
+    (and padding) tokens get advantage 0 and return 0 and never enter the recurrence.
+    """
+    single = values.dim() == 1
+    v = values.detach().double()
+    am = action_mask.to(torch.bool)
+    if single:
+        v, am = v.unsqueeze(0), am.unsqueeze(0)
+    if v.shape != am.shape or v.dim() != 2:
+        raise ValueError(f"values {tuple(values.shape)} and action_mask {tuple(action_mask.shape)} must match")
+    batch, length = v.shape
+    r = torch.as_tensor(reward).detach().to(torch.float64).reshape(-1).expand(batch)
+    lam_t = torch.as_tensor(lam).detach().to(torch.float64).reshape(-1).expand(batch)
+
+    adv = torch.zeros_like(v)
+    next_value = torch.zeros(batch, dtype=torch.float64)
+    next_adv = torch.zeros(batch, dtype=torch.float64)
+    seen_action = torch.zeros(batch, dtype=torch.bool)  # False until the last action token (from the back)
+    for t in range(length - 1, -1, -1):
+        act = am[:, t]
+        r_t = torch.where(act & ~seen_action, r, torch.zeros_like(r))
+        delta = r_t + gamma * next_value - v[:, t]
+        a_t = delta + gamma * lam_t * next_adv
+        adv[:, t] = torch.where(act, a_t, torch.zeros_like(a_t))
+        next_value = torch.where(act, v[:, t], next_value)
+        next_adv = torch.where(act, a_t, next_adv)
+        seen_action = seen_action | act
+    returns = torch.where(am, adv + v, torch.zeros_like(v))
+    if single:
+        adv, returns = adv.squeeze(0), returns.squeeze(0)
+    dtype = values.dtype if values.is_floating_point() else torch.float32
+    return adv.to(dtype), returns.to(dtype)
+
+
+def dis_weight(ratio: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """DIS band weight: ``r`` if ``1 - eps_low < r < 1 + eps_high`` (strict) else exactly 0."""
+    inside = (ratio > 1.0 - eps_low) & (ratio < 1.0 + eps_high)
+    return torch.where(inside, ratio, torch.zeros_like(ratio))
+
+
+def _require_rollout_logp(rollout_logp: Tensor | None, mask: Tensor) -> Tensor:
+    # An importance ratio needs the engine's own log-probs; recomputing them changes the estimator.
+    if rollout_logp is None:
+        raise ValueError("rollout log-probs are required (a rollout without them is never recomputed)")
+    if torch.isnan(torch.where(mask.to(torch.bool), rollout_logp, torch.zeros_like(rollout_logp))).any():
+        raise ValueError("rollout log-probs contain NaN on trained tokens; refusing to recompute them")
+    return rollout_logp
+
+
+def dis_loss(
+    logp: Tensor,
+    rollout_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 0.3,
+    eps_high: float = 5.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """SAO's direct double-sided importance-sampling loss, mean over masked tokens.
+
+    ``ℓ_t = -sg(f(r_t))·A_t·logp_t`` with ``r_t = exp(logp_t - rollout_logp_t)`` and ``f`` the
+    strict band of :func:`dis_weight`: inside the band the gradient is the IS policy gradient,
+    outside it is exactly zero. ``rollout_logp`` must be the engine's log-probs captured at
+    generation time: ``None`` or NaN on a trained token raises :class:`ValueError`.
+    Metrics: ``clip_fraction`` (masked tokens outside the band), ``ratio_mean``.
+    """
+    if not 0.0 <= eps_low < 1.0:
+        raise ValueError(f"eps_low must lie in [0, 1), got {eps_low}")
+    if eps_high <= 0.0:
+        raise ValueError(f"eps_high must be positive, got {eps_high}")
+    m = mask.to(torch.bool)
+    rollout = _require_rollout_logp(rollout_logp, m)
+    adv = _per_token(advantages, logp).to(logp.dtype)
+    with torch.no_grad():
+        ratio = torch.exp(logp.detach() - torch.where(m, rollout, logp.detach()))
+        weight = dis_weight(ratio, eps_low, eps_high)
+    per_token = -weight * adv * logp
+    loss = masked_mean(per_token, m)
+    with torch.no_grad():
+        metrics = {
+            "clip_fraction": float(masked_mean((weight == 0).to(logp.dtype), m)),
+            "ratio_mean": float(masked_mean(ratio, m)),
+        }
+    return loss, metrics
+
+
+def critic_loss(values: Tensor, returns: Tensor, action_mask: Tensor) -> Tensor:
+    """Mean squared error of ``values`` toward ``returns`` over action tokens only."""
+    return masked_mean((values - returns.detach()) ** 2, action_mask)
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """``1 - Var(R - V) / Var(R)`` over masked tokens (``nan`` when the returns are constant)."""
+    with torch.no_grad():
+        m = mask.to(torch.bool)
+        v, r = values[m].double(), returns[m].double()
+        if r.numel() < 2:
+            return float("nan")
+        var_r = r.var(unbiased=False)
+        if var_r == 0:
+            return float("nan")
+        return float(1.0 - (r - v).var(unbiased=False) / var_r)
+
+
+# --------------------------------------------------------------------------- TTT-Discover
+
+
+def _entropic_kl(r: Tensor, beta: float, log_k: float) -> float:
+    # KL(q_β ‖ uniform) with q_β ∝ exp(β (r - max r)), in the dtype of r (float32 as upstream).
+    logits = r.new_tensor(beta) * (r - r.max())
+    log_q = logits - torch.logsumexp(logits, dim=0)
+    return float((torch.exp(log_q) * (log_q + log_k)).sum())
+
+
+def _entropic_group(r: Tensor) -> tuple[Tensor, Tensor]:
+    k = r.shape[0]
+    if k < 2:
+        return r.new_tensor(0.0), torch.zeros_like(r)
+    log_k = math.log(k)
+    lo, hi = 0.0, 1.0
+    bisect = True
+    if _entropic_kl(r, hi, log_k) < _ENTROPIC_TARGET_KL:
+        while hi < _ENTROPIC_BETA_CAP and _entropic_kl(r, hi, log_k) < _ENTROPIC_TARGET_KL:
+            hi *= 2.0
+        # Cap reached without hitting the target (e.g. a constant group): keep the cap, no bisection.
+        bisect = _entropic_kl(r, hi, log_k) >= _ENTROPIC_TARGET_KL
+    if bisect:
+        for _ in range(_ENTROPIC_BISECT_ITERS):
+            mid = 0.5 * (lo + hi)
+            if _entropic_kl(r, mid, log_k) < _ENTROPIC_TARGET_KL:
+                lo = mid
+            else:
+                hi = mid
+    beta = r.new_tensor(hi)
+    e = torch.exp(beta * (r - r.max()))
+    z = (e.sum() - e) / (k - 1)  # leave-one-out mean of the other samples' weights
+    return beta, e / (z + _ENTROPIC_EPS) - 1.0
+
+
+def entropic_adaptive_beta_loo(rewards: Tensor) -> tuple[Tensor, Tensor]:
+    """TTT-Discover's entropic adaptive-β leave-one-out advantages (float32, as upstream).
+
+    ``rewards`` is one group ``[k]`` or groups ``[G, k]``; returns ``(beta, advantages)`` with
+    ``beta`` a 0-d tensor (or ``[G]``) and advantages shaped like ``rewards``. β solves
+    ``KL(q_β ‖ uniform) = ln 2`` by doubling from 1 (cap 1e6, i.e. 2^20 = 1,048,576 when never
+    reached) then 60 bisection steps; ``A_i = e_i / (mean_{j≠i} e_j + 1e-12) - 1`` with
+    ``e_i = exp(β (r_i - max r))``. Invariant to ``r → a·r + b`` (a > 0); k < 2 gives β = 0, A = 0.
+    """
+    r = torch.as_tensor(rewards).detach().to(torch.float32)
+    if not torch.isfinite(r).all():
+        raise ValueError("rewards must be finite")
+    if r.dim() == 1:
+        return _entropic_group(r)
+    if r.dim() != 2:
+        raise ValueError(f"rewards must be [k] or [G, k], got {tuple(r.shape)}")
+    betas, advs = zip(*(_entropic_group(row) for row in r))
+    return torch.stack(betas), torch.stack(advs)
+
+
+def centered_kl_advantages(
+    advantages: Tensor, sampled_logp: Tensor, base_logp: Tensor, mask: Tensor, kl_coef: float
+) -> tuple[Tensor, float]:
+    """Fold a centred KL-to-base penalty into per-token advantages (TTT-Discover §5.2 step 7).
+
+    ``d_t = sampled_logp - base_logp`` on masked tokens, ``d̄`` its mean over the *whole batch*;
+    returns ``(A_t + kl_coef·(d̄ - d_t) on masked tokens, d̄)``. ``advantages`` is ``[B]`` or ``[B, T]``.
+    """
+    m = mask.to(torch.bool)
+    adv = _per_token(advantages, sampled_logp).to(sampled_logp.dtype)
+    diff = torch.where(m, sampled_logp - base_logp, torch.zeros_like(sampled_logp))
+    mean_diff = masked_mean(diff, m)
+    penalty = torch.where(m, kl_coef * (mean_diff - diff), torch.zeros_like(diff))
+    return (adv + penalty).detach(), float(mean_diff)
+
+
+def importance_sampling_loss(
+    logp: Tensor, sampler_logp: Tensor | None, advantages: Tensor, mask: Tensor
+) -> Tensor:
+    """TTT-Discover's un-clipped IS loss: ``-Σ_masked exp(logp - sampler_logp)·A`` (token sum).
+
+    Divide by the number of rollouts yourself if you want the probe's per-group scale.
+    ``sampler_logp`` must be the captured rollout log-probs (refused if missing or NaN).
+    """
+    m = mask.to(torch.bool)
+    sampler = _require_rollout_logp(sampler_logp, m)
+    adv = _per_token(advantages, logp).to(logp.dtype)
+    ratio = torch.exp(logp - torch.where(m, sampler, logp.detach()))
+    return -masked_sum(ratio * adv, m)
+
+
+# --------------------------------------------------------------------------- OPD
+
+
+def opd_advantage(teacher_logp: Tensor, rollout_logp: Tensor, clip: float | None = 1.0) -> Tensor:
+    """Sampled-token distillation advantage ``clip(logπ_T - logπ_rollout, -clip, clip)``.
+
+    ``clip=None`` leaves it unclipped (plain sampled-token reverse KL of §9.2). Detached.
+    """
+    adv = (teacher_logp - rollout_logp).detach()
+    if clip is None:
+        return adv
+    if clip <= 0:
+        raise ValueError(f"clip must be positive or None, got {clip}")
+    return adv.clamp(-clip, clip)

@@ -1,0 +1,37 @@
+"""Built-in processors and the pieces they share (see :mod:`reef_core.observe.processor` for the contract).
+
+* :class:`PerReportProcessor`: one sample per report (several receipts = one multi-turn trajectory);
+* :class:`GroupedProcessor`: samples released in complete groups sharing a key (prompt, task...);
+* :class:`NextStateProcessor`: no reports; each turn is judged by the next request of its conversation.
+
+Shared: :func:`conversation_of` (dialect-free messages of a record), :func:`parse_version` and the staleness rules
+(:mod:`.eligibility`), trajectory merging (:mod:`.samples`).
+"""
+
+from reef_core.observe.processors.conversation import UnusableRecord, conversation_of, exchange_of
+from reef_core.observe.processors.eligibility import (
+    StalenessPolicy,
+    format_version,
+    parse_version,
+    staleness_reason,
+)
+from reef_core.observe.processors.grouped import GroupedProcessor
+from reef_core.observe.processors.next_state import NextStateProcessor
+from reef_core.observe.processors.per_report import PerReportProcessor, ReportedProcessor
+from reef_core.observe.processors.samples import merge_exchanges, trajectory_sample
+
+__all__ = [
+    "GroupedProcessor",
+    "NextStateProcessor",
+    "PerReportProcessor",
+    "ReportedProcessor",
+    "StalenessPolicy",
+    "UnusableRecord",
+    "conversation_of",
+    "exchange_of",
+    "format_version",
+    "merge_exchanges",
+    "parse_version",
+    "staleness_reason",
+    "trajectory_sample",
+]

@@ -1,0 +1,135 @@
+"""Which records and samples may train: versions, staleness, and record hygiene.
+
+Versions. The version that served an inference (``Record.version``) has the form ``"<incarnation>:<seq>"``: the
+incarnation changes whenever the engine starts fresh, ``seq`` (a non-negative integer) grows with every weight load
+inside one incarnation. The incarnation is everything before the last colon. ``"base"`` (the unmodified weights of
+the local engine) is incarnation ``"base"``, sequence 0. See :func:`parse_version`.
+
+Staleness (``max_staleness``, counted in versions). ``None`` disables the check (text-artifact recipes). ``0`` admits
+only samples every turn of which the currently serving version produced; ``W`` admits ``0 <= serving_seq -
+producing_seq <= W`` within the serving incarnation. Another incarnation never trains. Versions that do not parse are
+admitted only when they equal the serving version exactly. A sample is admissible when every turn is.
+
+Policy of the built-in processors (documented choice): an inadmissible *sample* is dropped on its own, with its
+reason counted, before batches form (a grouped processor drops the whole group, see ``grouped.py``). Once a batch is
+reserved it stays as it is; when the serving fence moved under it, the learner calls ``drop(batch_id, "stale")``,
+which drops the whole batch, as upstream does. While a check is configured but the serving version is unknown
+(``serving_version()`` returns ``None``), units wait: nothing can be shown admissible.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from reef_core.observe.model import Record
+from reef_core.observe.processor import ServingVersion
+
+# Drop reasons shared by the built-in processors (status()["dropped"] counts them).
+NO_REFERENCES = "no_references"  # a report quoting no receipt never trains
+NO_SCORE = "no_score"  # a score is required and the report has none (or a non-finite one)
+DUPLICATE = "duplicate"  # a receipt (or group slot) already held by a pending unit: the first report wins
+ALREADY_CONSUMED = "already_consumed"  # a receipt that already trained
+UNKNOWN_REFERENCE = "unknown_reference"  # a receipt the processor does not hold (evicted, or never ingested)
+INCOMPLETE = "incomplete"  # record.complete is False, or the engine reported an error
+NOT_CHAT = "not_chat"  # the inference is not a chat exchange (count_tokens, missing reply)
+FILTERED = "filtered"  # the recipe's report filter refused it
+STALE = "stale"  # more than max_staleness versions behind the serving version
+CROSS_INCARNATION = "cross_incarnation"  # produced by another engine incarnation
+FUTURE_VERSION = "future_version"  # produced by a version newer than the serving one
+UNKNOWN_VERSION = "unknown_version"  # no version recorded, or an unparseable one different from serving
+
+STALENESS_REASONS = (STALE, CROSS_INCARNATION, FUTURE_VERSION, UNKNOWN_VERSION)
+
+
+def parse_version(version: str) -> tuple[str, int]:
+    """``"<incarnation>:<seq>"`` → ``(incarnation, seq)``; ``"base"`` → ``("base", 0)``. Raises ``ValueError``."""
+    if not isinstance(version, str) or not version:
+        raise ValueError(f"not a version: {version!r}")
+    if version == "base":
+        return "base", 0
+    incarnation, sep, seq = version.rpartition(":")
+    if not sep or not incarnation or not seq.isdigit() or not seq.isascii():
+        raise ValueError(f"version {version!r} is not '<incarnation>:<seq>'")
+    return incarnation, int(seq)
+
+
+def format_version(incarnation: str, seq: int) -> str:
+    """The inverse of :func:`parse_version` (``("base", 0)`` → ``"base"``)."""
+    if incarnation == "base" and seq == 0:
+        return "base"
+    return f"{incarnation}:{int(seq)}"
+
+
+def staleness_reason(producing: str | None, serving: str, max_staleness: int) -> str | None:
+    """Why a turn produced by ``producing`` may not train while ``serving`` serves, or ``None`` if it may."""
+    if producing is None:
+        return UNKNOWN_VERSION
+    try:
+        made, now = parse_version(producing), parse_version(serving)
+    except ValueError:
+        return None if producing == serving else UNKNOWN_VERSION
+    if made[0] != now[0]:
+        return CROSS_INCARNATION
+    lag = now[1] - made[1]
+    if lag < 0:
+        return FUTURE_VERSION
+    if lag > max_staleness:
+        return STALE
+    return None
+
+
+def check_max_staleness(value) -> int | None:
+    """Validate a ``max_staleness`` setting (``None`` or a non-negative integer)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"max_staleness must be a non-negative integer or null, not {value!r}")
+    return value
+
+
+class StalenessPolicy:
+    """``max_staleness`` plus the serving-version callable: decides whether a sample's turns may train."""
+
+    def __init__(self, max_staleness: int | None, serving_version: ServingVersion | None):
+        self.max_staleness = check_max_staleness(max_staleness)
+        if self.max_staleness is not None and serving_version is None:
+            raise ValueError("max_staleness needs a serving_version callable")
+        self._serving = serving_version
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_staleness is not None
+
+    def serving(self) -> str | None:
+        """The currently serving version (``None`` when unknown or no callable was given)."""
+        return self._serving() if self._serving is not None else None
+
+    def reason(self, versions: Iterable[str | None], serving: str | None) -> str | None:
+        """The first reason one of ``versions`` may not train under ``serving`` (``None``: all admissible).
+
+        Call only when :attr:`enabled` and ``serving`` is known."""
+        assert self.max_staleness is not None and serving is not None
+        for version in versions:
+            why = staleness_reason(version, serving, self.max_staleness)
+            if why is not None:
+                return why
+        return None
+
+
+def unusable_reason(record: Record) -> str | None:
+    """Why an inference record can never train (incomplete or failed, not a chat), or ``None``."""
+    if not record.complete or record.payload.get("error"):
+        return INCOMPLETE
+    if record.payload.get("route", "chat") not in ("chat", "messages"):
+        return NOT_CHAT
+    return None
+
+
+def report_score(record: Record) -> float | None:
+    """A report's finite score, or ``None`` (missing, boolean, non-numeric or non-finite)."""
+    score = record.payload.get("score")
+    if isinstance(score, bool) or not isinstance(score, (int, float)):
+        return None
+    score = float(score)
+    return score if math.isfinite(score) else None

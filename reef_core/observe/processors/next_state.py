@@ -1,0 +1,337 @@
+"""Computed feedback from the next state (OpenClaw-RL style): every turn is judged by what came after it.
+
+For scenarios without reports. Each complete chat inference is a *turn*; the next request of the same conversation
+delivers its *next state* (the user's next message, or the tool results), and a judge scores the pair.
+
+Correlation (at ingest, cheap, no judge call):
+
+* ``session`` tag (``x-reef-tag-session``, configurable with ``session_tag``): a request pairs with the previous turn
+  of its session. A request with the same prompt as that turn is a retry: the earlier turn is retired
+  (``retried``). A request that does not extend the turn's transcript and, unlike the turn, offers no tools is a
+  side call (title, compaction): it is retired (``side_call``) and the turn keeps waiting.
+* no tag: transcript matching. A request pairs with the open turn whose prompt + reply its messages start with
+  (the longest such match), provided it adds at least one message after them. A request repeating an open turn's
+  prompt exactly is a retry (``retried``).
+
+A turn nothing followed within ``session_ttl_s`` seconds (of its ``created_at``) expires (``session_expired``): the
+last turn of a session never trains. Turns already consumed (a replay after a restart) still correlate but are
+never judged again.
+
+Judging runs OFF the ingest path, lazily, on the thread that calls :meth:`ready` or :meth:`pending_batch` (the
+learner's), without holding the processor lock, and only until ``batch_size`` judged samples wait. The judge is
+``judge(turn_record, next_record)`` returning a float score, ``"wait"`` (ask again on a later call), ``"never"``
+(drop: ``judge_never``) or a dict ``{"score", "feedback"?, "metadata"?}``. A judge that raises is retried up to
+``max_judge_attempts`` times (then ``judge_error``); anything else it returns is ``judge_invalid``. Without a judge
+the processor only correlates (pairs wait; nothing trains), as upstream does with no reward model configured.
+
+A sample is the turn's prompt + reply (``source_ids`` = the turn's receipt, which acknowledging consumes) with the
+judge's score as reward; ``metadata["reef"]`` holds ``next_record_id``, ``next_state``, ``correlation`` and the
+session.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from reef_core.observe.model import Record
+from reef_core.observe.processor import Judge, ServingVersion
+from reef_core.observe.processors import eligibility as el
+from reef_core.observe.processors.base import BufferedProcessor, Unit
+from reef_core.observe.processors.conversation import UnusableRecord, common_prefix, exchange_of, prefix_hashes
+from reef_core.observe.processors.samples import trajectory_sample
+
+log = logging.getLogger("reef.observe.processors")
+
+RETRIED = "retried"
+SIDE_CALL = "side_call"
+SESSION_EXPIRED = "session_expired"
+JUDGE_NEVER = "judge_never"
+JUDGE_ERROR = "judge_error"
+JUDGE_INVALID = "judge_invalid"
+
+
+@dataclass
+class Turn:
+    record: Record
+    messages: list[dict]
+    reply: dict
+    prompt_hash: str  # digest of messages
+    transcript_hash: str  # digest of messages + [reply]
+    session: str | None
+    has_tools: bool
+
+    @property
+    def transcript_len(self) -> int:
+        return len(self.messages) + 1
+
+
+@dataclass
+class Job:
+    turn: Turn
+    next_record: Record
+    next_state: list[dict]
+    correlation: str
+    attempts: int = 0
+    waits: int = 0
+
+
+def _offers_tools(record: Record) -> bool:
+    request = record.payload.get("request")
+    return isinstance(request, dict) and bool(request.get("tools"))
+
+
+class NextStateProcessor(BufferedProcessor):
+    """Pairs each turn with its next state and has a judge score it; see the module docstring.
+
+    Args:
+        scenario: the scenario whose records this processor sees.
+        judge: ``judge(turn, next) -> float | "wait" | "never" | dict``; ``None`` correlates only.
+        session_tag: the tag naming a conversation (``record.tags[session_tag]``).
+        batch_size: judged samples per batch.
+        session_ttl_s: seconds after which an unanswered turn expires (``None``: never).
+        max_open_turns: cap on turns waiting for their next state (the oldest expire first).
+        max_judge_attempts: calls of a raising judge per pair before it is dropped.
+        max_staleness, serving_version, clock: as :class:`~.per_report.ReportedProcessor`.
+    """
+
+    name = "next_state"
+
+    def __init__(self, scenario: str, *, judge: Judge | None = None, session_tag: str = "session",
+                 batch_size: int = 1, session_ttl_s: float | None = 900.0, max_open_turns: int = 10_000,
+                 max_judge_attempts: int = 3, max_staleness: int | None = None,
+                 serving_version: ServingVersion | None = None, clock: Callable[[], float] = time.time):
+        super().__init__(scenario, max_staleness=max_staleness, serving_version=serving_version, clock=clock)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError("batch_size must be a positive integer")
+        if session_ttl_s is not None and not session_ttl_s > 0:
+            raise ValueError("session_ttl_s must be positive (or null)")
+        if max_open_turns < 1 or max_judge_attempts < 1:
+            raise ValueError("max_open_turns and max_judge_attempts must be positive")
+        if judge is not None and not callable(judge):
+            raise ValueError("judge must be callable")
+        self.judge = judge
+        self.session_tag = session_tag.lower()
+        self.batch_size = batch_size
+        self.session_ttl_s = float(session_ttl_s) if session_ttl_s is not None else None
+        self.max_open_turns = int(max_open_turns)
+        self.max_judge_attempts = int(max_judge_attempts)
+        self._open: dict[str, Turn] = {}  # every turn waiting for its next state, oldest first
+        self._sessions: dict[str, Turn] = {}  # tagged: the last turn of each session
+        self._by_transcript: dict[str, Turn] = {}  # untagged: open turns by digest of prompt + reply
+        self._by_prompt: dict[str, Turn] = {}  # untagged: open turns by digest of prompt (retry detection)
+        self._jobs: deque[Job] = deque()
+        self._judging = 0
+        self._units: deque[Unit] = deque()
+        self._reports_ignored = 0
+        self._pairs = {"tag": 0, "transcript": 0}
+
+    # -- correlation (ingest path: cheap, no judge) -------------------------------------------------------------------
+
+    def _ingest(self, record: Record) -> None:
+        if record.kind != "inference":
+            self._reports_ignored += 1
+            return
+        why = el.unusable_reason(record)
+        if why is not None:
+            self._count_drop(why)
+            return
+        try:
+            messages, reply = exchange_of(record)
+        except UnusableRecord:
+            self._count_drop(el.NOT_CHAT)
+            return
+        hashes = prefix_hashes(messages)
+        transcript = prefix_hashes([*messages, reply])[-1]
+        session = record.tags.get(self.session_tag)
+        turn = Turn(record, messages, reply, hashes[-1], transcript,
+                    str(session) if session is not None else None, _offers_tools(record))
+        if turn.session is not None:
+            if not self._follow_session(turn, hashes):
+                return
+            self._sessions[turn.session] = turn
+        else:
+            self._follow_transcript(turn, hashes)
+            self._by_transcript[turn.transcript_hash] = turn
+            self._by_prompt[turn.prompt_hash] = turn
+        self._open[record.record_id] = turn
+        while len(self._open) > self.max_open_turns:
+            self._retire(next(iter(self._open.values())), SESSION_EXPIRED)
+
+    def _follow_session(self, turn: Turn, hashes: list[str]) -> bool:
+        """Pair ``turn`` with its session's previous turn. Returns False when ``turn`` is not tracked (side call)."""
+        previous = self._sessions.get(turn.session)
+        if previous is None:
+            return True
+        if turn.prompt_hash == previous.prompt_hash:
+            self._retire(previous, RETRIED)
+            return True
+        extends = len(turn.messages) > previous.transcript_len and \
+            hashes[previous.transcript_len] == previous.transcript_hash
+        if not extends and previous.has_tools and not turn.has_tools:
+            self._count_drop(SIDE_CALL)
+            return False
+        self._pair(previous, turn, "tag", extends)
+        return True
+
+    def _follow_transcript(self, turn: Turn, hashes: list[str]) -> None:
+        retried = self._by_prompt.get(turn.prompt_hash)
+        if retried is not None:
+            self._retire(retried, RETRIED)
+            return
+        # The longest open transcript this request extends by at least one message.
+        for k in range(len(hashes) - 2, 0, -1):
+            previous = self._by_transcript.get(hashes[k])
+            if previous is not None:
+                self._pair(previous, turn, "transcript", True)
+                return
+
+    def _close(self, turn: Turn) -> None:
+        """Remove an open turn from every index."""
+        self._open.pop(turn.record.record_id, None)
+        if turn.session is not None:
+            if self._sessions.get(turn.session) is turn:
+                del self._sessions[turn.session]
+        else:
+            if self._by_transcript.get(turn.transcript_hash) is turn:
+                del self._by_transcript[turn.transcript_hash]
+            if self._by_prompt.get(turn.prompt_hash) is turn:
+                del self._by_prompt[turn.prompt_hash]
+
+    def _retire(self, turn: Turn, reason: str) -> None:
+        self._close(turn)
+        if turn.record.record_id in self._consumed:
+            return  # it trained before a restart: nothing is lost
+        self._count_drop(reason)
+
+    def _pair(self, previous: Turn, turn: Turn, correlation: str, extends: bool) -> None:
+        self._close(previous)
+        if previous.record.record_id in self._consumed:
+            self._replayed_consumed += 1
+            return
+        transcript = [*previous.messages, previous.reply]
+        start = previous.transcript_len if extends else common_prefix(transcript, turn.messages)
+        self._jobs.append(Job(previous, turn.record, turn.messages[start:], correlation))
+        self._pairs[correlation] += 1
+
+    def _refresh(self) -> None:
+        if self.session_ttl_s is None:
+            return
+        cutoff = self._clock() - self.session_ttl_s
+        # Oldest first; created_at is (nearly) in arrival order, so stop at the first live turn.
+        for turn in list(self._open.values()):
+            if turn.record.created_at > cutoff:
+                break
+            self._retire(turn, SESSION_EXPIRED)
+
+    # -- judging (learner's thread, lock released around the judge) ---------------------------------------------------
+
+    def _before_select(self) -> None:
+        if self.judge is None:
+            return
+        tried: set[int] = set()
+        while True:
+            with self._lock:
+                if self._batch is not None or len(self._units) >= self.batch_size or not self._jobs:
+                    return
+                job = self._jobs[0]
+                if id(job) in tried:
+                    return  # every job left was asked once in this call
+                self._jobs.popleft()
+                if job.turn.record.record_id in self._consumed:
+                    continue
+                if self._inadmissible(job):
+                    continue
+                self._judging += 1
+            tried.add(id(job))
+            try:
+                result, error = self.judge(job.turn.record, job.next_record), None
+            except Exception as exc:  # noqa: BLE001 - a failing judge must not stop the learner
+                result, error = None, exc
+            with self._lock:
+                self._judging -= 1
+                self._apply(job, result, error)
+
+    def _inadmissible(self, job: Job) -> bool:
+        """Drop a pair whose turn cannot train anyway, before paying for a judge call."""
+        if not self._staleness.enabled:
+            return False
+        serving = self._staleness.serving()
+        if serving is None:
+            return False
+        why = self._staleness.reason([job.turn.record.version], serving)
+        if why is not None:
+            self._count_drop(why)
+            return True
+        return False
+
+    def _apply(self, job: Job, result, error: BaseException | None) -> None:
+        if job.turn.record.record_id in self._consumed:
+            return  # restored while the judge ran
+        if error is not None:
+            job.attempts += 1
+            if job.attempts >= self.max_judge_attempts:
+                log.warning("judge failed %d times on %s: %s", job.attempts, job.turn.record.record_id, error)
+                self._count_drop(JUDGE_ERROR)
+            else:
+                self._jobs.append(job)
+            return
+        if result == "wait":
+            job.waits += 1
+            self._jobs.append(job)
+            return
+        if result == "never":
+            self._count_drop(JUDGE_NEVER)
+            return
+        feedback, metadata = None, {}
+        if isinstance(result, dict):
+            feedback = result.get("feedback")
+            metadata = result.get("metadata") if isinstance(result.get("metadata"), dict) else {}
+            result = result.get("score")
+        if isinstance(result, bool) or not isinstance(result, (int, float)) or not math.isfinite(result):
+            self._count_drop(JUDGE_INVALID)
+            return
+        turn = job.turn
+        extra = {"next_record_id": job.next_record.record_id, "next_state": job.next_state,
+                 "correlation": job.correlation, "session": turn.session, "judge_waits": job.waits}
+        sample = trajectory_sample(self.scenario, [turn.record], reward=float(result), feedback=feedback,
+                                   metadata=metadata, extra=extra)
+        unit = Unit(sample=sample, record_ids=(turn.record.record_id,), claims=(turn.record.record_id,),
+                    arrived_at=turn.record.created_at)
+        self._claim(unit)
+        self._units.append(unit)
+
+    # -- batches ------------------------------------------------------------------------------------------------------
+
+    def _waiting_units(self) -> Iterable[Unit]:
+        return self._units
+
+    def _evict_inadmissible(self, verdicts: dict[int, str]) -> None:
+        kept: deque[Unit] = deque()
+        for unit in self._units:
+            why = verdicts.get(id(unit))
+            if why is None:
+                kept.append(unit)
+            else:
+                self._drop_unit(unit, why)
+        self._units = kept
+
+    def _can_select(self) -> bool:
+        return len(self._units) >= self.batch_size
+
+    def _select(self) -> list[Unit] | None:
+        if not self._can_select():
+            return None
+        return [self._units.popleft() for _ in range(self.batch_size)]
+
+    def _put_back(self, units: list[Unit]) -> None:
+        self._units.extendleft(reversed(units))
+
+    def _status_extra(self) -> dict:
+        return {"batch_size": self.batch_size, "judge": self.judge is not None, "open_turns": len(self._open),
+                "sessions": len(self._sessions), "pairs_waiting_for_judge": len(self._jobs) + self._judging,
+                "pairs_by_correlation": dict(self._pairs), "reports_ignored": self._reports_ignored}

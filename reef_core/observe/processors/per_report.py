@@ -1,0 +1,183 @@
+"""Reported feedback, one sample per report: :class:`ReportedProcessor` and :class:`PerReportProcessor`.
+
+A report quoting receipts becomes ONE sample: its referenced inferences, in reference order, merged into one
+(multi-turn) trajectory (see :mod:`.samples`), with the report's score as reward, its feedback and metadata, and
+``source_ids`` = references + report id. A report that quotes nothing, lacks a required score, quotes a receipt that
+already trained (``already_consumed``) or that a pending unit holds (``duplicate``: the first report wins), quotes an
+incomplete or failed inference (``incomplete``) or one the processor no longer holds (``unknown_reference``) is
+counted as dropped and never trains.
+
+Inference records are held in memory until a report quotes them and the batch is acknowledged, at most
+``max_held_inferences`` of them (the oldest unquoted ones are forgotten first; ``status()["inferences_evicted"]``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from reef_core.observe.model import Record
+from reef_core.observe.processor import ServingVersion
+from reef_core.observe.processors import eligibility as el
+from reef_core.observe.processors.base import BufferedProcessor, Unit
+from reef_core.observe.processors.conversation import UnusableRecord
+from reef_core.observe.processors.samples import trajectory_sample
+
+log = logging.getLogger("reef.observe.processors")
+
+DEFAULT_MAX_HELD_INFERENCES = 50_000
+
+
+class ReportedProcessor(BufferedProcessor):
+    """Turns reports (and the inferences they quote) into units; subclasses choose how units form batches.
+
+    Args:
+        scenario: the scenario whose records this processor sees.
+        max_staleness: ``None`` (no check), or the accepted lag in versions (see :mod:`.eligibility`).
+        serving_version: returns the version serving now; required when ``max_staleness`` is set.
+        require_score: drop reports without a finite score (reason ``no_score``).
+        accept_report: optional filter ``report -> bool`` (the recipe's "is this training data"); refused
+            reports count as ``filtered``.
+        max_held_inferences: cap on inference records held while waiting for a report.
+        clock: wall-clock source (``time.time``), injectable for tests.
+    """
+
+    def __init__(self, scenario: str, *, max_staleness: int | None = None,
+                 serving_version: ServingVersion | None = None, require_score: bool = True,
+                 accept_report: Callable[[Record], bool] | None = None,
+                 max_held_inferences: int = DEFAULT_MAX_HELD_INFERENCES, clock: Callable[[], float] = time.time):
+        super().__init__(scenario, max_staleness=max_staleness, serving_version=serving_version, clock=clock)
+        if max_held_inferences < 1:
+            raise ValueError("max_held_inferences must be positive")
+        self.require_score = bool(require_score)
+        self.accept_report = accept_report
+        self.max_held_inferences = int(max_held_inferences)
+        self._inferences: dict[str, Record] = {}
+        self._evicted = 0
+
+    # -- ingestion ------------------------------------------------------------------------------------------------
+
+    def _ingest(self, record: Record) -> None:
+        if record.kind == "inference":
+            self._hold(record)
+        elif record.kind == "report":
+            self._ingest_report(record)
+
+    def _hold(self, record: Record) -> None:
+        if record.record_id in self._consumed:
+            return
+        self._inferences[record.record_id] = record
+        while len(self._inferences) > self.max_held_inferences:
+            self._inferences.pop(next(iter(self._inferences)))
+            self._evicted += 1
+
+    def _ingest_report(self, report: Record) -> None:
+        if report.record_id in self._consumed:
+            self._replayed_consumed += 1  # trained before a restart: not a drop
+            return
+        unit_or_reason = self._unit_for(report)
+        if isinstance(unit_or_reason, str):
+            self._count_drop(unit_or_reason)
+            return
+        self._admit(unit_or_reason, report)
+
+    def _unit_for(self, report: Record) -> Unit | str:
+        """The unit a report makes, or the reason it makes none."""
+        refs = list(report.references)
+        if not refs:
+            return el.NO_REFERENCES
+        if self.accept_report is not None:
+            try:
+                accepted = bool(self.accept_report(report))
+            except Exception:  # noqa: BLE001 - a broken filter must not break ingestion
+                log.exception("report filter failed on %s", report.record_id)
+                accepted = False
+            if not accepted:
+                return el.FILTERED
+        conflict = self._claim_conflict(refs)
+        if conflict is not None:
+            return conflict
+        score = el.report_score(report)
+        if self.require_score and score is None:
+            return el.NO_SCORE
+        inferences = []
+        for ref in refs:
+            inference = self._inferences.get(ref)
+            if inference is None:
+                return el.UNKNOWN_REFERENCE
+            why = el.unusable_reason(inference)
+            if why is not None:
+                return why
+            inferences.append(inference)
+        metadata = report.payload.get("metadata")
+        try:
+            sample = trajectory_sample(self.scenario, inferences, reward=score,
+                                       feedback=report.payload.get("feedback"),
+                                       metadata=metadata if isinstance(metadata, dict) else {},
+                                       report_id=report.record_id)
+        except UnusableRecord:
+            return el.NOT_CHAT
+        return Unit(sample=sample, record_ids=(*refs, report.record_id), claims=tuple(refs),
+                    arrived_at=report.created_at)
+
+    def _admit(self, unit: Unit, report: Record) -> None:
+        """Hold a new unit (subclass: FIFO queue or a group)."""
+        raise NotImplementedError
+
+    def _forget(self, record_ids: list[str]) -> None:
+        for record_id in record_ids:
+            self._inferences.pop(record_id, None)
+
+    def _status_extra(self) -> dict:
+        return {"held_inferences": len(self._inferences), "inferences_evicted": self._evicted,
+                "require_score": self.require_score}
+
+
+class PerReportProcessor(ReportedProcessor):
+    """One sample per report; a batch is the oldest ``batch_size`` waiting samples, in arrival order.
+
+    Staleness drops single samples (not their neighbours) before the batch forms; see :mod:`.eligibility`.
+    """
+
+    name = "per_report"
+
+    def __init__(self, scenario: str, *, batch_size: int = 1, **kwargs):
+        super().__init__(scenario, **kwargs)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError("batch_size must be a positive integer")
+        self.batch_size = batch_size
+        self._queue: deque[Unit] = deque()
+
+    def _admit(self, unit: Unit, report: Record) -> None:
+        self._claim(unit)
+        self._queue.append(unit)
+
+    def _waiting_units(self) -> Iterable[Unit]:
+        return self._queue
+
+    def _evict_inadmissible(self, verdicts: dict[int, str]) -> None:
+        kept: deque[Unit] = deque()
+        for unit in self._queue:
+            why = verdicts.get(id(unit))
+            if why is None:
+                kept.append(unit)
+            else:
+                self._drop_unit(unit, why)
+        self._queue = kept
+
+    def _can_select(self) -> bool:
+        return len(self._queue) >= self.batch_size
+
+    def _select(self) -> list[Unit] | None:
+        if not self._can_select():
+            return None
+        return [self._queue.popleft() for _ in range(self.batch_size)]
+
+    def _put_back(self, units: list[Unit]) -> None:
+        self._queue.extendleft(reversed(units))
+
+    def _status_extra(self) -> dict:
+        return {**super()._status_extra(), "batch_size": self.batch_size}
+
