@@ -38,6 +38,8 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "reef_core.builtins.processors",
     "reef_core.builtins.gate",
     "reef_core.builtins.tasks",
+    "reef_core.builtins.weights",
+    "reef_core.builtins.surfaces",
 )
 
 #: Component kinds and the hook that registers each.

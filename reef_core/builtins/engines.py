@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 from .. import hookimpl
@@ -14,8 +15,11 @@ def make_local_engine(config, data_dir: Path):
     from ..grow.models import resolve_model
 
     model_dir = resolve_model(str(config.model), Path(data_dir))
+    # Versions are "<incarnation>:<sequence>": a fresh incarnation per engine start, so samples
+    # produced by weights of an earlier process are never mistaken for current ones.
     return LocalEngine(
         model_dir,
+        version=f"{uuid.uuid4().hex[:8]}:0",
         max_new_tokens=int(config.max_new_tokens),
         temperature=float(config.temperature),
         top_p=float(config.top_p),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from reef_core.commit.commitlog import CommitLog
+from reef_core.commit.crashpoints import crash_point
 from reef_core.commit.git_store import FileValue, GitArtifactStore
 from reef_core.commit.recovery import RecoveryResult, reconcile
 from reef_core.commit.release import Release
@@ -41,14 +42,18 @@ class Committer:
 
     def _commit(self, staged: Release, row: dict, step: int, *, hold: bool) -> tuple[Release, dict]:
         row = {**row, "release_id": staged.release_id}
+        crash_point("after_stage")
         try:
             stored = self.log.append(row, step)
         except BaseException:
             self.store.discard(staged.release_id)
             raise
+        crash_point("after_log")
         if hold:
             return self.store.hold(staged.release_id), stored
-        return self.store.advance(self.scenario, staged.release_id, expected_head=staged.parent_release_id), stored
+        moved = self.store.advance(self.scenario, staged.release_id, expected_head=staged.parent_release_id)
+        crash_point("after_head")
+        return moved, stored
 
     def publish(
         self,

@@ -44,6 +44,8 @@ class StorageConfig:
     data_dir: str = ".reef"
     #: SQLAlchemy URL of the record store; default ``sqlite:///<data_dir>/records.db`` (WAL).
     records_url: Optional[str] = None
+    #: PostgreSQL schema holding the record tables (one per deployment sharing a database).
+    records_schema: Optional[str] = None
     artifact_store: str = "git"
     #: Bare repository path or any git remote URL; default ``<data_dir>/artifacts.git``.
     artifact_repository: Optional[str] = None
@@ -94,14 +96,19 @@ class EvaluationConfig:
 
 @dataclass
 class RecipeConfig:
-    #: Empty until ``+recipe=<name>`` selects a recipe: the deployment then only records.
-    name: str = ""
+    #: ``none`` until ``+recipe=<name>`` selects a recipe: the deployment then only records.
+    name: str = "none"
     description: str = ""
     processor: Optional[str] = None
     trainer: Optional[str] = None
     surface: Optional[str] = None
     report_schema: Optional[str] = None
+    #: Options handed to the processor (e.g. batch_size, max_staleness).
+    processor_options: dict[str, Any] = field(default_factory=dict)
+    #: Options of the recipe's trainer and objective.
     options: dict[str, Any] = field(default_factory=dict)
+    #: Options of the surface (e.g. harness injection).
+    surface_options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

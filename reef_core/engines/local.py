@@ -1,0 +1,564 @@
+"""LocalEngine: serve a transformers causal LM in-process, speaking OpenAI Chat Completions.
+
+All torch work (loading, tokenizing, generating, swapping weights) runs on ONE dedicated worker
+thread, in submission order, so the event loop never blocks and torch is never entered twice at once.
+Requests are served one after another; a stream hands each piece of text to the loop as soon as it is
+generated.
+
+Sampling is a manual loop over the KV cache: the request's ``temperature``, ``top_p``,
+``max_tokens``/``max_completion_tokens``, ``stop`` and ``seed`` override the engine defaults
+(temperature 0 = greedy). For every sampled token the engine records its log-probability under the
+model's *raw* distribution at temperature 1, ``log_softmax(logits)[token]`` -- not the temperature- or
+top-p-modified sampling distribution -- which is what importance-weighted objectives (SAO) compare a
+trained policy against.
+
+Stop handling: generation ends at an end-of-sequence token (kept in ``TokenData.output_ids``, not in the
+text), at a stop string (the text is cut before it; the token that completed it stays in ``output_ids``),
+or at the token budget (``finish_reason="length"``).
+
+Versioned weights: ``version`` (default ``"base"``) names the weights being served; :meth:`swap_weights`
+is queued on the worker like a request, so it happens between requests: a request that started on
+version v finishes on v, and every response's ``TokenData.version`` names the weights that produced it.
+
+Streams: ``chat.completion.chunk`` events (role chunk, content chunks, finish chunk, an optional usage
+chunk), then ``StreamEvent(TOKENS_EVENT, TokenData.to_dict())``, then ``"[DONE]"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import secrets
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+import torch
+
+from reef_core.engines.base import (
+    TOKENS_EVENT,
+    Engine,
+    EngineRequest,
+    EngineResponse,
+    StreamEvent,
+    TokenData,
+)
+from reef_core.engines.translate import anthropic_count_tokens_to_openai
+from reef_core.errors import ReefError, UpstreamError, ValidationFailed
+
+
+def _load_model(model_dir: Path):
+    """(model, tokenizer) from a local directory, through Reef's model factory."""
+    from reef_core.grow.models import load_model
+
+    return load_model(model_dir)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# request parameters
+
+
+@dataclass
+class _Params:
+    max_new: int
+    temperature: float
+    top_p: float
+    stops: list[str]
+    seed: int | None
+    logprobs: bool
+    top_logprobs: int
+    include_usage: bool
+    model: str
+
+
+def _num(body: dict, key: str, default, kind, lo=None, hi=None):
+    value = body.get(key)
+    if value is None:
+        return default
+    try:
+        value = kind(value)
+    except (TypeError, ValueError) as exc:
+        raise ValidationFailed(f"{key} must be a number") from exc
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ValidationFailed(f"{key} out of range [{lo}, {hi}]")
+    return value
+
+
+def _flatten(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for p in content:
+            if isinstance(p, dict) and p.get("type") == "text":
+                out.append(p.get("text", ""))
+            else:
+                raise ValidationFailed("the local engine takes text content only")
+        return "".join(out)
+    raise ValidationFailed("message content must be a string or a list of text parts")
+
+
+def _chat_messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ValidationFailed("messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValidationFailed(f"messages[{i}] needs a role")
+        msg = {"role": m["role"], "content": _flatten(m.get("content"))}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if m.get(key) is not None:
+                msg[key] = m[key]
+        out.append(msg)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# incremental detokenization with stop strings
+
+
+class _TextStream:
+    """Turns sampled token ids into text pieces, identically for streamed and non-streamed requests.
+
+    Decodes a sliding window (prefix/read offsets) so each step costs O(window), holds back an incomplete
+    UTF-8 sequence (decoded as U+FFFD) and any suffix that could be the start of a stop string.
+    """
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tok = tokenizer
+        self.stops = [s for s in stops if s]
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+        self.full = ""  # text decoded so far (cut at a stop string once one is seen)
+        self.sent = 0  # characters of `full` already released
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def _advance(self, force: bool) -> None:
+        before = self._decode(self.ids[self.prefix:self.read])
+        after = self._decode(self.ids[self.prefix:])
+        if len(after) > len(before) and (force or not after.endswith("\ufffd")):
+            self.full += after[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text that can be released now."""
+        self.ids.append(token_id)
+        self._advance(force=False)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """Flush everything still held back."""
+        if not self.stopped:
+            self._advance(force=True)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stopped:
+            return ""
+        limit = len(self.full)
+        if self.stops:
+            cut = min((i for i in (self.full.find(s, self.sent) for s in self.stops) if i >= 0), default=-1)
+            if cut >= 0:
+                self.full = self.full[:cut]
+                self.stopped = True
+                limit = cut
+            elif not final:
+                hold = 0
+                for s in self.stops:
+                    for k in range(min(len(s) - 1, len(self.full) - self.sent), hold, -1):
+                        if self.full.endswith(s[:k]):
+                            hold = k
+                            break
+                limit -= hold
+        out = self.full[self.sent:limit]
+        self.sent = limit
+        return out
+
+
+@dataclass
+class _Result:
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "length"
+    version: str = "base"
+    lp_entries: list[dict] = field(default_factory=list)  # OpenAI logprobs.content entries
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+class LocalEngine(Engine):
+    """Serve a local causal LM (a directory loadable by ``reef_core.grow.models.load_model``).
+
+    Args:
+        model_dir: the model directory (config, weights, tokenizer with a chat template).
+        max_new_tokens, temperature, top_p: defaults when the request does not set them.
+        seed: seeds the engine's sampler once (reproducible runs); a request's ``seed`` takes precedence.
+        device: torch device of the model.
+        name: the model id it answers to (default: the directory name).
+        version: the name of the initial weights.
+        num_threads: when set, ``torch.set_num_threads`` at load (process-wide; 1 suits tiny models on
+            busy CPUs, where intra-op threads mostly wait on each other).
+    """
+
+    dialects = ("openai",)
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        device: str = "cpu",
+        name: str | None = None,
+        version: str = "base",
+        num_threads: int | None = None,
+    ):
+        self.model_dir = Path(model_dir)
+        self.name = name or self.model_dir.name
+        self.max_new_tokens = int(max_new_tokens)
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.seed = seed
+        self.device = torch.device(device)
+        self.version = version
+        self.num_threads = num_threads
+        self._executor: ThreadPoolExecutor | None = None
+        self._model = None
+        self._tok = None
+        self._gen: torch.Generator | None = None
+        self._eos: set[int] = set()
+        self._max_len: int | None = None
+        self._active: set[threading.Event] = set()
+        #: Counters updated by the worker: generations run, tokens sampled, generations cut short by a
+        #: consumer that went away.
+        self.stats = {"generations": 0, "output_tokens": 0, "cancelled": 0}
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._executor is not None:
+            return
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reef-local-engine")
+        try:
+            await self._run(self._load)
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+            raise
+
+    def _load(self) -> None:
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        model, tok = _load_model(self.model_dir)
+        model.to(self.device)
+        model.eval()
+        self._model, self._tok = model, tok
+        eos: set[int] = set()
+        for source in (getattr(model.generation_config, "eos_token_id", None), tok.eos_token_id):
+            if isinstance(source, int):
+                eos.add(source)
+            elif isinstance(source, (list, tuple)):
+                eos.update(int(x) for x in source)
+        self._eos = eos
+        self._max_len = getattr(model.config, "max_position_embeddings", None)
+        # transformers 5 renamed the KV-cache argument/output `past_key_values` -> `cache`.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._prefill_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self._gen = torch.Generator(device=self.device)
+        self._gen.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
+
+    async def close(self) -> None:
+        executor, self._executor = self._executor, None
+        if executor is None:
+            return
+        for ev in list(self._active):
+            ev.set()  # stop generations in flight at their next token
+        await asyncio.to_thread(executor.shutdown, True)
+        self._model = self._tok = None
+
+    def model_ids(self) -> list[str]:
+        return [self.name]
+
+    async def _run(self, fn: Callable, *args):
+        if self._executor is None:
+            raise UpstreamError(f"engine {self.name} is not started")
+        return await asyncio.wrap_future(self._executor.submit(fn, *args))
+
+    # ---- weights -----------------------------------------------------------------------------------------
+    async def swap_weights(self, version: str, state_dict: dict | None = None) -> None:
+        """Serve ``version`` from the next request on, loading ``state_dict`` into the model first.
+
+        Runs on the worker thread after every request already submitted, so in-flight requests finish on
+        the weights they started with. ``state_dict`` may be partial (only the tensors that changed); keys
+        must exist in the model with matching shapes, else :class:`ValidationFailed` and nothing changes.
+        ``None`` only renames the served version (weights unchanged).
+        """
+        await self._run(self._swap, str(version), state_dict)
+
+    def _swap(self, version: str, state_dict: dict | None) -> None:
+        if state_dict is not None:
+            own = self._model.state_dict()
+            unknown = sorted(k for k in state_dict if k not in own)
+            if unknown:
+                raise ValidationFailed(f"state_dict has keys the model lacks: {unknown[:5]}")
+            bad = sorted(k for k, v in state_dict.items() if tuple(v.shape) != tuple(own[k].shape))
+            if bad:
+                raise ValidationFailed(f"state_dict shapes differ from the model's: {bad[:5]}")
+            with torch.no_grad():
+                for k, v in state_dict.items():
+                    own[k].copy_(v.to(device=own[k].device, dtype=own[k].dtype))
+        self.version = version
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def _params(self, body: dict) -> _Params:
+        if (body.get("n") or 1) != 1:
+            raise ValidationFailed("the local engine generates one choice (n must be 1)")
+        max_new = body.get("max_completion_tokens") or body.get("max_tokens")
+        max_new = _num({"max_tokens": max_new}, "max_tokens", self.max_new_tokens, int, 1, None)
+        stop = body.get("stop")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if not all(isinstance(s, str) for s in stops):
+            raise ValidationFailed("stop must be a string or a list of strings")
+        seed = body.get("seed")
+        if seed is not None and not isinstance(seed, int):
+            raise ValidationFailed("seed must be an integer")
+        return _Params(
+            max_new=max_new,
+            temperature=_num(body, "temperature", self.temperature, float, 0.0, 2.0),
+            top_p=_num(body, "top_p", self.top_p, float, 0.0, 1.0),
+            stops=stops,
+            seed=seed,
+            logprobs=bool(body.get("logprobs")),
+            top_logprobs=_num(body, "top_logprobs", 0, int, 0, 20),
+            include_usage=bool((body.get("stream_options") or {}).get("include_usage")),
+            model=body.get("model") or self.name,
+        )
+
+    def _prompt_ids(self, messages: list[dict], tools: list | None) -> list[int]:
+        kwargs = {"tools": tools} if tools else {}
+        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        return list(self._tok(text, add_special_tokens=False)["input_ids"])
+
+    @torch.inference_mode()
+    def _generate(self, messages: list[dict], tools: list | None, p: _Params,
+                  emit: Callable[[str, list[dict]], None] | None, cancel: threading.Event,
+                  started: Callable[[str], None] | None = None) -> _Result:
+        """Worker thread: one whole generation.
+
+        ``started(version)`` is called once the prompt is accepted; ``emit(text, logprob_entries)``
+        receives each piece of released text.
+        """
+        model, tok = self._model, self._tok
+        res = _Result(prompt_ids=self._prompt_ids(messages, tools), version=self.version)
+        max_new = p.max_new
+        if self._max_len:
+            room = self._max_len - len(res.prompt_ids)
+            if room <= 0:
+                raise ValidationFailed(f"prompt of {len(res.prompt_ids)} tokens fills the context ({self._max_len})")
+            max_new = min(max_new, room)
+        if p.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(p.seed)
+        else:
+            gen = self._gen
+        if started is not None:
+            started(res.version)
+        text = _TextStream(tok, p.stops)
+        pending: list[dict] = []  # logprob entries not yet attached to emitted text
+        ckw = self._cache_kw
+        out = model(input_ids=torch.tensor([res.prompt_ids], device=self.device), use_cache=True, **self._prefill_kw)
+        for step in range(max_new):
+            logits = out.logits[0, -1].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            tid = _sample(logits, p.temperature, p.top_p, gen)
+            res.output_ids.append(tid)
+            res.logprobs.append(float(logp[tid]))
+            if tid in self._eos:
+                res.finish_reason = "stop"
+                break
+            if p.logprobs:
+                pending.append(_lp_entry(tok, tid, logp, p.top_logprobs))
+            piece = text.add(tid)
+            if piece and emit is not None:
+                emit(piece, pending)
+                pending = []
+            if text.stopped:
+                res.finish_reason = "stop"
+                break
+            if cancel.is_set():
+                res.finish_reason = "stop"
+                self.stats["cancelled"] += 1
+                break
+            if step + 1 < max_new:
+                out = model(input_ids=torch.tensor([[tid]], device=self.device), use_cache=True,
+                            **{ckw: getattr(out, ckw)})
+        self.stats["generations"] += 1
+        self.stats["output_tokens"] += len(res.output_ids)
+        tail = text.finish()
+        if (tail or pending) and emit is not None:
+            emit(tail, pending)
+        res.text = text.full
+        if p.logprobs:
+            res.lp_entries = pending  # non-streamed: every entry (emit was None)
+        return res
+
+    def _job(self, body: dict, emit, cancel: threading.Event, started=None) -> _Result:
+        p = self._params(body)
+        return self._generate(_chat_messages(body), body.get("tools"), p, emit, cancel, started)
+
+    def _completion_body(self, res: _Result, p: _Params, rid: str, created: int) -> dict:
+        logprobs = {"content": res.lp_entries, "refusal": None} if p.logprobs else None
+        return {
+            "id": rid, "object": "chat.completion", "created": created, "model": p.model,
+            "system_fingerprint": f"reef-{res.version}",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text, "refusal": None},
+                         "logprobs": logprobs, "finish_reason": res.finish_reason}],
+            "usage": _usage(res),
+        }
+
+    async def complete(self, req: EngineRequest) -> EngineResponse:
+        self.check_dialect(req)
+        if req.route == "count_tokens":
+            return await self.count_tokens(req)
+        p = self._params(req.body)
+        _chat_messages(req.body)  # validate on the loop, before queueing
+        cancel = threading.Event()
+        self._active.add(cancel)
+        try:
+            res = await self._run(self._guard, self._job, req.body, None, cancel)
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
+        finally:
+            self._active.discard(cancel)
+        body = self._completion_body(res, p, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
+        tokens = TokenData(res.prompt_ids, res.output_ids, res.logprobs, res.version)
+        return EngineResponse(200, body, {}, tokens=tokens, version=res.version)
+
+    @staticmethod
+    def _guard(fn, *args):
+        """Run ``fn`` on the worker, turning unexpected failures into UpstreamError (Reef errors pass)."""
+        try:
+            return fn(*args)
+        except ReefError:
+            raise
+        except Exception as exc:  # torch / tokenizer failure: the engine failed, not the request
+            raise UpstreamError(f"local generation failed: {exc.__class__.__name__}: {exc}") from exc
+
+    async def stream(self, req: EngineRequest) -> AsyncIterator[StreamEvent]:
+        self.check_dialect(req)
+        p = self._params(req.body)
+        _chat_messages(req.body)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+
+        def put(item) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # loop closed: nobody is listening any more
+                cancel.set()
+
+        def job() -> None:
+            try:
+                res = self._guard(self._job, req.body, lambda text, lps: put(("text", (text, lps))), cancel,
+                                  lambda version: put(("start", version)))
+                put(("done", res))
+            except BaseException as exc:  # handed to the consumer, raised there
+                put(("error", exc))
+
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": p.model}
+
+        def chunk(delta: dict, finish: str | None = None, lps: list | None = None,
+                  fp: str | None = None) -> StreamEvent:
+            choice = {"index": 0, "delta": delta,
+                      "logprobs": {"content": lps, "refusal": None} if p.logprobs and lps is not None else None,
+                      "finish_reason": finish}
+            return StreamEvent(None, dict(base, system_fingerprint=fp, choices=[choice]))
+
+        self._active.add(cancel)
+        try:
+            if self._executor is None:
+                raise UpstreamError(f"engine {self.name} is not started")
+            self._executor.submit(job)
+            fp = None
+            while True:
+                kind, payload = await queue.get()
+                if kind == "start":
+                    fp = f"reef-{payload}"
+                    yield chunk({"role": "assistant", "content": ""}, fp=fp)
+                elif kind == "text":
+                    text, lps = payload
+                    yield chunk({"content": text}, lps=lps, fp=fp)
+                elif kind == "error":
+                    raise payload
+                else:
+                    res: _Result = payload
+                    fp = f"reef-{res.version}"
+                    yield chunk({}, res.finish_reason, fp=fp)
+                    if p.include_usage:
+                        yield StreamEvent(None, dict(base, system_fingerprint=fp, choices=[], usage=_usage(res)))
+                    yield StreamEvent(TOKENS_EVENT, TokenData(res.prompt_ids, res.output_ids, res.logprobs,
+                                                              res.version).to_dict())
+                    yield StreamEvent(None, "[DONE]")
+                    return
+        finally:
+            cancel.set()  # consumer gone or stream over: stop generating
+            self._active.discard(cancel)
+
+    async def count_tokens(self, req: EngineRequest) -> EngineResponse:
+        body = req.body
+        if req.dialect == "anthropic":
+            body = anthropic_count_tokens_to_openai(body)
+        messages = _chat_messages(body)
+        n = await self._run(self._guard, lambda: len(self._prompt_ids(messages, body.get("tools"))))
+        return EngineResponse(200, {"input_tokens": n}, {}, version=self.version)
+
+
+def _usage(res: _Result) -> dict:
+    return {"prompt_tokens": len(res.prompt_ids), "completion_tokens": len(res.output_ids),
+            "total_tokens": len(res.prompt_ids) + len(res.output_ids)}
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+    """One token from ``softmax(logits / temperature)`` restricted to the top-p nucleus (greedy at 0)."""
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = (torch.cumsum(sorted_p, dim=-1) - sorted_p) < top_p  # smallest prefix reaching top_p
+        keep[0] = True  # top_p = 0 keeps the most likely token
+        sorted_p = sorted_p * keep
+        return int(order[torch.multinomial(sorted_p, 1, generator=gen)])
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _lp_entry(tok, tid: int, logp: torch.Tensor, top: int) -> dict:
+    def item(i: int, lp: float) -> dict:
+        s = tok.decode([i])
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    entry = item(tid, float(logp[tid]))
+    entry["top_logprobs"] = []
+    if top:
+        vals, idx = torch.topk(logp, top)
+        entry["top_logprobs"] = [item(int(i), float(v)) for v, i in zip(vals, idx)]
+    return entry

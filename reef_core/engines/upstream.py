@@ -1,0 +1,304 @@
+"""UpstreamEngine: proxy requests to an OpenAI- or Anthropic-compatible provider over HTTP.
+
+One pooled ``httpx.AsyncClient`` (HTTP/1.1, keep-alive) is created by :meth:`start` and reused by
+every request. The engine posts the body to the same path upstream (``/v1/chat/completions``,
+``/v1/messages``, ``/v1/messages/count_tokens``) under the configured base URL and sets its own
+credentials (``Authorization: Bearer`` for OpenAI, ``x-api-key`` + ``anthropic-version`` for
+Anthropic); the request can choose neither the URL nor the key. Streams are parsed incrementally
+with :class:`reef_core.engines.sse.SSEDecoder`.
+
+Streams start with one ``StreamEvent(event=HEADERS_EVENT, data={provider headers})`` so the server
+can copy provider headers before relaying frames; like every ``reef.*`` event it is never relayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import AsyncIterator
+
+import httpx
+
+from reef_core.engines.base import (
+    HEADERS_EVENT,
+    ROUTE_PATHS,
+    DirectResponse,
+    Engine,
+    EngineRequest,
+    EngineResponse,
+    StreamEvent,
+    relay_status,
+)
+from reef_core.engines.sse import SSEDecoder, parse_data
+from reef_core.engines.translate import error_body, error_message
+from reef_core.errors import UpstreamError, UpstreamTimeout, ValidationFailed
+
+# Request headers never forwarded: hop-by-hop, transport-managed, or credentials (the engine sets its own).
+_DROP_REQUEST = frozenset({
+    "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
+    "proxy-authorization", "proxy-connection", "authorization", "x-api-key", "accept-encoding", "content-type",
+    "cookie",
+})
+# Response headers never relayed: hop-by-hop and framing (the server re-frames the body) and any receipt.
+_DROP_RESPONSE = frozenset({
+    "connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "date", "server",
+    "set-cookie", "x-reef-agent-record-id", "alt-svc", "via", "te", "trailer", "upgrade",
+})
+_ANTHROPIC_VERSION = "2023-06-01"
+
+
+def _filter_response_headers(headers: httpx.Headers) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k not in _DROP_RESPONSE}
+
+
+class UpstreamEngine(Engine):
+    """Relay to one provider.
+
+    Args:
+        url: provider base URL (``https://api.openai.com`` or ``http://127.0.0.1:30000``); a trailing
+            ``/v1`` is accepted and folded into the route paths.
+        api_key: the provider key, or None for keyless local servers.
+        dialect: ``"openai"`` or ``"anthropic"``, the wire format the provider speaks.
+        timeout_s: bound on a whole non-streamed call and on each read of a stream.
+        model: when set, replaces the request's ``model`` (the scenario's served model).
+        max_connections: size of the connection pool.
+        max_response_bytes: a larger non-streamed body (or a single SSE event) is an UpstreamError.
+        count_tokens_mode: how an OpenAI-compatible provider answers ``count_tokens`` (see there).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        dialect: str = "openai",
+        timeout_s: float = 300,
+        model: str | None = None,
+        *,
+        name: str | None = None,
+        max_connections: int = 512,
+        max_response_bytes: int = 64 * 1024 * 1024,
+        connect_timeout_s: float = 10.0,
+        anthropic_version: str = _ANTHROPIC_VERSION,
+        trust_env: bool = True,
+        count_tokens_mode: str = "estimate",
+    ):
+        if dialect not in ("openai", "anthropic"):
+            raise ValidationFailed(f"unknown provider dialect {dialect!r}")
+        if count_tokens_mode not in ("estimate", "probe"):
+            raise ValidationFailed(f"count_tokens_mode must be 'estimate' or 'probe', not {count_tokens_mode!r}")
+        self.count_tokens_mode = count_tokens_mode
+        base = url.rstrip("/")
+        if base.endswith("/v1"):
+            base = base[:-3]
+        self.url = base
+        self.api_key = api_key
+        self.dialect = dialect
+        self.dialects = (dialect,)
+        self.timeout_s = float(timeout_s)
+        self.model = model
+        self.name = name or f"upstream:{base}"
+        self.max_response_bytes = max_response_bytes
+        self._max_connections = max_connections
+        self._connect_timeout = min(connect_timeout_s, self.timeout_s)
+        self._anthropic_version = anthropic_version
+        self._trust_env = trust_env
+        self._client: httpx.AsyncClient | None = None
+        self._auth = self._auth_headers()
+
+    def _auth_headers(self) -> dict[str, str]:
+        h = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
+        if self.dialect == "openai":
+            if self.api_key:
+                h["authorization"] = f"Bearer {self.api_key}"
+        else:
+            h["anthropic-version"] = self._anthropic_version
+            if self.api_key:
+                h["x-api-key"] = self.api_key
+        return h
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._client is not None:
+            return
+        limits = httpx.Limits(max_connections=self._max_connections,
+                              max_keepalive_connections=self._max_connections, keepalive_expiry=30.0)
+        timeout = httpx.Timeout(self.timeout_s, connect=self._connect_timeout)
+        # retries=1 re-dials a refused/failed *connect* once; requests themselves are never replayed.
+        transport = httpx.AsyncHTTPTransport(http1=True, http2=False, limits=limits, retries=1,
+                                             trust_env=self._trust_env)
+        self._client = httpx.AsyncClient(base_url=self.url, transport=transport, timeout=timeout,
+                                         trust_env=self._trust_env, follow_redirects=False)
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    def model_ids(self) -> list[str]:
+        return [self.model] if self.model else []
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def _prepare(self, req: EngineRequest, stream: bool | None) -> tuple[str, bytes, dict[str, str]]:
+        self.check_dialect(req)
+        path = ROUTE_PATHS.get(req.route)
+        if path is None:
+            raise ValidationFailed(f"unknown route {req.route!r}")
+        body = req.body
+        if self.model or (stream is not None and bool(body.get("stream")) != stream):
+            body = dict(body)
+            if self.model:
+                body["model"] = self.model
+            if stream is not None:
+                body["stream"] = stream
+        headers = {k: v for k, v in req.headers.items()
+                   if k.lower() not in _DROP_REQUEST and not k.lower().startswith("x-reef-")}
+        headers.update(self._auth)
+        return path, json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode(), headers
+
+    def _client_or_fail(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise UpstreamError(f"engine {self.name} is not started")
+        return self._client
+
+    async def _read_limited(self, resp: httpx.Response) -> bytes:
+        declared = resp.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.max_response_bytes:
+            raise UpstreamError(f"provider response too large ({declared} bytes)")
+        parts, size = [], 0
+        async for chunk in resp.aiter_bytes():
+            size += len(chunk)
+            if size > self.max_response_bytes:
+                raise UpstreamError(f"provider response larger than {self.max_response_bytes} bytes")
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def _to_response(self, resp: httpx.Response, raw: bytes, req: EngineRequest) -> EngineResponse:
+        status = resp.status_code
+        if status >= 500:
+            raise UpstreamError(f"provider answered {status}: {_message(raw)}", status=status)
+        if 200 <= status < 300:
+            try:
+                body = json.loads(raw)
+            except ValueError as exc:
+                raise UpstreamError("provider answered invalid JSON") from exc
+            if not isinstance(body, dict):
+                raise UpstreamError("provider answered JSON that is not an object")
+            return EngineResponse(status, body, _filter_response_headers(resp.headers), version=req.version)
+        if 400 <= status < 500:
+            try:
+                body = json.loads(raw)
+                if not isinstance(body, dict):
+                    raise ValueError
+            except ValueError:
+                body = error_body(self.dialect, status, raw.decode("utf-8", "replace")[:2000])
+            return EngineResponse(relay_status(status), body, _filter_response_headers(resp.headers),
+                                  version=req.version)
+        raise UpstreamError(f"provider answered unexpected status {status}", status=status)
+
+    async def complete(self, req: EngineRequest) -> EngineResponse:
+        path, content, headers = self._prepare(req, stream=False if req.route != "count_tokens" else None)
+        client = self._client_or_fail()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                resp = await client.send(client.build_request("POST", path, content=content, headers=headers),
+                                         stream=True)
+                try:
+                    raw = await self._read_limited(resp)
+                finally:
+                    await resp.aclose()
+        except (httpx.TimeoutException, TimeoutError) as exc:
+            raise UpstreamTimeout(f"provider did not answer within {self.timeout_s:g} s") from exc
+        except httpx.TransportError as exc:
+            raise UpstreamError(f"provider connection failed: {exc.__class__.__name__}: {exc}") from exc
+        return self._to_response(resp, raw, req)
+
+    async def count_tokens(self, req: EngineRequest) -> EngineResponse:
+        """Anthropic providers count exactly (``/v1/messages/count_tokens``).
+
+        OpenAI-compatible providers have no counting route: ``count_tokens_mode="estimate"`` (default)
+        answers ``ceil(characters / 4)`` over the prompt's text, marked ``x-reef-token-count: estimate``;
+        ``"probe"`` asks the provider for a one-token completion and reports its ``usage.prompt_tokens``
+        (exact, but a paid provider bills the whole prompt).
+        """
+        if self.dialect == "anthropic":
+            if req.route != "count_tokens":
+                req = EngineRequest(req.dialect, "count_tokens", req.body, req.headers, req.version)
+            return await self.complete(req)
+        self.check_dialect(req)
+        if self.count_tokens_mode == "estimate":
+            return EngineResponse(200, {"input_tokens": estimate_tokens(req.body)},
+                                  {"x-reef-token-count": "estimate"}, version=req.version)
+        body = {k: v for k, v in req.body.items() if k in ("model", "messages", "tools", "tool_choice")}
+        body["max_tokens"] = 1
+        resp = await self.complete(EngineRequest("openai", "chat", body, req.headers, req.version))
+        if resp.status != 200:
+            return resp
+        usage = resp.body.get("usage") or {}
+        if not isinstance(usage.get("prompt_tokens"), int):
+            raise UpstreamError("provider answer carries no usage.prompt_tokens to count with")
+        return EngineResponse(200, {"input_tokens": usage["prompt_tokens"]}, {"x-reef-token-count": "probe"},
+                              version=req.version)
+
+    async def stream(self, req: EngineRequest) -> AsyncIterator[StreamEvent]:
+        path, content, headers = self._prepare(req, stream=True)
+        client = self._client_or_fail()
+        anthropic = self.dialect == "anthropic"
+        try:
+            async with client.stream("POST", path, content=content, headers=headers) as resp:
+                ctype = resp.headers.get("content-type", "")
+                if resp.status_code >= 300 or not ctype.startswith("text/event-stream"):
+                    raw = await self._read_limited(resp)
+                    raise DirectResponse(self._to_response(resp, raw, req))
+                yield StreamEvent(HEADERS_EVENT, _filter_response_headers(resp.headers))
+                decoder = SSEDecoder()
+                async for chunk in resp.aiter_bytes():
+                    for name, data in decoder.feed(chunk):
+                        if len(data) > self.max_response_bytes:
+                            raise UpstreamError("provider stream event too large")
+                        try:
+                            ev = parse_data(name, data)
+                        except ValueError as exc:
+                            raise UpstreamError("provider stream carried invalid JSON") from exc
+                        if anthropic:
+                            if name == "error" or (isinstance(ev.data, dict) and ev.data.get("type") == "error"):
+                                raise UpstreamError(f"provider stream error: {error_message(ev.data)}")
+                            yield ev
+                            if name == "message_stop" or (isinstance(ev.data, dict)
+                                                          and ev.data.get("type") == "message_stop"):
+                                return
+                        else:
+                            if isinstance(ev.data, dict) and "error" in ev.data and not ev.data.get("choices"):
+                                raise UpstreamError(f"provider stream error: {error_message(ev.data)}")
+                            yield ev
+                            if ev.data == "[DONE]":
+                                return
+                    if decoder.buffered > self.max_response_bytes:
+                        raise UpstreamError("provider stream event too large")
+                raise UpstreamError("stream ended early")
+        except httpx.TimeoutException as exc:
+            raise UpstreamTimeout(f"provider stream stalled for {self.timeout_s:g} s") from exc
+        except httpx.TransportError as exc:
+            raise UpstreamError(f"provider connection failed: {exc.__class__.__name__}: {exc}") from exc
+
+
+def estimate_tokens(body: dict) -> int:
+    """Rough prompt size of a chat body: one token per four characters of its text (and tool JSON)."""
+    chars = 0
+    for m in body.get("messages") or []:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+        chars += len(json.dumps(m.get("tool_calls"))) if isinstance(m, dict) and m.get("tool_calls") else 0
+        chars += 4 * 4  # role markers and separators: about four tokens per message
+    if body.get("tools"):
+        chars += len(json.dumps(body["tools"]))
+    return max(1, -(-chars // 4))
+
+
+def _message(raw: bytes) -> str:
+    try:
+        return error_message(json.loads(raw))[:500]
+    except ValueError:
+        return raw.decode("utf-8", "replace")[:500]

@@ -1,0 +1,374 @@
+"""The learner: one background worker per scenario, beside serving.
+
+Each worker tails its scenario's records from the store (in sequence order) into the recipe's
+processor; when a batch is ready it asks the trainer for a candidate, runs the evaluation gate,
+and on *select* commits the release (artifact store + commit log), activates it on the surface
+and acknowledges the batch. On *reject* nothing that serves changes: the batch is acknowledged
+and the rejection is committed to the commit log. Record acceptance never waits for training:
+the request path only wakes the worker.
+
+Checkpoint cadence (``trainer.checkpoint_every_n_versions``): every N-th accepted version is
+written to the artifact store; versions in between are *live*: activated in memory and
+committed to the commit log (step, consumed ids, metrics) without a durable artifact. A restart
+restores the last durable release; the step counter and consumed ids survive through the log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..commit.commitlog import CommitLog
+from ..commit.committer import Committer
+from ..commit.crashpoints import crash_point
+from ..commit.gate import Candidate, Decision, EvaluationResult, run_gate
+from ..commit.release import Release
+from ..errors import Conflict, NotFound, ReefError
+from .trainer import CandidateUpdate, TrainContext, Trainer, TrainerSetup
+
+log = logging.getLogger("reef.learner")
+
+
+def _plain(node) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+class ScenarioLearner:
+    def __init__(self, deployment, scenario: str, recipe):
+        self.dep = deployment
+        self.name = scenario
+        self.recipe = recipe.config
+        cfg = deployment.cfg
+        self.lock = threading.RLock()  # one writer of this scenario's head: steps, rollback, promote
+        self.log = CommitLog.for_scenario(deployment.data_dir / "commits", scenario)
+        self.committer = Committer(deployment.artifacts, self.log, scenario)
+        self.surface = deployment.surface(self.recipe.get("surface"))
+        self.processor = None
+        if self.recipe.get("processor"):
+            self.processor = deployment.pm.create(
+                "processor", self.recipe.processor, scenario=scenario,
+                options=_plain(self.recipe.get("processor_options")) or {},
+                serving_version=self.serving_version)
+        self.trainer: Trainer | None = None
+        if self.recipe.get("trainer"):
+            setup = TrainerSetup(data_dir=deployment.data_dir, engine=deployment.engine,
+                                 load_base_model=self._load_start_model, seed=int(cfg.seed))
+            self.trainer = deployment.pm.create("trainer", self.recipe.trainer, scenario=scenario,
+                                                recipe=self.recipe, trainer=cfg.trainer, context=setup)
+        self.checkpoint_every = max(1, int(cfg.trainer.checkpoint_every_n_versions))
+        self.publish_mode = str(cfg.evaluation.publish)
+        self.head: Release | None = None
+        self.live_release_id: str | None = None
+        self.versions_since_checkpoint = 0
+        self.last_sequence = 0
+        self.counters = {"steps": 0, "selected": 0, "rejected": 0, "skipped": 0, "stale_batches": 0, "errors": 0}
+        self.last_error: str | None = None
+        self.last_metrics: dict = {}
+        self.publish_latency: dict[str, dict] = self._load_latency()
+        self._pending_latency: dict[str, float] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- start-up and recovery -------------------------------------------------------------------
+
+    def start(self) -> None:
+        recovered = self.committer.recover()
+        if recovered.actions:
+            log.warning("scenario %s recovered: %s", self.name, "; ".join(recovered.actions))
+        self.head = self.dep.artifacts.head(self.name)
+        consumed = set(recovered.consumed_ids) | self.dep.store.consumed_ids(self.name)
+        if self.processor is not None:
+            self.processor.restore(consumed)
+        if self.head is None and self.trainer is not None:
+            files = self.trainer.initial_files()
+            if files:
+                self.head, _ = self.committer.publish(files, expected_head=None, operation="creation",
+                                                      source={"kind": "seed"})
+        if self.head is not None and self.surface is not None:
+            self.surface.activate(self.name, self.head.release_id, files=self._files(self.head.release_id))
+        self._thread = threading.Thread(target=self._run, name=f"reef-learner-{self.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.log.close()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _files(self, release_id: str):
+        return lambda: self.dep.artifacts.read_files(release_id)
+
+    def _load_start_model(self):
+        """The model a weights trainer starts from: the scenario's head checkpoint, else the base."""
+        from .models import load_model
+
+        if self.head is not None and "model.safetensors" in self.head_files_index():
+            directory = self.dep.artifacts.materialize(self.head.release_id)
+            return load_model(Path(directory))
+        return self.dep.load_base_model()
+
+    def head_files_index(self) -> set[str]:
+        return set(self.dep.artifacts.read_files(self.head.release_id)) if self.head else set()
+
+    # -- the loop ------------------------------------------------------------------------------------
+
+    def serving_version(self) -> str | None:
+        if self.surface is not None:
+            return self.surface.serving_version(self.name)
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            try:
+                self._ingest()
+                while (self.processor is not None and self.trainer is not None and not self._stop.is_set()
+                       and self.processor.ready()):
+                    self._step()
+                    self._ingest()
+            except Exception as exc:  # noqa: BLE001 - the worker must survive a bad step
+                self.counters["errors"] += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.error("scenario %s: learner step failed:\n%s", self.name, traceback.format_exc())
+                self._stop.wait(1.0)
+
+    def _ingest(self) -> None:
+        if self.processor is None:
+            return
+        for record in self.dep.store.replay(self.name, self.last_sequence):
+            self.processor.ingest(record)
+            self.last_sequence = max(self.last_sequence, record.sequence or 0)
+
+    def _step(self) -> None:
+        batch = self.processor.pending_batch()
+        if batch is None:
+            return
+        with self.lock:
+            step = self.log.last_step() + 1
+            ctx = TrainContext(scenario=self.name, step=step,
+                               serving_release_id=self.current_release_id(),
+                               serving_version=self.serving_version(),
+                               algorithm_state=(self.log.last_row() or {}).get("algorithm_state"),
+                               current_files=self._files(self.head.release_id) if self.head else (lambda: {}))
+        started = time.perf_counter()
+        try:
+            update = self.trainer.train(batch, ctx)
+        except ReefError as exc:
+            # A batch the trainer refuses (e.g. missing log-probs) is dropped with its reason, once.
+            consumed = self.processor.drop(batch.batch_id, f"trainer_refused: {exc.message}")
+            self._commit_rejection(consumed, {"train_error": exc.message}, None, None)
+            self.counters["skipped"] += 1
+            return
+        train_s = time.perf_counter() - started
+        if update is None:
+            consumed = self.processor.drop(batch.batch_id, "trainer_skipped")
+            self._commit_rejection(consumed, {"skipped": True}, None, None)
+            self.counters["skipped"] += 1
+            return
+        metrics = {**update.metrics, "train_s": round(train_s, 4), "batch_size": len(batch.samples)}
+        candidate = Candidate(candidate_id=f"{self.name}:{step}", scenario=self.name,
+                              base_release_id=ctx.serving_release_id, files=None, payload=update.payload,
+                              metadata={"step": step})
+        decision = self._gate(candidate, update)
+        self.counters["steps"] += 1
+        self.last_metrics = metrics
+        if decision.selected:
+            self._accept(batch, update, metrics, decision)
+        else:
+            self.trainer.rejected(update)
+            consumed = self.processor.acknowledge(batch.batch_id)
+            self._commit_rejection(consumed, metrics, decision.evaluation, decision)
+            self.counters["rejected"] += 1
+            log.info("scenario %s: candidate %s rejected: %s", self.name, candidate.candidate_id, decision.reason)
+
+    def _gate(self, candidate: Candidate, update: CandidateUpdate) -> Decision:
+        cfg = self.dep.cfg.evaluation
+        pm = self.dep.pm
+        options = _plain(cfg.options) or {}
+        policy_options = options.get("policy", {}) if isinstance(options.get("policy"), dict) else {}
+        evaluator_options = options.get("evaluator", {}) if isinstance(options.get("evaluator"), dict) else {}
+        try:
+            policy = pm.create("selection_policy", str(cfg.policy), **policy_options)
+            if cfg.evaluator:
+                evaluator = pm.create("evaluator", str(cfg.evaluator), tasks=update.eval_tasks,
+                                      run=self.trainer.run_task, options=evaluator_options)
+            else:
+                evaluator = _NoEvaluation()
+        except Exception as exc:  # noqa: BLE001 - a broken gate rejects (fail closed)
+            empty = EvaluationResult(evaluator="none", version="0", metrics={}, scores=[])
+            return Decision(decision="reject", policy=str(cfg.policy), reason=f"gate setup failed: {exc}",
+                            evaluation=empty, metrics={})
+        return run_gate(evaluator, policy, candidate)
+
+    def _accept(self, batch, update: CandidateUpdate, metrics: dict, decision: Decision) -> None:
+        accepted_at = time.perf_counter()
+        with self.lock:
+            consumed = list(batch.record_ids)
+            hold = self.publish_mode == "review"
+            durable = hold or self.surface is None or self.surface.kind != "weights" or (
+                (self.versions_since_checkpoint + 1) % self.checkpoint_every == 0)
+            evaluation = decision.evaluation.to_dict() if decision.evaluation else None
+            if durable:
+                release, _row = self.committer.publish(
+                    update.files, expected_head=self.head.release_id if self.head else None,
+                    consumed_ids=consumed, algorithm_state=update.algorithm_state, metrics=metrics,
+                    evaluation=evaluation, decision=decision.to_dict(), source=update.source or {"kind": "training"},
+                    hold=hold)
+                if hold:
+                    self.processor.acknowledge(batch.batch_id)
+                    self.dep.store.mark_consumed(self.name, consumed, _row["step"])
+                    self.trainer.rejected(update)  # the policy keeps serving what it served
+                    self.counters["selected"] += 1
+                    return
+                self.head = release
+                release_id = release.release_id
+                self.live_release_id = None
+                self.versions_since_checkpoint = 0
+                step = _row["step"]
+            else:
+                live_id = f"live:{self.name}:{self.log.last_step() + 1}"
+                row = self.log.append({"operation": "training", "release_id": None, "live_release_id": live_id,
+                                       "consumed_ids": consumed, "algorithm_state": update.algorithm_state,
+                                       "metrics": metrics, "evaluation": evaluation,
+                                       "decision": decision.to_dict(), "pending": False}, self.log.last_step())
+                release_id = live_id
+                self.live_release_id = live_id
+                self.versions_since_checkpoint += 1
+                step = row["step"]
+            if self.surface is not None:
+                self.surface.activate(self.name, release_id, payload=update.payload,
+                                      files=self._files(release_id) if durable else None)
+            self._pending_latency[self.serving_version() or release_id] = accepted_at
+            self.trainer.accepted(update, release_id)
+            self.processor.acknowledge(batch.batch_id)
+            crash_point("before_mark_consumed")
+            self.dep.store.mark_consumed(self.name, consumed, step)
+            self.counters["selected"] += 1
+        if durable:
+            self.dep.pm.notify("reef_release_published", scenario=self.name, release=self.head)
+        log.info("scenario %s: step %d published %s (serving %s)", self.name, step, release_id,
+                 self.serving_version())
+
+    def _commit_rejection(self, consumed, metrics, evaluation, decision) -> None:
+        with self.lock:
+            row = self.committer.record_rejection(
+                consumed_ids=consumed, metrics=metrics,
+                evaluation=evaluation.to_dict() if hasattr(evaluation, "to_dict") else evaluation,
+                decision=decision.to_dict() if hasattr(decision, "to_dict") else decision)
+            self.dep.store.mark_consumed(self.name, list(consumed), row["step"])
+
+    # -- publish latency -------------------------------------------------------------------------
+
+    def served(self, version: str | None) -> None:
+        """Called for each stored inference: the first one served by a new version ends its publish latency."""
+        if version is None or version not in self._pending_latency:
+            return
+        started = self._pending_latency.pop(version, None)
+        if started is None:
+            return
+        latency_ms = (time.perf_counter() - started) * 1000
+        release_id = self.live_release_id or (self.head.release_id if self.head else version)
+        self.publish_latency[release_id] = {"publish_latency_ms": round(latency_ms, 3), "version": version}
+        self._save_latency()
+
+    def _latency_path(self) -> Path:
+        return self.dep.data_dir / "release-metrics" / f"{self.log.path.stem}.json"
+
+    def _load_latency(self) -> dict:
+        try:
+            return json.loads(self._latency_path().read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _save_latency(self) -> None:
+        path = self._latency_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.publish_latency))
+        os.replace(tmp, path)
+
+    # -- operations and reads ----------------------------------------------------------------------
+
+    def current_release_id(self) -> str | None:
+        return self.live_release_id or (self.head.release_id if self.head else None)
+
+    def republish(self, operation: str, release_id: str) -> Release:
+        """Rollback or promote: publish an earlier (or held) release's content as a new head."""
+        with self.lock:
+            try:
+                target = self.dep.artifacts.get(release_id)
+            except NotFound:
+                raise NotFound(f"unknown release {release_id!r} in scenario {self.name!r}") from None
+            if target.scenario != self.name:
+                raise NotFound(f"release {release_id!r} does not belong to scenario {self.name!r}")
+            if operation == "promote" and not target.pending:
+                raise Conflict(f"release {release_id!r} is not pending review")
+            expected = self.head.release_id if self.head else None
+            release, _row = (self.committer.rollback if operation == "rollback" else self.committer.promote)(
+                release_id, expected_head=expected)
+            self.head = release
+            self.live_release_id = None
+            self.versions_since_checkpoint = 0
+            if self.surface is not None:
+                self.surface.activate(self.name, release.release_id, files=self._files(release.release_id))
+            if self.trainer is not None:
+                self.trainer.rejected(CandidateUpdate(files={}))  # trainers resync to what now serves
+        self.dep.pm.notify("reef_release_published", scenario=self.name, release=release)
+        return release
+
+    def release_rows(self) -> list[dict]:
+        rows = []
+        current = self.current_release_id()
+        if self.live_release_id:
+            last = self.log.last_row() or {}
+            rows.append({"release_id": self.live_release_id, "parent_release_id": self.head.release_id
+                         if self.head else None, "content_id": None, "operation": "training",
+                         "metrics": {**last.get("metrics", {}), **self.publish_latency.get(self.live_release_id, {})},
+                         "current": True, "pending": False, "restorable": False, "checkpoint": False,
+                         "content_kind": "live_weights"})
+        for release in self.dep.artifacts.releases(self.name):
+            row = release.to_dict()
+            row["metrics"] = {**(row.get("metrics") or {}), **self.publish_latency.get(release.release_id, {})}
+            row["current"] = release.release_id == current
+            rows.append(row)
+        return rows
+
+    def commit_rows(self, after_step: int, limit: int, record_ids) -> list[dict]:
+        return self.log.rows(after_step, limit, record_ids)
+
+    def status(self) -> dict:
+        return {
+            "scenario": self.name,
+            "recipe": self.recipe.get("name"),
+            "step": self.log.last_step(),
+            "current_release_id": self.current_release_id(),
+            "current_version": self.serving_version(),
+            "versions_since_checkpoint": self.versions_since_checkpoint,
+            "records_seen": self.last_sequence,
+            "processor": self.processor.status() if self.processor is not None else None,
+            "trainer": type(self.trainer).__name__ if self.trainer is not None else None,
+            "counters": dict(self.counters),
+            "last_metrics": self.last_metrics,
+            "last_error": self.last_error,
+        }
+
+
+class _NoEvaluation:
+    """Evaluation when no evaluator is configured: no scores (policies like ``always`` decide alone)."""
+
+    def evaluate(self, candidate):
+        return EvaluationResult(evaluator="none", version="1", metrics={}, scores=[])

@@ -1,0 +1,190 @@
+"""The objective contract: what a weight recipe supplies to a trainer backend.
+
+An :class:`Objective` is a loss over a :class:`~reef_core.grow.token_batch.TokenBatch` (token ids, action mask,
+rollout log-probs, rewards). The backend (:class:`~reef_core.grow.torch_backend.TorchTrainer`) owns the policy, the
+optimizer, micro-batching and export; the objective owns everything algorithm-specific. One optimizer step of the
+policy runs as::
+
+    objective.setup(policy, tokenizer, device, micro_batches=n)     # once, before any adapter is attached
+    prepared = objective.prepare(policy, batch)                      # no policy gradient: critic steps, advantages
+    if prepared.update_policy:
+        for micro in prepared.batch.split(n):
+            loss, sums = objective.loss(policy, micro, prepared)     # loss of the micro-batch, already scaled
+            loss.backward()                                          # so that the micro-batch losses add up
+        optimizer.step()
+    metrics = objective.summarize(prepared, summed sums)
+
+Scaling rule: a micro-batch keeps the normalisers of the whole batch (``batch.norm_tokens``,
+``batch.norm_samples``), so an objective that divides by them returns losses whose sum over micro-batches is the
+full-batch loss; gradient accumulation is then exact. ``sums`` returned by :meth:`Objective.loss` must be additive
+(counts and sums); :meth:`Objective.summarize` turns them into means.
+
+Algorithm state: tensors (a critic) through :meth:`~Objective.state_dict`/:meth:`~Objective.load_state_dict`, a
+small JSON summary (step counters) through :meth:`~Objective.json_state`/:meth:`~Objective.load_json_state`, and
+:meth:`~Objective.snapshot`/:meth:`~Objective.restore` so a rejected candidate rolls the auxiliary models back with
+the policy.
+
+Helpers shared by objectives: :func:`sequence_logprobs` (the policy's log-probability of every token) and
+:class:`ValueModel` (a critic: a copy of the policy's body with a zero-initialised scalar head).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from reef_core.grow.losses import gather_logprobs
+from reef_core.grow.token_batch import TokenBatch
+
+
+@dataclass
+class Prepared:
+    """What :meth:`Objective.prepare` hands to the loss."""
+
+    #: The batch the loss runs on, usually the input with per-row tensors attached (``batch.extras``).
+    batch: TokenBatch
+    #: Metrics of the preparation (critic loss, explained variance...), merged into the step's metrics.
+    metrics: dict[str, float] = field(default_factory=dict)
+    #: False: this step trains auxiliary models only (e.g. critic warm-up); the policy is not updated.
+    update_policy: bool = True
+    #: Anything else the loss needs (global, not per row).
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class Objective(ABC):
+    """A recipe's loss over token-level samples (see the module docstring)."""
+
+    #: Name recorded in metrics and release provenance.
+    name: str = "objective"
+
+    def setup(self, policy: nn.Module, tokenizer: Any, device: torch.device, *, micro_batches: int = 1) -> None:
+        """Build auxiliary models (critic, reference...) from the base ``policy``, before any adapter is attached.
+
+        ``micro_batches`` is the backend's gradient-accumulation count, for auxiliary updates that need it."""
+        self.device = torch.device(device)
+        self.micro_batches = max(1, int(micro_batches))
+
+    def prepare(self, policy: nn.Module, batch: TokenBatch) -> Prepared:
+        """Work before the policy step that needs no policy gradient (advantages, critic updates)."""
+        return Prepared(batch=batch)
+
+    @abstractmethod
+    def loss(self, policy: nn.Module, batch: TokenBatch, prepared: Prepared) -> tuple[Tensor, dict[str, float]]:
+        """The loss of one micro-batch (scaled by the whole batch's normalisers) and additive metric sums."""
+
+    def summarize(self, prepared: Prepared, sums: dict[str, float]) -> dict[str, float]:
+        """Final metrics of a step from the summed micro-batch ``sums`` (default: the sums as they are)."""
+        return dict(sums)
+
+    # -- algorithm state ---------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Tensor state worth exporting (e.g. critic weights); empty by default."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    def json_state(self) -> dict[str, Any]:
+        """Small JSON-serialisable state committed with every step (counters, schedules)."""
+        return {}
+
+    def load_json_state(self, state: dict[str, Any] | None) -> None:
+        """Restore what :meth:`json_state` returned (after a restart); ``None`` means a fresh start."""
+
+    def snapshot(self) -> Any:
+        """A copy of the in-memory state, taken when a candidate is accepted (default: tensors + JSON)."""
+        return ({k: v.detach().clone() for k, v in self.state_dict().items()}, copy.deepcopy(self.json_state()))
+
+    def restore(self, snapshot: Any) -> None:
+        """Return to a :meth:`snapshot` (the candidate trained since then was rejected)."""
+        tensors, state = snapshot
+        if tensors:
+            self.load_state_dict(tensors)
+        self.load_json_state(state)
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+
+
+def _base_forward_params(model: nn.Module) -> set[str]:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return set(inspect.signature(base.forward).parameters)
+
+
+def sequence_logprobs(model: nn.Module, batch: TokenBatch) -> Tensor:
+    """``[B, L]`` log-probability the model gives each token of ``batch.input_ids`` given the tokens before it.
+
+    Full-vocabulary ``log_softmax`` at temperature 1 (the distribution the local engine records), float32.
+    Only positions from the first action token on are computed (``logits_to_keep``), so a long prompt costs no
+    vocabulary-sized logits; earlier positions are 0.
+    """
+    ids, length = batch.input_ids, batch.seq_len
+    cols = torch.nonzero(batch.action_mask.sum(dim=0) > 0)
+    first = int(cols[0]) if cols.numel() else length - 1
+    first = max(first, 1)
+    keep = length - first + 1  # logits at positions first-1 .. L-1
+    kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": batch.attention_mask, "use_cache": False}
+    if "logits_to_keep" in _base_forward_params(model):
+        kwargs["logits_to_keep"] = keep
+    logits = model(**kwargs).logits
+    logits = logits[:, -keep:]  # (a model without logits_to_keep returned every position)
+    picked = gather_logprobs(logits[:, :-1], ids[:, first:])  # logits at t-1 score the token at t
+    out = torch.zeros(ids.shape, dtype=picked.dtype, device=picked.device)
+    out[:, first:] = picked
+    return out
+
+
+def token_sum(x: Tensor, mask: Tensor) -> Tensor:
+    """Sum of ``x`` where ``mask`` is set (NaN/inf outside the mask are ignored)."""
+    return torch.where(mask.to(torch.bool), x, torch.zeros_like(x)).sum()
+
+
+def text_config(model: nn.Module):
+    """The (text) config of a model, unwrapping PEFT and multimodal configs."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = base.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+class ValueModel(nn.Module):
+    """A critic: a copy of the policy's transformer body plus a zero-initialised scalar head.
+
+    ``forward(input_ids, attention_mask)`` returns ``[B, L]`` float32 values aligned like
+    :func:`sequence_logprobs`: ``values[:, t]`` is the value of the state *before* token ``t`` (read from the hidden
+    state at ``t - 1``); position 0 is 0. A zero head makes every initial value 0.
+    """
+
+    def __init__(self, body: nn.Module, hidden_size: int):
+        super().__init__()
+        self.body = body
+        self.head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    @classmethod
+    def from_policy(cls, policy: nn.Module) -> "ValueModel":
+        """Deep-copy the body of a causal LM (``model.model`` for Llama/Qwen-style models) into a critic."""
+        base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+        prefix = getattr(base, "base_model_prefix", "model")
+        body = getattr(base, prefix, None)
+        if not isinstance(body, nn.Module):
+            raise TypeError(f"{type(base).__name__} has no transformer body at .{prefix}")
+        critic = cls(copy.deepcopy(body), int(text_config(base).hidden_size))
+        param = next(body.parameters())
+        critic.head.to(device=param.device)  # the head stays float32 for a stable regression
+        critic.body.requires_grad_(True)
+        return critic
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        v = self.head(hidden.float()).squeeze(-1)
+        out = torch.zeros_like(v)
+        out[:, 1:] = v[:, :-1]
+        return out

@@ -1,0 +1,451 @@
+"""The torch trainer backend: runs an :class:`~reef_core.grow.objective.Objective` on a transformers policy.
+
+:class:`TorchTrainer` keeps one policy (full weights or a LoRA adapter through ``peft``) and one AdamW optimizer for
+the lifetime of a scenario's learner. Each :meth:`~TorchTrainer.train` call is exactly one optimizer step over the
+batch, split into ``grad_accumulation`` micro-batches (see the scaling rule in :mod:`reef_core.grow.objective`).
+
+What a step returns (:class:`~reef_core.grow.trainer.CandidateUpdate`):
+
+* ``payload``: a state dict the local engine's ``swap_weights(version, state_dict)`` takes as it is. Full weights:
+  every tensor of the model (tied duplicates left out: they follow their source). LoRA: only the merged weights of
+  the adapted layers, ``W + ΔW`` under the base model's own key names (``swap_weights`` accepts a partial dict).
+* ``files``: the checkpoint, serialised on first access (a version kept only in memory never pays for it). Full:
+  ``model.safetensors``, ``config.json``, ``generation_config.json`` and the tokenizer files, a directory
+  ``from_pretrained`` loads. LoRA: ``adapter/adapter_config.json`` and ``adapter/adapter_model.safetensors``, a
+  directory ``PeftModel.from_pretrained`` loads on top of the base model. With ``export_objective_state`` the
+  objective's tensors (a critic) are added as ``algorithm/<objective>.safetensors``.
+* ``metrics``: ``loss``, ``grad_norm`` (before clipping), ``seconds``, ``reward_mean``, ``policy_lag_{max,mean}``
+  (serving sequence minus producing sequence, from the samples' ``<incarnation>:<seq>`` versions), the token-batch
+  counters and the objective's own metrics. Non-finite values become ``None`` (JSON).
+
+Candidates are gated: until :meth:`~TorchTrainer.accepted` the step is provisional, and
+:meth:`~TorchTrainer.rejected` restores the policy, the optimizer state and the objective's state to the last
+accepted snapshot. The policy is kept in ``eval`` mode throughout, so its log-probs match the serving engine's
+(no dropout noise in the importance ratio).
+
+Restart: when the scenario's serving release is not the one this trainer last saw (a restart, a rollback), the
+weights are loaded from that release's files (``ctx.current_files()``) and the optimizer state is reset.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from reef_core.errors import ConfigError
+from reef_core.grow.objective import Objective
+from reef_core.grow.token_batch import TokenBatch
+from reef_core.grow.trainer import CandidateUpdate, TrainContext, Trainer
+
+log = logging.getLogger("reef.grow.torch")
+
+MODEL_FILE = "model.safetensors"
+ADAPTER_DIR = "adapter"
+ADAPTER_CONFIG = f"{ADAPTER_DIR}/adapter_config.json"
+ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/adapter_model.safetensors"
+_PEFT_PREFIX = "base_model.model."
+
+
+def _safetensors_bytes(tensors: Mapping[str, Tensor]) -> bytes:
+    from safetensors.torch import save
+
+    cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    return save(cpu, metadata={"format": "pt"})
+
+
+def _load_safetensors(data: Any) -> dict[str, Tensor]:
+    from safetensors.torch import load, load_file
+
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return load(bytes(data))
+    return load_file(str(data))
+
+
+def _read_dir(directory: Path, prefix: str = "") -> dict[str, bytes]:
+    return {prefix + str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, (int, float)):
+        return value if math.isfinite(float(value)) else None
+    return value
+
+
+class LazyFiles(Mapping):
+    """A release's files whose big entries are serialised on first access (then cached).
+
+    ``static`` entries are ready bytes; ``build()`` returns the rest (``lazy_names``) at once."""
+
+    def __init__(self, static: Mapping[str, bytes], lazy_names: list[str], build: Callable[[], dict[str, bytes]]):
+        self._static = dict(static)
+        self._names = list(self._static) + [n for n in lazy_names if n not in self._static]
+        self._lazy = set(lazy_names)
+        self._build = build
+        self._built: dict[str, bytes] | None = None
+        self._lock = threading.Lock()
+
+    def __getitem__(self, name: str) -> bytes:
+        if name in self._lazy:
+            with self._lock:
+                if self._built is None:
+                    self._built = self._build()
+                    self._build = None  # drop the references to the cloned tensors
+            return self._built[name]
+        return self._static[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def policy_lag(versions: list[list[str | None]], serving: str | None) -> list[int]:
+    """Serving sequence minus producing sequence, per sample (its oldest turn), within the serving incarnation.
+
+    Samples from another incarnation, with unparseable versions or ahead of the serving version are left out."""
+    from reef_core.observe.processors.eligibility import parse_version
+
+    if not serving:
+        return []
+    try:
+        incarnation, now = parse_version(serving)
+    except ValueError:
+        return []
+    lags = []
+    for turns in versions:
+        seqs = []
+        for v in turns:
+            try:
+                inc, seq = parse_version(v) if v else (None, None)
+            except ValueError:
+                inc, seq = None, None
+            if inc == incarnation and seq is not None and seq <= now:
+                seqs.append(seq)
+        if seqs and len(seqs) == len(turns):
+            lags.append(now - min(seqs))
+    return lags
+
+
+class TorchTrainer(Trainer):
+    """One scenario's policy and optimizer, stepped by an objective (see the module docstring).
+
+    Args:
+        objective: the recipe's loss.
+        load_base_model: ``() -> (model, tokenizer)`` (``TrainerSetup.load_base_model``).
+        lr, weight_decay, betas: AdamW settings (constant learning rate).
+        lora, lora_rank, lora_alpha, lora_dropout, lora_target_modules: train a LoRA adapter instead of every
+            weight (``peft``; ``"all-linear"`` adapts every linear layer but the output head).
+        grad_accumulation: micro-batches per step (capped at the batch size).
+        max_grad_norm: clip the global gradient norm (``None``: no clipping; the norm is still reported).
+        device: torch device of the policy and the objective's models.
+        export_objective_state: add the objective's tensors (a critic) to every release's files.
+        lag_metric_prefix: prefix of the ``policy_lag_*`` metric names (``"sao/"`` gives SAO's names).
+        seed: seeds the adapter initialisation (the caller's RNG state is left alone).
+        name: recorded in the release provenance.
+    """
+
+    artifact_kind = "weights"
+
+    def __init__(
+        self,
+        objective: Objective,
+        load_base_model: Callable[[], tuple[Any, Any]],
+        *,
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        lora: bool = False,
+        lora_rank: int = 8,
+        lora_alpha: float = 16,
+        lora_dropout: float = 0.0,
+        lora_target_modules: str | list[str] = "all-linear",
+        grad_accumulation: int = 1,
+        max_grad_norm: float | None = 1.0,
+        device: str = "cpu",
+        export_objective_state: bool = False,
+        lag_metric_prefix: str = "",
+        seed: int = 0,
+        name: str = "torch",
+    ):
+        if load_base_model is None:
+            raise ConfigError("the torch trainer needs a base model loader (TrainerSetup.load_base_model)")
+        if not lr > 0:
+            raise ConfigError(f"trainer lr must be positive, got {lr}")
+        if isinstance(grad_accumulation, bool) or int(grad_accumulation) < 1:
+            raise ConfigError(f"trainer grad_accumulation must be a positive integer, got {grad_accumulation}")
+        if lora and int(lora_rank) < 1:
+            raise ConfigError(f"trainer lora_rank must be positive, got {lora_rank}")
+        self.objective = objective
+        self.lr = float(lr)
+        self.lora = bool(lora)
+        self.grad_accumulation = int(grad_accumulation)
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.device = torch.device(device)
+        self.export_objective_state = bool(export_objective_state)
+        self.lag_metric_prefix = lag_metric_prefix
+        self.name = name
+        self.steps = 0
+
+        model, tokenizer = load_base_model()
+        model.to(self.device)
+        model.eval()  # see the module docstring: no dropout in the importance ratio
+        self.tokenizer = tokenizer
+        pad = getattr(tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(tokenizer, "eos_token_id", None)
+        self.pad_token_id = int(pad) if pad is not None else 0
+        self._static_files = self._static_model_files(model, tokenizer) if not self.lora else {}
+        # Auxiliary models copy the plain base model, before an adapter is injected into it.
+        objective.setup(model, tokenizer, self.device, micro_batches=self.grad_accumulation)
+        if self.lora:
+            model = self._attach_lora(model, int(lora_rank), float(lora_alpha), float(lora_dropout),
+                                      lora_target_modules, seed)
+        else:
+            model.requires_grad_(True)
+        self.policy: nn.Module = model
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._param_names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self._opt_args = {"lr": self.lr, "betas": tuple(betas), "weight_decay": float(weight_decay)}
+        self.optimizer = torch.optim.AdamW(self._params, **self._opt_args)
+        self._export_keys = self._dedup_keys(model) if not self.lora else []
+        self._snapshot = self._take_snapshot()
+        self._expected_release: str | None = None
+        self._first_step = True
+
+    # -- setup -------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _static_model_files(model: nn.Module, tokenizer: Any) -> dict[str, bytes]:
+        """config.json, generation_config.json and tokenizer files: they never change between steps."""
+        with tempfile.TemporaryDirectory(prefix="reef-export-") as tmp:
+            root = Path(tmp)
+            model.config.save_pretrained(root)
+            gen = getattr(model, "generation_config", None)
+            if gen is not None:
+                gen.save_pretrained(root)
+            if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+                tokenizer.save_pretrained(root)
+            return _read_dir(root)
+
+    def _attach_lora(self, model, rank, alpha, dropout, targets, seed):
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
+                            target_modules=list(targets) if not isinstance(targets, str) else targets,
+                            bias="none", task_type="CAUSAL_LM")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            peft_model = get_peft_model(model, config)
+        peft_model.eval()
+        with tempfile.TemporaryDirectory(prefix="reef-adapter-") as tmp:
+            peft_model.peft_config["default"].save_pretrained(tmp)
+            self._adapter_config = (Path(tmp) / "adapter_config.json").read_bytes()
+        return peft_model
+
+    @staticmethod
+    def _dedup_keys(model: nn.Module) -> list[str]:
+        """State-dict keys without tied duplicates (a tensor sharing storage with an earlier key)."""
+        seen: set[tuple[int, int]] = set()
+        keys = []
+        for key, value in model.state_dict().items():
+            ident = (value.untyped_storage().data_ptr(), value.storage_offset())
+            if value.numel() and ident in seen:
+                continue
+            seen.add(ident)
+            keys.append(key)
+        return keys
+
+    # -- snapshots (gate) --------------------------------------------------------------------------------------
+
+    def _take_snapshot(self) -> dict:
+        return {
+            "params": [p.detach().clone() for p in self._params],
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "objective": self.objective.snapshot(),
+            "steps": self.steps,
+        }
+
+    def _restore_snapshot(self, snap: dict) -> None:
+        with torch.no_grad():
+            for p, saved in zip(self._params, snap["params"]):
+                p.copy_(saved)
+        self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
+        self.objective.restore(snap["objective"])
+        self.steps = snap["steps"]
+
+    def accepted(self, update: CandidateUpdate, release_id: str | None) -> None:
+        """Commit the in-memory policy (and the objective's state) as the new rollback point."""
+        self._snapshot = self._take_snapshot()
+        if release_id is not None:
+            self._expected_release = release_id
+
+    def rejected(self, update: CandidateUpdate) -> None:
+        """Restore the policy, the optimizer and the objective to the last accepted snapshot."""
+        self._restore_snapshot(self._snapshot)
+
+    # -- restart / rollback sync -------------------------------------------------------------------------------
+
+    def _sync(self, ctx: TrainContext) -> None:
+        if self._first_step:
+            self._first_step = False
+            state = ctx.algorithm_state if isinstance(ctx.algorithm_state, dict) else None
+            if state:
+                self.steps = int(state.get("steps", 0) or 0)
+                self.objective.load_json_state(state.get("objective_state"))
+        if ctx.serving_release_id is not None and ctx.serving_release_id != self._expected_release:
+            self._load_release(ctx.serving_release_id, ctx.current_files())
+        self._expected_release = ctx.serving_release_id
+
+    def _load_release(self, release_id: str, files: Mapping[str, Any]) -> None:
+        """Load the weights of a release this trainer did not produce in this process (restart, rollback)."""
+        loaded = False
+        if not self.lora and MODEL_FILE in files:
+            state = _load_safetensors(files[MODEL_FILE])
+            missing = [k for k in self._export_keys if k not in state]
+            if missing:
+                raise ConfigError(f"release {release_id} lacks weights {missing[:3]}; cannot resume from it")
+            self.policy.load_state_dict(state, strict=False)
+            loaded = True
+        elif self.lora and ADAPTER_WEIGHTS in files:
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(self.policy, _load_safetensors(files[ADAPTER_WEIGHTS]))
+            loaded = True
+        objective_file = f"algorithm/{self.objective.name}.safetensors"
+        if objective_file in files:
+            self.objective.load_state_dict(_load_safetensors(files[objective_file]))
+        if loaded:
+            self.optimizer = torch.optim.AdamW(self._params, **self._opt_args)  # another lineage: fresh moments
+            log.info("trainer resumed from release %s", release_id)
+        else:
+            log.info("release %s holds no %s weights; training continues from the weights in memory", release_id,
+                     "adapter" if self.lora else "model")
+        self._snapshot = self._take_snapshot()
+
+    # -- export ------------------------------------------------------------------------------------------------
+
+    def _payload(self) -> dict[str, Tensor]:
+        """What ``LocalEngine.swap_weights`` takes (see the module docstring)."""
+        with torch.no_grad():
+            if not self.lora:
+                own = self.policy.state_dict()
+                return {k: own[k].detach().clone() for k in self._export_keys}
+            merged: dict[str, Tensor] = {}
+            for name, module in self.policy.named_modules():
+                if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
+                    if "default" not in getattr(module, "lora_A", {}):
+                        continue
+                    base = module.base_layer.weight
+                    delta = module.get_delta_weight("default").to(base.dtype)
+                    key = (name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name) + ".weight"
+                    merged[key] = (base + delta).detach().clone()
+            return merged
+
+    def _files(self, payload: dict[str, Tensor]) -> LazyFiles:
+        extra: dict[str, Tensor] | None = None
+        names: list[str] = []
+        if self.export_objective_state:
+            extra = {k: v.detach().clone() for k, v in self.objective.state_dict().items()}
+            names.append(f"algorithm/{self.objective.name}.safetensors")
+        if self.lora:
+            from peft import get_peft_model_state_dict
+
+            adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.policy).items()}
+            static = {ADAPTER_CONFIG: self._adapter_config}
+            names.insert(0, ADAPTER_WEIGHTS)
+            main = (ADAPTER_WEIGHTS, adapter)
+        else:
+            static = self._static_files
+            names.insert(0, MODEL_FILE)
+            main = (MODEL_FILE, payload)
+
+        def build() -> dict[str, bytes]:
+            out = {main[0]: _safetensors_bytes(main[1])}
+            if extra is not None:
+                out[f"algorithm/{self.objective.name}.safetensors"] = _safetensors_bytes(extra)
+            return out
+
+        return LazyFiles(static, names, build)
+
+    # -- the step ----------------------------------------------------------------------------------------------
+
+    def token_batch(self, samples: list) -> TokenBatch:
+        """The :class:`TokenBatch` of ``samples`` on the trainer's device."""
+        return TokenBatch.from_samples(samples, pad_token_id=self.pad_token_id).to(self.device)
+
+    def train(self, batch, ctx: TrainContext) -> CandidateUpdate | None:
+        """One optimizer step over ``batch`` (a processor :class:`~reef_core.observe.processor.Batch`)."""
+        started = time.monotonic()
+        self._sync(ctx)
+        tb = self.token_batch(list(batch.samples))
+        update = self.step(tb)
+        if update is None:
+            return None
+        lags = policy_lag(tb.versions, ctx.serving_version)
+        if lags:
+            update.metrics[f"{self.lag_metric_prefix}policy_lag_max"] = float(max(lags))
+            update.metrics[f"{self.lag_metric_prefix}policy_lag_mean"] = float(sum(lags) / len(lags))
+        update.metrics["seconds"] = time.monotonic() - started
+        update.source = {"trainer": self.name, "objective": self.objective.name, "step": ctx.step,
+                         "batch_id": getattr(batch, "batch_id", None), "samples": tb.size,
+                         "mode": "lora" if self.lora else "full", "serving_version": ctx.serving_version}
+        return update
+
+    def step(self, tb: TokenBatch) -> CandidateUpdate | None:
+        """The step itself on a ready :class:`TokenBatch` (no context: tests and offline runs call this)."""
+        started = time.monotonic()
+        prepared = self.objective.prepare(self.policy, tb)
+        metrics: dict[str, Any] = {
+            "reward_mean": float(tb.rewards.mean()),
+            "reward_std": float(tb.rewards.std(unbiased=False)),
+            **{f"batch/{k}": v for k, v in tb.stats.items()},
+            **prepared.metrics,
+        }
+        if not prepared.update_policy:
+            # Auxiliary models only (e.g. critic warm-up): nothing to gate, keep it.
+            self._snapshot["objective"] = self.objective.snapshot()
+            log.info("step trained the objective's auxiliary models only; no candidate")
+            return None
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        total = 0.0
+        for micro in prepared.batch.split(self.grad_accumulation):
+            loss, parts = self.objective.loss(self.policy, micro, prepared)
+            loss.backward()
+            total += float(loss.detach())
+            for key, value in parts.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        norm = torch.nn.utils.clip_grad_norm_(
+            self._params, self.max_grad_norm if self.max_grad_norm is not None else float("inf"))
+        grad_norm = float(norm)
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self._restore_snapshot(self._snapshot)
+            log.warning("non-finite gradient norm (%s); step skipped, state restored", grad_norm)
+            return None
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        metrics.update(self.objective.summarize(prepared, sums))
+        metrics.update({"loss": total, "grad_norm": grad_norm, "lr": self.lr, "step_seconds": time.monotonic() - started})
+        payload = self._payload()
+        return CandidateUpdate(
+            files=self._files(payload),
+            payload=payload,
+            metrics={k: _finite_or_none(v) for k, v in metrics.items()},
+            algorithm_state={"objective": self.objective.name, "steps": self.steps,
+                             "objective_state": self.objective.json_state()},
+        )

@@ -1,0 +1,233 @@
+"""What one write transaction of the record store does with a batch of append requests.
+
+All decisions that depend on stored state (deduplication, conflicts, idempotency keys, reference checks) are made in
+Python against rows read inside the same transaction, so a request that is refused (``Conflict``,
+``ValidationFailed``) does not abort the transaction the other requests of the batch share. Only a database error
+aborts the batch; the writer then retries the requests one by one (see :mod:`reef_core.observe.writer`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+
+from reef_core.errors import Conflict, ReefError, ValidationFailed
+from reef_core.observe import queries as q
+from reef_core.observe.model import Record
+from reef_core.observe.schema import records
+
+# Stay far below SQLite's bound-parameter limit and keep PostgreSQL IN lists cheap.
+IN_CHUNK = 500
+
+RefInfo = tuple[str, str]  # (scenario, kind) of a referenced record
+
+
+@dataclass
+class AppendRequest:
+    """One caller's append: a single record (optionally under an idempotency key) or an all-or-nothing group."""
+
+    records: list[Record]
+    idempotency_key: str | None = None
+    check_references: bool = False
+    #: filled by the writer: the stored records, or the error to raise in the caller
+    outcome: list[Record] | BaseException | None = field(default=None, repr=False)
+
+
+def row_to_record(row: Any) -> Record:
+    """Build a :class:`Record` from a full ``records`` row."""
+    return Record(
+        record_id=row.record_id,
+        scenario=row.scenario,
+        kind=row.kind,
+        payload=row.payload,
+        references=list(row.references),
+        tags=dict(row.tags),
+        version=row.version,
+        complete=bool(row.complete),
+        request_hash=row.request_hash,
+        content_hash=row.content_hash,
+        sequence=int(row.sequence),
+        created_at=float(row.created_at),
+    )
+
+
+def encode_json_columns(record: Record) -> tuple[str, str, str]:
+    """The JSON columns (references, tags, payload) as text; ``ValidationFailed`` when a value is not JSON, so a
+    bad record (one built with a precomputed hash skips the check) fails alone instead of its whole batch."""
+    try:
+        return tuple(json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+                     for value in (record.references, record.tags, record.payload))
+    except (TypeError, ValueError) as exc:
+        raise ValidationFailed(f"record {record.record_id!r} is not storable as JSON: {exc}") from exc
+
+
+def record_to_params(record: Record, sequence: int, encoded: tuple[str, str, str]) -> tuple:
+    """A ``records`` row as driver parameters, in table column order."""
+    return (record.record_id, record.scenario, record.kind, sequence, record.created_at, record.version,
+            record.complete, record.request_hash, record.content_hash, *encoded)
+
+
+def insert_records_sql(conn: sa.Connection) -> str:
+    """Driver-level INSERT for ``records``. The hot path skips SQLAlchemy's per-row parameter processing, which
+    costs about as much CPU as the insert itself and competes for the GIL with the callers' event loop."""
+    prep = conn.dialect.identifier_preparer
+    schema = (conn.get_execution_options().get("schema_translate_map") or {}).get(None)
+    name = prep.quote(records.name)
+    if schema is not None:
+        name = f"{prep.quote_schema(schema)}.{name}"
+    columns = ", ".join(prep.quote(column.name) for column in records.columns)
+    mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+    return f"INSERT INTO {name} ({columns}) VALUES ({', '.join([mark] * len(records.columns))})"
+
+
+def _chunks(items: Sequence, size: int = IN_CHUNK) -> Iterable[Sequence]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def fetch_records(conn: sa.Connection, ids: Iterable[str]) -> dict[str, Record]:
+    """Stored records among ``ids``, by id."""
+    found: dict[str, Record] = {}
+    for chunk in _chunks(sorted(set(ids))):
+        for row in conn.execute(q.RECORDS_BY_ID, {"ids": list(chunk)}):
+            found[row.record_id] = row_to_record(row)
+    return found
+
+
+def fetch_ref_info(conn: sa.Connection, ids: Iterable[str]) -> dict[str, RefInfo]:
+    """``(scenario, kind)`` of the stored records among ``ids`` (no payloads read)."""
+    found: dict[str, RefInfo] = {}
+    for chunk in _chunks(sorted(set(ids))):
+        for row in conn.execute(q.REF_INFO_BY_ID, {"ids": list(chunk)}):
+            found[row.record_id] = (row.scenario, row.kind)
+    return found
+
+
+def validate_references(scenario: str, ids: Any, lookup: Callable[[str], RefInfo | None]) -> None:
+    """Raise :class:`ValidationFailed` naming the first reference that is not a distinct, stored inference record of
+    ``scenario``; ``lookup`` gives a record's ``(scenario, kind)`` or ``None``."""
+    if not isinstance(ids, (list, tuple)):
+        raise ValidationFailed("references must be a list of record ids", field="references")
+    seen: set[str] = set()
+    for ref in ids:
+        if not isinstance(ref, str) or not ref:
+            raise ValidationFailed(f"reference {ref!r} is not a record id", field="references", reference=ref)
+        if ref in seen:
+            raise ValidationFailed(f"reference {ref!r} is listed twice", field="references", reference=ref)
+        seen.add(ref)
+        info = lookup(ref)
+        if info is None:
+            raise ValidationFailed(f"reference {ref!r} is not a stored record", field="references", reference=ref)
+        ref_scenario, ref_kind = info
+        if ref_scenario != scenario:
+            raise ValidationFailed(f"reference {ref!r} belongs to another scenario", field="references",
+                                   reference=ref)
+        if ref_kind != "inference":
+            raise ValidationFailed(f"reference {ref!r} is a {ref_kind} record, not an inference record",
+                                   field="references", reference=ref)
+
+
+def _conflict(record: Record) -> Conflict:
+    return Conflict(f"record id {record.record_id!r} was already used with different content",
+                    record_id=record.record_id)
+
+
+def apply_appends(conn: sa.Connection, dialect: str, batch: list[AppendRequest]) -> int:
+    """Store the batch inside the caller's transaction; set each request's ``outcome``; return rows inserted.
+
+    Raises only on database errors (the caller then rolls back and retries request by request).
+    """
+    wanted_ids = {r.record_id for req in batch for r in req.records}
+    keyed = [(req.records[0].scenario, req.idempotency_key) for req in batch if req.idempotency_key is not None]
+    stored_keys: dict[tuple[str, str], str] = {}
+    for chunk in _chunks(sorted({key for _, key in keyed})):
+        for row in conn.execute(q.KEYS_BY_KEY, {"keys": list(chunk)}):
+            stored_keys[(row.scenario, row.idempotency_key)] = row.record_id
+    existing = fetch_records(conn, wanted_ids | set(stored_keys.values()))
+
+    ref_ids = {ref for req in batch if req.check_references for r in req.records if r.kind == "report"
+               for ref in r.references if isinstance(ref, str)}
+    ref_info = fetch_ref_info(conn, ref_ids - existing.keys() - wanted_ids)
+
+    new: dict[str, Record] = {}  # staged for insertion, in arrival order
+    encoded: dict[str, tuple[str, str, str]] = {}
+    new_keys: dict[tuple[str, str], str] = {}
+    results: list[list[str] | ReefError] = []
+
+    def find(record_id: str, staged: dict[str, Record]) -> Record | None:
+        return staged.get(record_id) or new.get(record_id) or existing.get(record_id)
+
+    def ref_lookup(staged: dict[str, Record]) -> Callable[[str], RefInfo | None]:
+        # A report may quote inference records staged earlier in its own request or batch (same transaction).
+        def lookup(ref: str) -> RefInfo | None:
+            hit = find(ref, staged)
+            return (hit.scenario, hit.kind) if hit is not None else ref_info.get(ref)
+        return lookup
+
+    for req in batch:
+        try:
+            if req.idempotency_key is not None:
+                slot = (req.records[0].scenario, req.idempotency_key)
+                mapped = new_keys.get(slot) or stored_keys.get(slot)
+                if mapped is not None and find(mapped, {}) is not None:
+                    results.append([mapped])
+                    continue
+            staged: dict[str, Record] = {}
+            ids: list[str] = []
+            for record in req.records:
+                prior = find(record.record_id, staged)
+                if prior is not None:
+                    if prior.content_hash != record.content_hash:
+                        raise _conflict(record)
+                else:
+                    if req.check_references and record.kind == "report":
+                        validate_references(record.scenario, record.references, ref_lookup(staged))
+                    encoded[record.record_id] = encode_json_columns(record)
+                    staged[record.record_id] = record
+                ids.append(record.record_id)
+            new.update(staged)  # only once the whole request is accepted: all-or-nothing
+            if req.idempotency_key is not None:
+                new_keys[(req.records[0].scenario, req.idempotency_key)] = ids[0]
+            results.append(ids)
+        except ReefError as exc:
+            results.append(exc)
+
+    assigned = _assign_sequences(conn, dialect, list(new.values()))
+    if new:
+        rows = [record_to_params(r, assigned[r.record_id], encoded[r.record_id]) for r in new.values()]
+        conn.exec_driver_sql(insert_records_sql(conn), rows)
+    if new_keys:
+        now = time.time()
+        conn.execute(q.INSERT_KEY, [
+            {"scenario": s, "idempotency_key": k, "record_id": rid, "created_at": now}
+            for (s, k), rid in new_keys.items()
+        ])
+
+    for req, result in zip(batch, results):
+        if isinstance(result, BaseException):
+            req.outcome = result
+        else:
+            req.outcome = [
+                new[rid].with_sequence(assigned[rid]) if rid in new else existing[rid] for rid in result
+            ]
+    return len(new)
+
+
+def _assign_sequences(conn: sa.Connection, dialect: str, fresh: list[Record]) -> dict[str, int]:
+    """Reserve a contiguous block of sequence numbers per scenario and hand them out in arrival order."""
+    per_scenario: dict[str, list[Record]] = {}
+    for record in fresh:
+        per_scenario.setdefault(record.scenario, []).append(record)
+    assigned: dict[str, int] = {}
+    for scenario, group in per_scenario.items():
+        count = len(group)
+        params = {"scenario": scenario, "last_sequence": count}
+        last = int(conn.execute(q.reserve_sequences(dialect), params).scalar_one())
+        for offset, record in enumerate(group):
+            assigned[record.record_id] = last - count + 1 + offset
+    return assigned

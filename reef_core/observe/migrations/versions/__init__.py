@@ -1,0 +1,1 @@
+"""Revision scripts of the record store (Alembic skips this file)."""

@@ -1,0 +1,109 @@
+"""Value types of the record store: :class:`Record`, :class:`Scenario` and the content hash.
+
+A record's ``content_hash`` covers only what defines the interaction (kind, scenario, payload, references), so a
+client retry that re-sends the same body under the same id is recognised as identical even though bookkeeping
+fields (tags, created_at, version) may differ.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from reef_core.errors import ValidationFailed
+
+#: Record kinds the store accepts. Upstream also has TRAIN records; they are not stored here (yet).
+KINDS = ("inference", "report")
+
+#: Longest record id, scenario name or idempotency key the store accepts (matches the column width).
+MAX_ID_LENGTH = 255
+
+
+def canonical_json(value: Any) -> str:
+    """Deterministic JSON text: sorted keys, no spaces, UTF-8 kept, non-finite floats refused."""
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:  # sets, bytes, NaN, ...: not storable as JSON either
+        raise ValidationFailed(f"value is not canonical JSON: {exc}") from exc
+
+
+def compute_content_hash(kind: str, scenario: str, payload: dict, references: list[str]) -> str:
+    """sha256 (hex) of the canonical JSON of the fields that define a record's content."""
+    text = canonical_json({"kind": kind, "scenario": scenario, "payload": payload, "references": references})
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def check_identifier(what: str, value: Any) -> str:
+    """Return ``value`` if it is a usable id (non-empty string within :data:`MAX_ID_LENGTH`), else raise."""
+    if not isinstance(value, str) or not value:
+        raise ValidationFailed(f"{what} must be a non-empty string", field=what)
+    if len(value) > MAX_ID_LENGTH:
+        raise ValidationFailed(f"{what} is longer than {MAX_ID_LENGTH} characters", field=what)
+    return value
+
+
+@dataclass(frozen=True)
+class Record:
+    """One stored interaction (``inference``) or client report (``report``).
+
+    ``sequence`` is ``None`` until the store assigns it; ``content_hash`` is computed when not given.
+    """
+
+    record_id: str
+    scenario: str
+    kind: str
+    payload: dict
+    references: list[str] = field(default_factory=list)
+    tags: dict = field(default_factory=dict)
+    version: str | None = None
+    complete: bool = True
+    request_hash: str | None = None
+    content_hash: str | None = None
+    sequence: int | None = None
+    created_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        check_identifier("record_id", self.record_id)
+        check_identifier("scenario", self.scenario)
+        if self.kind not in KINDS:
+            raise ValidationFailed(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}", field="kind")
+        if not isinstance(self.payload, dict):
+            raise ValidationFailed("payload must be a JSON object", field="payload")
+        if not isinstance(self.references, list) or not all(isinstance(r, str) for r in self.references):
+            raise ValidationFailed("references must be a list of strings", field="references")
+        if not isinstance(self.tags, dict):
+            raise ValidationFailed("tags must be a JSON object", field="tags")
+        for name, longest in (("version", MAX_ID_LENGTH), ("request_hash", 128), ("content_hash", 128)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or len(value) > longest):
+                raise ValidationFailed(f"{name} must be a string of at most {longest} characters, or None",
+                                       field=name)
+        if not isinstance(self.complete, bool):
+            raise ValidationFailed("complete must be a boolean", field="complete")
+        if not isinstance(self.created_at, (int, float)) or not math.isfinite(self.created_at):
+            raise ValidationFailed("created_at must be a finite number", field="created_at")
+        canonical_json(self.tags)  # refuse unstorable tags now rather than inside a batch
+        if self.content_hash is None:
+            digest = compute_content_hash(self.kind, self.scenario, self.payload, self.references)
+            object.__setattr__(self, "content_hash", digest)
+
+    def with_sequence(self, sequence: int) -> Record:
+        """A copy carrying the sequence the store assigned (no re-validation: the fields are already checked)."""
+        clone = copy.copy(self)
+        object.__setattr__(clone, "sequence", sequence)
+        return clone
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A scenario row: its permanent recipe binding and whether it was archived."""
+
+    name: str
+    recipe: str
+    created_at: float
+    archived: bool = False

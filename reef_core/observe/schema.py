@@ -1,0 +1,70 @@
+"""Table definitions the record store queries (SQLAlchemy Core).
+
+The tables are declared without a schema; a PostgreSQL store maps them into its own schema with
+``schema_translate_map``, so one process can hold stores in several schemas. The DDL itself lives in the Alembic
+migrations (``reef_core/observe/migrations``); ``tests/observe`` checks that the two agree.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+metadata = sa.MetaData()
+
+#: Alembic's bookkeeping table for this store, kept apart from any other Alembic history in the same database.
+VERSION_TABLE = "reef_records_alembic_version"
+
+scenarios = sa.Table(
+    "scenarios",
+    metadata,
+    sa.Column("name", sa.String(255), primary_key=True),
+    sa.Column("recipe", sa.String(255), nullable=False),
+    sa.Column("created_at", sa.Double(), nullable=False),
+    sa.Column("archived", sa.Boolean(), nullable=False),
+)
+
+records = sa.Table(
+    "records",
+    metadata,
+    sa.Column("record_id", sa.String(255), primary_key=True),
+    sa.Column("scenario", sa.String(255), nullable=False),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("sequence", sa.BigInteger(), nullable=False),
+    sa.Column("created_at", sa.Double(), nullable=False),
+    sa.Column("version", sa.String(255), nullable=True),
+    sa.Column("complete", sa.Boolean(), nullable=False),
+    sa.Column("request_hash", sa.String(128), nullable=True),
+    sa.Column("content_hash", sa.String(128), nullable=False),
+    sa.Column("references", sa.JSON(), nullable=False),
+    sa.Column("tags", sa.JSON(), nullable=False),
+    sa.Column("payload", sa.JSON(), nullable=False),
+    sa.UniqueConstraint("scenario", "sequence", name="uq_records_scenario_sequence"),
+    sa.Index("ix_records_request_hash", "scenario", "request_hash", "created_at"),
+)
+
+# Per-scenario sequence counters: one upsert per scenario per batch hands out a contiguous range, and the row lock
+# keeps two writers (two processes on one PostgreSQL schema) from handing out the same numbers.
+record_sequences = sa.Table(
+    "record_sequences",
+    metadata,
+    sa.Column("scenario", sa.String(255), primary_key=True),
+    sa.Column("last_sequence", sa.BigInteger(), nullable=False),
+)
+
+idempotency_keys = sa.Table(
+    "idempotency_keys",
+    metadata,
+    sa.Column("scenario", sa.String(255), primary_key=True),
+    sa.Column("idempotency_key", sa.String(255), primary_key=True),
+    sa.Column("record_id", sa.String(255), nullable=False),
+    sa.Column("created_at", sa.Double(), nullable=False),
+)
+
+consumed_ids = sa.Table(
+    "consumed_ids",
+    metadata,
+    sa.Column("scenario", sa.String(255), primary_key=True),
+    sa.Column("record_id", sa.String(255), primary_key=True),
+    sa.Column("step", sa.BigInteger(), nullable=False),
+    sa.Column("consumed_at", sa.Double(), nullable=False),
+)

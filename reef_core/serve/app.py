@@ -1,0 +1,107 @@
+"""The HTTP application: routes, authentication and one error table for every route."""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
+
+from .. import __version__
+from ..errors import ReefError
+from .auth import AuthMiddleware, TokenSet
+from .errors import dialect_for_path, error_body
+from .inference import InferenceCall
+from . import reads
+
+log = logging.getLogger("reef.serve")
+
+#: Marker on routes that need the admin token scope (rollback, promote, delete).
+ADMIN = {"x-reef-scope": "admin"}
+
+
+def create_app(deployment) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await deployment.start()
+        try:
+            yield
+        finally:
+            await deployment.stop()
+
+    app = FastAPI(title="Reef", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.reef = deployment
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"ok": True}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        ids = deployment.engine.model_ids() or ["reef"]
+        now = int(time.time())
+        if request.headers.get("anthropic-version"):
+            data = [{"id": m, "type": "model", "display_name": m, "created_at": "1970-01-01T00:00:00Z"} for m in ids]
+            return {"data": data, "has_more": False, "first_id": ids[0], "last_id": ids[-1]}
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": now, "owned_by": "reef"}
+                                           for m in ids]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await InferenceCall(deployment, request, "openai", "chat").run()
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await InferenceCall(deployment, request, "anthropic", "messages").run()
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        return await InferenceCall(deployment, request, "anthropic", "count_tokens").run()
+
+    app.include_router(reads.router)
+    for router in deployment.extra_routers():
+        app.include_router(router)
+
+    _install_error_handlers(app)
+    admin_routes = [(route.path_regex, frozenset(route.methods or ()))
+                    for route in iter_routes(app.routes) if getattr(route, "openapi_extra", None) == ADMIN]
+    app.add_middleware(AuthMiddleware, tokens=TokenSet.from_config(deployment.cfg.server), admin_routes=admin_routes)
+    return app
+
+
+def iter_routes(routes):
+    """Every endpoint route, descending into included routers (we mount them without prefixes)."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from iter_routes(inner.routes)
+        elif hasattr(route, "methods"):
+            yield route
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    def respond(request: Request, status: int, message: str, code: str | None) -> JSONResponse:
+        return JSONResponse(error_body(dialect_for_path(request.url.path), status, message, code), status_code=status)
+
+    @app.exception_handler(ReefError)
+    async def reef_error(request: Request, exc: ReefError):
+        return respond(request, exc.status, exc.message, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path"))
+        return respond(request, 400, f"{where}: {first.get('msg', 'invalid request')}".strip(": "), "invalid_request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return respond(request, exc.status_code, str(exc.detail), None)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return respond(request, 500, "internal error", "internal_error")

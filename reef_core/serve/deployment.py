@@ -1,0 +1,232 @@
+"""The running deployment: config, plugins, record store, engine, artifacts and learners.
+
+One object owns what a ``reef serve`` process holds, so the HTTP layer stays thin and the
+learning loop (``reef_core.grow.learner``) reaches the same state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from ..errors import ConfigError, NotFound
+from ..observe.records import RecordStore, Scenario
+
+log = logging.getLogger("reef.serve")
+
+
+@dataclass(frozen=True)
+class RecipeBinding:
+    """A recipe section as composed from its package's config group."""
+
+    name: str
+    config: Any  # the ``recipe`` DictConfig (processor, trainer, surface, report_schema, options)
+
+
+class Deployment:
+    def __init__(self, cfg: DictConfig, plugin_manager, store: RecordStore, engine, artifacts):
+        self.cfg = cfg
+        self.pm = plugin_manager
+        self.store = store
+        self.engine = engine
+        self.artifacts = artifacts
+        self.data_dir = Path(cfg.storage.data_dir)
+        self.recipes = self._load_recipes()
+        self._scenarios: dict[str, Scenario] = {}
+        self._scenario_lock = asyncio.Lock()
+        self._report_schemas: dict[str, Any] = {}
+        self._surfaces: dict[str, Any] = {}
+        self._learners: dict[str, Any] = {}
+        self._learners_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- recipes and scenarios ----------------------------------------------------------------
+
+    def _load_recipes(self) -> dict[str, RecipeBinding]:
+        from ..config import compose_config
+
+        recipes: dict[str, RecipeBinding] = {}
+        default = self.cfg.recipe
+        recipes[default.name] = RecipeBinding(default.name, default)
+        for route in self.cfg.routes:
+            if route.recipe and route.recipe not in recipes:
+                # Each routed recipe brings its own recipe section, composed from its config group.
+                composed = compose_config([f"+recipe={route.recipe}"], self.pm)
+                recipes[route.recipe] = RecipeBinding(route.recipe, composed.recipe)
+        for binding in recipes.values():
+            # Fail at start-up, naming the available components, rather than on first use.
+            for kind, key in (("report_schema", "report_schema"), ("processor", "processor"),
+                              ("trainer", "trainer"), ("surface", "surface")):
+                name = binding.config.get(key)
+                if name:
+                    self.pm.get(kind, name)
+        return recipes
+
+    def recipe_for_new_scenario(self, name: str) -> str:
+        """The recipe a new scenario is bound to: first matching route, else the default recipe."""
+        for route in self.cfg.routes:
+            if fnmatch.fnmatchcase(name, route.pattern):
+                return route.recipe
+        return self.cfg.recipe.name
+
+    def recipe(self, scenario: Scenario) -> RecipeBinding:
+        try:
+            return self.recipes[scenario.recipe]
+        except KeyError:
+            raise ConfigError(
+                f"scenario {scenario.name!r} is bound to recipe {scenario.recipe!r}, which this deployment "
+                f"does not load; add a route for it or serve it with +recipe={scenario.recipe}"
+            ) from None
+
+    async def scenario(self, name: str, *, create: bool = True) -> Scenario:
+        """Get a scenario, creating it (bound for good to its recipe) when allowed."""
+        cached = self._scenarios.get(name)
+        if cached is not None:
+            return cached
+        async with self._scenario_lock:
+            cached = self._scenarios.get(name)
+            if cached is not None:
+                return cached
+            found = await asyncio.to_thread(self.store.get_scenario, name)
+            if found is None or found.archived:
+                if not (create and self.cfg.server.allow_implicit_scenarios):
+                    raise NotFound(f"unknown scenario {name!r}")
+                if found is not None and found.archived:
+                    raise NotFound(f"scenario {name!r} was deleted (archived); use another name")
+                found, created = await asyncio.to_thread(
+                    self.store.get_or_create_scenario, name, self.recipe_for_new_scenario(name))
+                if created:
+                    log.info("scenario %s created, bound to recipe %r", name, found.recipe)
+            await asyncio.to_thread(self.learner, found)
+            self._scenarios[name] = found
+            return found
+
+    def report_schema(self, scenario: Scenario):
+        """The recipe's report validator for this scenario, or None."""
+        name = self.recipe(scenario).config.get("report_schema")
+        if not name:
+            return None
+        if name not in self._report_schemas:
+            self._report_schemas[name] = self.pm.create("report_schema", name)
+        return self._report_schemas[name]
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def surface(self, name: str | None):
+        """The surface component named ``name`` (one instance per deployment), or None."""
+        if not name:
+            return None
+        if name not in self._surfaces:
+            options = {}
+            for binding in self.recipes.values():
+                if binding.config.get("surface") == name and binding.config.get("surface_options"):
+                    from omegaconf import OmegaConf
+
+                    options = OmegaConf.to_container(binding.config.surface_options, resolve=True)
+            self._surfaces[name] = self.pm.create("surface", name, deployment=self, options=options)
+        return self._surfaces[name]
+
+    def surface_for(self, scenario: Scenario):
+        return self.surface(self.recipe(scenario).config.get("surface"))
+
+    def learner(self, scenario: Scenario):
+        """The scenario's learner (created, recovered and started on first use)."""
+        from ..grow.learner import ScenarioLearner
+
+        with self._learners_lock:
+            found = self._learners.get(scenario.name)
+            if found is None:
+                found = ScenarioLearner(self, scenario.name, self.recipe(scenario))
+                found.start()
+                self._learners[scenario.name] = found
+            return found
+
+    def records_stored(self, scenario: str, version: str | None = None) -> None:
+        """A record of ``scenario`` is durable: wake its learner (never waits for training)."""
+        learner = self._learners.get(scenario)
+        if learner is not None:
+            if version is not None:
+                learner.served(version)
+            learner.wake()
+
+    def load_base_model(self):
+        """The deployment's base model, as the local engine loaded it (``(model, tokenizer)``)."""
+        from ..grow.models import load_model, resolve_model
+
+        return load_model(resolve_model(str(self.cfg.engine.model), self.data_dir))
+
+    def run_async(self, coroutine, timeout: float | None = 600):
+        """Run a coroutine on the server's event loop from a worker thread and wait for it."""
+        if self._loop is None:
+            return asyncio.run(coroutine)
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    def release_rows(self, scenario: str) -> list[dict]:
+        return self._learners[scenario].release_rows() if scenario in self._learners else [
+            r.to_dict() for r in self.artifacts.releases(scenario)]
+
+    def archive_scenario(self, name: str) -> None:
+        learner = self._learners.pop(name, None)
+        if learner is not None:
+            learner.stop()
+        if self.artifacts.head(name) is not None:
+            self.artifacts.archive(name)
+        self.store.archive_scenario(name)
+        self._scenarios.pop(name, None)
+
+    def status(self) -> dict:
+        return {"scenarios": {name: learner.status() for name, learner in list(self._learners.items())},
+                "engine": {"name": getattr(self.engine, "name", None),
+                           "version": getattr(self.engine, "version", None)}}
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self.engine.start()
+        # Existing scenarios resume their learners (recovery runs before serving starts).
+        for scenario in await asyncio.to_thread(self.store.scenarios):
+            if not scenario.archived:
+                try:
+                    await asyncio.to_thread(self.learner, scenario)
+                except ConfigError as exc:
+                    log.error("scenario %s not resumed: %s", scenario.name, exc.message)
+
+    async def stop(self) -> None:
+        for learner in list(self._learners.values()):
+            await asyncio.to_thread(learner.stop)
+        try:
+            await self.engine.close()
+        finally:
+            self.store.close()
+
+    def extra_routers(self) -> list:
+        """Routers of the later loop stages (reports, releases, harness), mounted by the app."""
+        from . import releases, reports
+
+        routers = [reports.router, releases.router]
+        try:
+            from . import harness
+        except ImportError:
+            harness = None
+        if harness is not None:
+            routers.append(harness.router)
+        return routers
+
+    # -- serving version -----------------------------------------------------------------------
+
+    def serving_version(self, scenario: Scenario) -> str | None:
+        """The artifact version that serves this scenario's next request."""
+        surface = self.surface_for(scenario)
+        if surface is not None:
+            version = surface.serving_version(scenario.name)
+            if version is not None:
+                return version
+        return getattr(self.engine, "version", None)

@@ -1,0 +1,44 @@
+"""Error bodies in each endpoint's own dialect.
+
+OpenAI routes answer ``{"error": {"message", "type", "code", "param"}}``, Anthropic routes
+``{"type": "error", "error": {"type", "message"}}`` and Reef's own routes
+``{"error": {"code", "message"}}``. The status code is always the honest one.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+Dialect = Literal["openai", "anthropic", "reef"]
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
+    429: "rate_limit_error", 500: "api_error", 502: "api_error", 503: "overloaded_error", 504: "api_error",
+}
+_OPENAI_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
+}
+
+
+def dialect_for_path(path: str) -> Dialect:
+    if path.startswith("/v1/messages"):
+        return "anthropic"
+    if path.startswith("/v1/"):
+        return "openai"
+    return "reef"
+
+
+def error_body(dialect: Dialect, status: int, message: str, code: str | None = None) -> dict:
+    if dialect == "anthropic":
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+    if dialect == "openai":
+        kind = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        return {"error": {"message": message, "type": kind, "code": code, "param": None}}
+    return {"error": {"code": code or str(status), "message": message}}
+
+
+def error_bytes(dialect: Dialect, status: int, message: str, code: str | None = None) -> bytes:
+    return json.dumps(error_body(dialect, status, message, code)).encode()

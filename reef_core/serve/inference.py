@@ -1,0 +1,362 @@
+"""Inference routes: call the engine, store the record durably, then hand out the receipt.
+
+Order per request: parse and validate → resolve the scenario (created on first use) → freeze
+the serving version → call the engine (translating dialects when the engine speaks the other
+one) → append the record and wait until it is durable → reply with ``x-reef-agent-record-id``.
+
+Streams relay events as they arrive and hold the terminal event: the record is stored first,
+then the receipt goes out in-band (an extra OpenAI chunk before ``[DONE]``; a ``reef`` field on
+Anthropic's ``message_stop``). A stream carries no receipt header, because headers leave before
+the record exists. A stream cut short is stored as incomplete (never trainable) and the client
+gets a clean error event.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..engines.base import TOKENS_EVENT, DirectResponse, EngineRequest, EngineResponse, StreamEvent, TokenData
+from ..engines.translate import stream_translator, translate_error, translate_request, translate_response
+from ..errors import Conflict, PayloadTooLarge, ReefError, ValidationFailed
+from ..observe.model import Record, canonical_json
+from .aggregate import accumulator_for, synthetic_stream
+from .errors import error_body
+
+log = logging.getLogger("reef.serve")
+
+RECEIPT_HEADER = "x-reef-agent-record-id"
+SCENARIO_HEADER = "x-reef-scenario"
+TAG_PREFIX = "x-reef-tag-"
+#: Request headers never forwarded to an engine: credentials, Reef's own, and hop-by-hop ones.
+_DROP_HEADERS = frozenset({"authorization", "x-api-key", "host", "content-length", "content-type", "connection",
+                           "accept-encoding", "cookie", "transfer-encoding", "idempotency-key"})
+_MAX_TAGS = 32
+_MAX_TAG_LENGTH = 512
+
+
+async def read_json_body(request: Request, limit: int) -> dict:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ValidationFailed("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ValidationFailed("request body must be a JSON object")
+    return body
+
+
+def scenario_name(request: Request) -> str:
+    name = (request.headers.get(SCENARIO_HEADER) or "").strip()
+    if not name:
+        raise ValidationFailed(f"missing or empty {SCENARIO_HEADER}")
+    if len(name) > 200:
+        raise ValidationFailed(f"{SCENARIO_HEADER} is longer than 200 characters")
+    return name
+
+
+def tags_of(request: Request) -> dict[str, str]:
+    tags = {}
+    for key, value in request.headers.items():
+        if key.startswith(TAG_PREFIX) and len(key) > len(TAG_PREFIX):
+            if len(value) > _MAX_TAG_LENGTH:
+                raise ValidationFailed(f"header {key} is longer than {_MAX_TAG_LENGTH} characters")
+            tags[key[len(TAG_PREFIX):].lower()] = value
+    if len(tags) > _MAX_TAGS:
+        raise ValidationFailed(f"at most {_MAX_TAGS} x-reef-tag-* headers")
+    return tags
+
+
+def client_record_id(request: Request) -> str | None:
+    value = request.headers.get(RECEIPT_HEADER)
+    if value is None:
+        return None
+    value = value.strip()
+    if not value or len(value) > 128 or not all(c.isalnum() or c in "-_.:" for c in value):
+        raise ValidationFailed(f"{RECEIPT_HEADER} must be 1-128 characters of letters, digits, '-', '_', '.', ':'")
+    return value
+
+
+def new_record_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _forward_headers(request: Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items()
+            if k not in _DROP_HEADERS and not k.startswith("x-reef-") and not k.startswith("x-stainless")}
+
+
+def _retry_count(request: Request) -> int:
+    try:
+        return int(request.headers.get("x-stainless-retry-count", "0"))
+    except ValueError:
+        return 0
+
+
+class InferenceCall:
+    """One inference request through its whole life."""
+
+    def __init__(self, deployment, request: Request, client_dialect: str, route: str):
+        self.dep = deployment
+        self.request = request
+        self.client_dialect = client_dialect
+        self.route = route
+        self.started = time.perf_counter()
+        self.created_at = time.time()
+
+    async def run(self) -> Response:
+        dep, request = self.dep, self.request
+        body = await read_json_body(request, int(dep.cfg.server.max_body_bytes))
+        self.scenario = await dep.scenario(scenario_name(request))
+        self.tags = tags_of(request)
+        self.client_record_id = client_record_id(request)
+        self.record_id = self.client_record_id or new_record_id()
+        self.idempotency_key = request.headers.get("idempotency-key") or None
+        self.request_hash = hashlib.sha256(
+            canonical_json({"route": self.route, "body": body}).encode()).hexdigest()
+        self.client_body = body
+
+        replay = await self._find_retry()
+        if replay is not None:
+            return self._replay(replay, stream=bool(body.get("stream")))
+
+        engine = dep.engine
+        self.engine_dialect = self.client_dialect if self.client_dialect in engine.dialects else engine.dialects[0]
+        engine_route = self.route if self.engine_dialect == self.client_dialect else (
+            "chat" if self.engine_dialect == "openai" else "messages")
+        # A harness surface may shape the request (e.g. the current system prompt).
+        surface = dep.surface_for(self.scenario)
+        self.release_id = None
+        self.extra_headers: dict[str, str] = {}
+        if surface is not None and self.route != "count_tokens":
+            body, self.release_id = surface.prepare_request(self.scenario.name, self.client_dialect, body)
+            self.extra_headers = surface.response_headers(self.scenario.name, self.release_id)
+        upstream_body = translate_request(body, self.client_dialect, self.engine_dialect,
+                                          int(dep.cfg.engine.max_new_tokens))
+        self.version = dep.serving_version(self.scenario)
+        self.engine_request = EngineRequest(dialect=self.engine_dialect, route=engine_route, body=upstream_body,
+                                            headers=_forward_headers(request), version=self.version)
+        if body.get("stream"):
+            return await self._stream()
+        return await self._complete()
+
+    # -- retries -------------------------------------------------------------------------------
+
+    async def _find_retry(self) -> Record | None:
+        """A retried request (idempotency key, or an SDK retry of the same body) reuses its record."""
+        store = self.dep.store
+        if self.client_record_id:
+            found = await _in_thread(store.get, self.client_record_id)
+            if found is not None:
+                if found.scenario != self.scenario.name or found.request_hash != self.request_hash:
+                    raise Conflict(f"record id {self.client_record_id!r} was already used for another request")
+                return found
+        if self.idempotency_key:
+            found = await _in_thread(store.find_by_idempotency_key, self.scenario.name, self.idempotency_key)
+            if found is not None:
+                return found
+        if _retry_count(self.request) > 0:
+            return await _in_thread(store.find_recent_by_request_hash, self.scenario.name, self.request_hash)
+        return None
+
+    def _replay(self, record: Record, stream: bool) -> Response:
+        payload = record.payload
+        body = translate_response(payload["response"], payload["dialect"], self.client_dialect)
+        headers = {RECEIPT_HEADER: record.record_id, "x-reef-replayed": "true"}
+        if stream:
+            return StreamingResponse(synthetic_stream(self.client_dialect, body, record.record_id),
+                                     media_type="text/event-stream", headers={"x-reef-replayed": "true"})
+        return JSONResponse(body, headers=headers)
+
+    # -- non-streaming ---------------------------------------------------------------------------
+
+    async def _complete(self) -> Response:
+        engine = self.dep.engine
+        req = self.engine_request
+        started = time.perf_counter()
+        if self.route == "count_tokens":
+            result = await engine.count_tokens(req)
+        else:
+            result = await engine.complete(req)
+        engine_ms = (time.perf_counter() - started) * 1000
+        if result.status >= 400:
+            # A relayed provider error: the client sees the provider's status and message, in its
+            # own dialect; nothing is recorded.
+            relay_headers = {k: v for k, v in result.headers.items() if k.lower() == "retry-after"}
+            return JSONResponse(translate_error(result.body, result.status, self.client_dialect),
+                                status_code=result.status, headers=relay_headers)
+        record = self._record(response=result.body, tokens=result.tokens, version=result.version,
+                              engine_ms=engine_ms, complete=True)
+        stored = await self.dep.store.append(record, self.idempotency_key)
+        self.dep.pm.notify("reef_record_stored", record=stored)
+        self.dep.records_stored(stored.scenario, stored.version)
+        body = result.body if self.route == "count_tokens" else translate_response(
+            result.body, self.engine_dialect, self.client_dialect)
+        overhead = (time.perf_counter() - self.started) * 1000 - engine_ms
+        return JSONResponse(body, headers={RECEIPT_HEADER: stored.record_id, **self.extra_headers,
+                                           "x-reef-overhead-ms": f"{overhead:.2f}"})
+
+    def _record(self, *, response: Any, tokens: TokenData | None, version: str | None, engine_ms: float,
+                complete: bool, error: str | None = None, stream: bool = False) -> Record:
+        payload: dict[str, Any] = {
+            "route": self.engine_request.route,
+            "dialect": self.engine_dialect,
+            "client_dialect": self.client_dialect,
+            "request": self.engine_request.body,
+            "response": response,
+            "engine": self.dep.engine.name,
+            "stream": stream,
+            "timings": {"engine_ms": round(engine_ms, 3),
+                        "total_ms": round((time.perf_counter() - self.started) * 1000, 3)},
+        }
+        if tokens is not None:
+            payload["tokens"] = tokens.to_dict()
+        if error:
+            payload["error"] = error
+        if self.release_id:
+            payload["release_id"] = self.release_id  # the harness release that shaped the request
+        return Record(record_id=self.record_id, scenario=self.scenario.name, kind="inference", payload=payload,
+                      tags=self.tags, version=(tokens.version if tokens else None) or version or self.version,
+                      complete=complete, request_hash=self.request_hash, created_at=self.created_at)
+
+    # -- streaming -------------------------------------------------------------------------------
+
+    async def _stream(self) -> Response:
+        engine = self.dep.engine
+        events = engine.stream(self.engine_request)
+        try:
+            first = await events.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except DirectResponse as direct:
+            result: EngineResponse = direct.response
+            if result.status >= 400:
+                return JSONResponse(translate_error(result.body, result.status, self.client_dialect),
+                                    status_code=result.status)
+            # The provider answered without a stream: relay it as one.
+            record = self._record(response=result.body, tokens=result.tokens, version=result.version,
+                                  engine_ms=0.0, complete=True, stream=True)
+            stored = await self.dep.store.append(record, self.idempotency_key)
+            self.dep.pm.notify("reef_record_stored", record=stored)
+            self.dep.records_stored(stored.scenario)
+            body = translate_response(result.body, self.engine_dialect, self.client_dialect)
+            return StreamingResponse(synthetic_stream(self.client_dialect, body, stored.record_id),
+                                     media_type="text/event-stream")
+        # Errors before the first event propagate as ordinary error responses.
+        return StreamingResponse(self._relay(first, events), media_type="text/event-stream",
+                                 headers={"cache-control": "no-store", "x-accel-buffering": "no",
+                                          **self.extra_headers})
+
+    async def _relay(self, first: StreamEvent | None, events: AsyncIterator[StreamEvent]):
+        translator = stream_translator(self.engine_dialect, self.client_dialect,
+                                       model=self.engine_request.body.get("model"))
+        accumulator = accumulator_for(self.engine_dialect)
+        tokens: TokenData | None = None
+        started = time.perf_counter()
+        terminal_seen = False
+        error: str | None = None
+
+        async def source():
+            if first is not None:
+                yield first
+            async for event in events:
+                yield event
+
+        try:
+            async for event in source():
+                if event.event == TOKENS_EVENT:
+                    tokens = TokenData.from_dict(event.data)
+                    continue
+                accumulator.feed(event)
+                for out in (translator.feed(event) if translator else [event]):
+                    if _is_terminal(self.client_dialect, out):
+                        terminal_seen = True
+                        continue  # held until the record is durable
+                    if out.is_reef:
+                        continue
+                    yield encode_sse(out)
+            if translator is not None and not terminal_seen:
+                for out in translator.finish():
+                    if _is_terminal(self.client_dialect, out):
+                        terminal_seen = True
+                    elif not out.is_reef:
+                        yield encode_sse(out)
+            if not terminal_seen or not accumulator.complete:
+                error = "stream ended before its terminal event"
+        except ReefError as exc:
+            error = exc.message
+        except BaseException as exc:  # client went away (cancelled) or the engine failed
+            error = f"stream interrupted: {type(exc).__name__}"
+            await self._store_stream(accumulator, tokens, started, error)
+            raise
+        stored = await self._store_stream(accumulator, tokens, started, error)
+        if error is not None:
+            yield encode_sse(_error_event(self.client_dialect, error, stored.record_id if stored else None))
+            return
+        for out in receipt_events(self.client_dialect, stored.record_id, self.engine_request.body.get("model")):
+            yield encode_sse(out)
+
+    async def _store_stream(self, accumulator, tokens, started, error) -> Record | None:
+        record = self._record(response=accumulator.body(), tokens=tokens,
+                              version=tokens.version if tokens else None,
+                              engine_ms=(time.perf_counter() - started) * 1000,
+                              complete=error is None, error=error, stream=True)
+        try:
+            stored = await self.dep.store.append(record, self.idempotency_key)
+        except Exception:  # noqa: BLE001 - the client still gets a clean error event
+            log.exception("could not store stream record %s", record.record_id)
+            return None
+        self.dep.pm.notify("reef_record_stored", record=stored)
+        self.dep.records_stored(stored.scenario, stored.version)
+        return stored
+
+
+def _is_terminal(dialect: str, event: StreamEvent) -> bool:
+    if dialect == "openai":
+        return event.data == "[DONE]"
+    return event.event == "message_stop" or (isinstance(event.data, dict) and event.data.get("type") == "message_stop")
+
+
+def receipt_events(dialect: str, record_id: str, model: str | None) -> list[StreamEvent]:
+    if dialect == "openai":
+        chunk = {"id": f"chatcmpl-{record_id}", "object": "chat.completion.chunk", "created": int(time.time()),
+                 "model": model or "reef", "choices": [], "reef": {"agent_record_id": record_id}}
+        return [StreamEvent(None, chunk), StreamEvent(None, "[DONE]")]
+    return [StreamEvent("message_stop", {"type": "message_stop", "reef": {"agent_record_id": record_id}})]
+
+
+def _error_event(dialect: str, message: str, record_id: str | None) -> StreamEvent:
+    body = error_body("anthropic" if dialect == "anthropic" else "openai", 502, message, "upstream_error")
+    if record_id:
+        body["reef"] = {"agent_record_id": record_id, "complete": False}
+    return StreamEvent("error" if dialect == "anthropic" else None, body)
+
+
+def encode_sse(event: StreamEvent) -> bytes:
+    data = event.data if isinstance(event.data, str) else json.dumps(event.data, separators=(",", ":"))
+    if event.event:
+        return f"event: {event.event}\ndata: {data}\n\n".encode()
+    return f"data: {data}\n\n".encode()
+
+
+async def _in_thread(fn, *args):
+    import asyncio
+
+    return await asyncio.to_thread(fn, *args)

@@ -1,0 +1,64 @@
+"""Read routes over scenarios and records (``/reef/scenarios...``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Query, Request
+from starlette.responses import JSONResponse
+
+from ..errors import NotFound
+from ..observe.model import Record
+
+router = APIRouter()
+_NO_STORE = {"cache-control": "no-store"}
+
+
+def record_row(record: Record) -> dict:
+    score = record.payload.get("score") if record.kind == "report" else None
+    return {
+        "sequence": record.sequence,
+        "agent_record_id": record.record_id,
+        "request_type": record.kind,
+        "created_at": record.created_at,
+        "references": list(record.references),
+        "artifact_ref": record.version,
+        "score": score,
+        "complete": record.complete,
+        "tags": dict(record.tags),
+    }
+
+
+@router.get("/reef/scenarios")
+async def list_scenarios(request: Request):
+    dep = request.app.state.reef
+    rows = await asyncio.to_thread(dep.store.scenarios)
+    return JSONResponse({"scenarios": [
+        {"scenario": s.name, "recipe": s.recipe, "created_at": s.created_at, "archived": s.archived}
+        for s in rows]}, headers=_NO_STORE)
+
+
+async def _existing_scenario(request: Request, name: str):
+    scenario = await asyncio.to_thread(request.app.state.reef.store.get_scenario, name)
+    if scenario is None:
+        raise NotFound(f"unknown scenario {name!r}")
+    return scenario
+
+
+@router.get("/reef/scenarios/{scenario}/records")
+async def list_records(request: Request, scenario: str, after_sequence: int = Query(0, ge=0),
+                       limit: int = Query(50, ge=1, le=100)):
+    await _existing_scenario(request, scenario)
+    rows = await asyncio.to_thread(request.app.state.reef.store.page, scenario, after_sequence, limit)
+    next_after = rows[-1].sequence if len(rows) == limit else None
+    return JSONResponse({"scenario": scenario, "records": [record_row(r) for r in rows],
+                         "next_after_sequence": next_after}, headers=_NO_STORE)
+
+
+@router.get("/reef/scenarios/{scenario}/records/{record_id}")
+async def get_record(request: Request, scenario: str, record_id: str):
+    record = await asyncio.to_thread(request.app.state.reef.store.get, record_id)
+    if record is None or record.scenario != scenario:
+        raise NotFound(f"no record {record_id!r} in scenario {scenario!r}")
+    return JSONResponse({**record_row(record), "scenario": record.scenario, "payload": record.payload},
+                        headers=_NO_STORE)

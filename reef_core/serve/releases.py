@@ -1,0 +1,92 @@
+"""Release, commit-log and status routes of a scenario.
+
+Reads (release list, commit log, status) need an inference token; operations that change what
+a scenario serves (rollback, promote, delete) are marked admin and need an admin token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Query, Request
+from starlette.responses import JSONResponse
+
+from ..errors import NotFound, ValidationFailed
+from .inference import read_json_body
+
+ADMIN = {"x-reef-scope": "admin"}
+router = APIRouter()
+_NO_STORE = {"cache-control": "no-store"}
+
+
+async def _scenario(request: Request, name: str):
+    dep = request.app.state.reef
+    scenario = await asyncio.to_thread(dep.store.get_scenario, name)
+    if scenario is None or scenario.archived:
+        raise NotFound(f"unknown scenario {name!r}")
+    return dep, scenario
+
+
+async def _release_id(request: Request) -> str:
+    body = await read_json_body(request, 64 * 1024)
+    unknown = sorted(set(body) - {"release_id"})
+    if unknown:
+        raise ValidationFailed(f"unknown field(s): {', '.join(unknown)}")
+    release_id = body.get("release_id")
+    if not isinstance(release_id, str) or not release_id:
+        raise ValidationFailed("release_id must be a non-empty string")
+    return release_id
+
+
+@router.get("/reef/scenarios/{scenario}/releases")
+async def list_releases(request: Request, scenario: str):
+    dep, found = await _scenario(request, scenario)
+    rows = await asyncio.to_thread(dep.release_rows, found.name)
+    return JSONResponse({"scenario": found.name, "releases": rows}, headers=_NO_STORE)
+
+
+@router.post("/reef/scenarios/{scenario}/rollback", openapi_extra=ADMIN)
+async def rollback(request: Request, scenario: str):
+    dep, found = await _scenario(request, scenario)
+    release_id = await _release_id(request)
+    release = await asyncio.to_thread(dep.learner(found).republish, "rollback", release_id)
+    return {"scenario": found.name, "release_id": release.release_id, "content_id": release.content_id}
+
+
+@router.post("/reef/scenarios/{scenario}/promote", openapi_extra=ADMIN)
+async def promote(request: Request, scenario: str):
+    dep, found = await _scenario(request, scenario)
+    release_id = await _release_id(request)
+    release = await asyncio.to_thread(dep.learner(found).republish, "promote", release_id)
+    return {"scenario": found.name, "release_id": release.release_id, "content_id": release.content_id}
+
+
+@router.delete("/reef/scenarios/{scenario}", openapi_extra=ADMIN)
+async def delete_scenario(request: Request, scenario: str):
+    dep, found = await _scenario(request, scenario)
+    await asyncio.to_thread(dep.archive_scenario, found.name)
+    return {"scenario": found.name, "archived": True}
+
+
+@router.get("/reef/scenarios/{scenario}/commits")
+async def list_commits(request: Request, scenario: str, after_step: int = Query(0, ge=0),
+                       limit: int = Query(50, ge=1, le=100), record_id: list[str] = Query(default=[])):
+    dep, found = await _scenario(request, scenario)
+    if len(record_id) > 100:
+        raise ValidationFailed("at most 100 record_id filters")
+    rows = await asyncio.to_thread(dep.learner(found).commit_rows, after_step, limit, record_id or None)
+    next_after = rows[-1]["step"] if len(rows) == limit else None
+    return JSONResponse({"scenario": found.name, "commits": rows, "next_after_step": next_after},
+                        headers=_NO_STORE)
+
+
+@router.get("/reef/scenarios/{scenario}/status")
+async def scenario_status(request: Request, scenario: str):
+    dep, found = await _scenario(request, scenario)
+    return JSONResponse(await asyncio.to_thread(dep.learner(found).status), headers=_NO_STORE)
+
+
+@router.get("/reef/status")
+async def deployment_status(request: Request):
+    dep = request.app.state.reef
+    return JSONResponse(await asyncio.to_thread(dep.status), headers=_NO_STORE)

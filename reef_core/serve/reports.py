@@ -1,0 +1,99 @@
+"""``POST /reef/report``: feedback quoting receipts, validated at the door and stored as a record.
+
+Validation (all before anything is stored): only the known top-level fields; ``score`` a finite
+number and not a bool; ``feedback`` text or a JSON object within a size cap; ``references``
+unique receipts of stored inference records of the same scenario (checked again inside the
+write transaction); ``metadata`` an object; then the recipe's typed report schema, if any.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse
+
+from ..errors import ValidationFailed
+from ..observe.model import Record
+from .inference import RECEIPT_HEADER, read_json_body, scenario_name
+
+router = APIRouter()
+
+REPORT_FIELDS = frozenset({"score", "feedback", "references", "metadata", "agent_record_id"})
+MAX_REFERENCES = 100
+MAX_FEEDBACK_BYTES = 64 * 1024
+MAX_METADATA_BYTES = 64 * 1024
+MAX_REPORT_BYTES = 1024 * 1024
+
+
+def validate_report(body: dict) -> dict:
+    """Check the generic report rules; return the normalised report."""
+    unknown = sorted(set(body) - REPORT_FIELDS)
+    if unknown:
+        raise ValidationFailed(f"unknown report field(s): {', '.join(unknown)}; allowed: {', '.join(sorted(REPORT_FIELDS))}")
+    report: dict = {}
+    if "score" in body and body["score"] is not None:
+        score = body["score"]
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+            raise ValidationFailed("score must be a finite number")
+        report["score"] = score
+    if "feedback" in body and body["feedback"] is not None:
+        feedback = body["feedback"]
+        if not isinstance(feedback, (str, dict)):
+            raise ValidationFailed("feedback must be text or a JSON object")
+        if len(json.dumps(feedback).encode()) > MAX_FEEDBACK_BYTES:
+            raise ValidationFailed(f"feedback is larger than {MAX_FEEDBACK_BYTES} bytes")
+        report["feedback"] = feedback
+    references = body.get("references") or []
+    if not isinstance(references, list) or not all(isinstance(r, str) and r for r in references):
+        raise ValidationFailed("references must be a list of receipts (non-empty strings)")
+    if len(references) > MAX_REFERENCES:
+        raise ValidationFailed(f"at most {MAX_REFERENCES} references per report")
+    duplicates = sorted({r for r in references if references.count(r) > 1})
+    if duplicates:
+        raise ValidationFailed(f"duplicate reference {duplicates[0]!r}")
+    report["references"] = references
+    metadata = body.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise ValidationFailed("metadata must be a JSON object")
+        if isinstance(metadata.get("training"), dict) and "eligible" in metadata["training"]:
+            raise ValidationFailed("metadata.training.eligible is not supported: eligibility is the recipe's decision")
+        if len(json.dumps(metadata).encode()) > MAX_METADATA_BYTES:
+            raise ValidationFailed(f"metadata is larger than {MAX_METADATA_BYTES} bytes")
+        report["metadata"] = metadata
+    record_id = body.get("agent_record_id")
+    if record_id is not None and (not isinstance(record_id, str) or not record_id or len(record_id) > 128):
+        raise ValidationFailed("agent_record_id must be a string of 1-128 characters")
+    report["agent_record_id"] = record_id
+    return report
+
+
+@router.post("/reef/report")
+async def post_report(request: Request):
+    dep = request.app.state.reef
+    body = await read_json_body(request, MAX_REPORT_BYTES)
+    name = scenario_name(request)
+    report = validate_report(body)
+    scenario = await dep.scenario(name)
+    schema = dep.report_schema(scenario)
+    if schema is not None:
+        schema(dict(report))  # raises ValidationFailed with the recipe's own message
+    record = Record(
+        record_id=report["agent_record_id"] or uuid.uuid4().hex,
+        scenario=scenario.name,
+        kind="report",
+        payload={k: report[k] for k in ("score", "feedback", "metadata") if k in report},
+        references=report["references"],
+        version=None,
+        created_at=time.time(),
+    )
+    stored = await dep.store.append(record, check_references=True)
+    dep.pm.notify("reef_record_stored", record=stored)
+    dep.pm.notify("reef_report_accepted", record=stored, references=list(stored.references))
+    dep.records_stored(scenario.name)
+    return JSONResponse({"agent_record_id": stored.record_id, "scenario": scenario.name, "request_type": "report"},
+                        headers={RECEIPT_HEADER: stored.record_id})

@@ -1,0 +1,60 @@
+"""``reef serve``: build the deployment from the composed config and run uvicorn."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from ..errors import ConfigError
+from .auth import TokenSet, is_loopback
+
+log = logging.getLogger("reef.serve")
+
+
+def build_deployment(cfg: DictConfig, plugin_manager=None):
+    from ..observe.records import RecordStore
+    from ..plugins import get_plugin_manager
+    from .deployment import Deployment
+
+    pm = plugin_manager or get_plugin_manager()
+    data_dir = Path(cfg.storage.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    engine = pm.create("engine", cfg.engine.kind, config=cfg.engine, data_dir=data_dir)
+    artifacts = pm.create("artifact_store", cfg.storage.artifact_store, config=cfg.storage, data_dir=data_dir)
+    options = {"schema": cfg.storage.records_schema} if cfg.storage.records_schema else {}
+    store = RecordStore.open(cfg.storage.records_url, data_dir, **options)
+    try:
+        return Deployment(cfg, pm, store, engine, artifacts)
+    except BaseException:
+        store.close()
+        raise
+
+
+def check_bind(cfg: DictConfig) -> None:
+    if not is_loopback(str(cfg.server.host)) and not TokenSet.from_config(cfg.server).enabled:
+        raise ConfigError(
+            f"refusing to bind {cfg.server.host}: no token is configured, so anyone on the network could use "
+            "this server; set server.tokens (or REEF_TOKEN), or bind 127.0.0.1"
+        )
+
+
+def serve(cfg: DictConfig) -> int:
+    import uvicorn
+
+    from .app import create_app
+
+    check_bind(cfg)
+    # One log line per proxied request would cost more than the proxying itself.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    deployment = build_deployment(cfg)
+    deployment.pm.notify("reef_startup", config=cfg)
+    app = create_app(deployment)
+    config = uvicorn.Config(app, host=str(cfg.server.host), port=int(cfg.server.port),
+                            log_level=str(cfg.server.log_level), access_log=False,
+                            timeout_graceful_shutdown=30)
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1

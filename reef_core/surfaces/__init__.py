@@ -1,0 +1,1 @@
+"""Surfaces: how a published release reaches live requests (weights, harness text)."""

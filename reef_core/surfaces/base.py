@@ -1,0 +1,40 @@
+"""The surface contract.
+
+A surface component (registered through ``reef_register_surfaces``) is built once per
+deployment by ``factory(deployment=<Deployment>, options=<dict>)`` and serves every scenario
+whose recipe names it in ``recipe.surface``. The learner calls :meth:`Surface.activate` after a
+release is committed (or at start-up, to restore the head); the request path calls
+:meth:`prepare_request` and :meth:`response_headers` for each inference of such a scenario.
+"""
+
+from __future__ import annotations
+
+from abc import ABC
+from typing import Any, Callable, Mapping
+
+
+class Surface(ABC):
+    #: ``weights``, ``harness`` or ``none``.
+    kind: str = "none"
+
+    def validate(self, files: Mapping[str, Any]) -> None:
+        """Refuse a release that must not be published (raise ``ValidationFailed``)."""
+
+    def activate(self, scenario: str, release_id: str | None, payload: Any = None,
+                 files: Callable[[], Mapping[str, bytes]] | None = None) -> None:
+        """Make ``release_id`` what serves ``scenario`` from the next request on.
+
+        ``payload`` is the candidate's in-memory form when activation follows training;
+        ``files()`` reads the release from the artifact store (restore, rollback)."""
+
+    def serving_version(self, scenario: str) -> str | None:
+        """The version an inference of ``scenario`` would be served by right now."""
+        return None
+
+    def prepare_request(self, scenario: str, dialect: str, body: dict) -> tuple[dict, str | None]:
+        """Rewrite a request before the engine sees it; return it and the release that shaped it."""
+        return body, None
+
+    def response_headers(self, scenario: str, release_id: str | None) -> dict[str, str]:
+        """Headers added to every inference response of the scenario."""
+        return {}

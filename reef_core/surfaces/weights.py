@@ -1,0 +1,85 @@
+"""The weights surface: publish model weights into the embedded engine between requests.
+
+Versions are ``<incarnation>:<sequence>``: the incarnation is fixed when the engine starts, the
+sequence grows with every swap. The engine swaps on its worker thread after the requests already
+submitted, so a request that started on version v finishes on v and the next one gets v+1.
+One process trains at most one full-weight scenario: the engine has one set of weights.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+from typing import Any, Callable, Mapping
+
+from ..errors import ConfigError, Conflict
+from .base import Surface
+
+log = logging.getLogger("reef.surfaces")
+
+
+def state_dict_from_files(files: Mapping[str, bytes], load_base_model: Callable[[], tuple[Any, Any]] | None):
+    """The full state dict a release's files describe: a full checkpoint, or base + a PEFT adapter."""
+    from safetensors.torch import load as load_safetensors
+
+    if "model.safetensors" in files:
+        return load_safetensors(files["model.safetensors"])
+    if "adapter/adapter_model.safetensors" in files:
+        import json
+        import tempfile
+        from pathlib import Path
+
+        from peft import PeftModel
+
+        if load_base_model is None:
+            raise ConfigError("a LoRA release needs the base model to be restored")
+        base, _tok = load_base_model()
+        with tempfile.TemporaryDirectory() as tmp:
+            adapter = Path(tmp) / "adapter"
+            adapter.mkdir()
+            for name, data in files.items():
+                if name.startswith("adapter/"):
+                    (Path(tmp) / name).write_bytes(data)
+            json.loads((adapter / "adapter_config.json").read_text())  # must be valid
+            merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+        return merged.state_dict()
+    raise ConfigError("release has no weights (model.safetensors or adapter/adapter_model.safetensors)")
+
+
+class WeightsSurface(Surface):
+    kind = "weights"
+
+    def __init__(self, deployment, options: Mapping[str, Any] | None = None):
+        engine = deployment.engine
+        if not hasattr(engine, "swap_weights"):
+            raise ConfigError(f"the weights surface needs an engine that can swap weights (engine.kind=local), "
+                              f"not {getattr(engine, 'name', type(engine).__name__)!r}")
+        self.dep = deployment
+        self.engine = engine
+        incarnation, _, seq = str(engine.version).rpartition(":")
+        self.incarnation = incarnation or str(engine.version)
+        self.sequence = int(seq) if seq.isdigit() else 0
+        self.owner: str | None = None
+        self.release_of: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def _claim(self, scenario: str) -> None:
+        if self.owner is None:
+            self.owner = scenario
+        elif self.owner != scenario:
+            raise Conflict(f"this process already trains the weights of scenario {self.owner!r}; one full-weight "
+                           f"scenario per process (start another deployment for {scenario!r})")
+
+    def activate(self, scenario, release_id, payload=None, files=None) -> None:
+        with self._lock:
+            self._claim(scenario)
+            state = payload if payload is not None else state_dict_from_files(files(), self.dep.load_base_model)
+            self.sequence += 1
+            version = f"{self.incarnation}:{self.sequence}"
+            self.dep.run_async(self.engine.swap_weights(version, state))
+            self.release_of[version] = release_id
+            log.info("scenario %s now served by %s (release %s)", scenario, version, release_id)
+
+    def serving_version(self, scenario: str) -> str | None:
+        return str(self.engine.version)
