@@ -12,6 +12,13 @@ REEF = [sys.executable, "-m", "reef_core.cli"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _shared_model_cache(tmp_path_factory):
+    # Servers started by tests share built/converted models (SmolLM2 takes a minute to convert).
+    os.environ.setdefault("REEF_MODEL_CACHE", str(tmp_path_factory.getbasetemp() / "models"))
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _isolated_env(monkeypatch):
     # A developer's own tokens or upstream must never leak into a test.
@@ -96,10 +103,11 @@ class ReefProcess:
 def _server_factory(base: Path):
     started: list[ReefProcess] = []
 
-    def start(*overrides: str, env: dict | None = None, data_dir: Path | None = None) -> ReefProcess:
+    def start(*overrides: str, env: dict | None = None, data_dir: Path | None = None,
+              timeout: float = 120) -> ReefProcess:
         proc = ReefProcess(data_dir or base / f"data-{len(started)}", list(overrides), env)
         started.append(proc)
-        return proc.start()
+        return proc.start(timeout)
 
     return start, started
 

@@ -10,11 +10,16 @@ from .. import hookimpl
 from ..errors import ConfigError
 
 
+def model_cache_dir(config) -> Path | None:
+    cache = config.model_cache_dir or os.environ.get("REEF_MODEL_CACHE")
+    return Path(cache) if cache else None
+
+
 def make_local_engine(config, data_dir: Path):
     from ..engines.local import LocalEngine
     from ..grow.models import resolve_model
 
-    model_dir = resolve_model(str(config.model), Path(data_dir))
+    model_dir = resolve_model(str(config.model), Path(data_dir), model_cache_dir(config))
     # Versions are "<incarnation>:<sequence>": a fresh incarnation per engine start, so samples
     # produced by weights of an earlier process are never mistaken for current ones.
     return LocalEngine(

@@ -64,6 +64,9 @@ class EngineConfig:
     upstream_api_key: Optional[str] = None
     upstream_dialect: str = "openai"
     upstream_model: Optional[str] = None
+    #: Where built and converted models are cached; default ``<data_dir>/models``
+    #: (``REEF_MODEL_CACHE`` when unset), so several deployments can share one conversion.
+    model_cache_dir: Optional[str] = None
     timeout_s: float = 300.0
     max_new_tokens: int = 128
     temperature: float = 1.0

@@ -287,18 +287,19 @@ def ensure_smollm2(cache_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Path
 # --------------------------------------------------------------------------- resolution and loading
 
 
-def resolve_model(spec: str, data_dir: Path) -> Path:
+def resolve_model(spec: str, data_dir: Path, cache_dir: Path | None = None) -> Path:
     """Turn a model spec into a local model directory.
 
-    ``"tiny"`` → :func:`ensure_tiny_model` at ``data_dir/models/tiny``; ``"smollm2"`` →
-    :func:`ensure_smollm2` under ``data_dir/models``; anything else must be an existing local
-    directory holding a ``config.json`` (ConfigError otherwise; nothing is ever downloaded).
+    ``"tiny"`` → :func:`ensure_tiny_model` at ``<cache_dir>/tiny``; ``"smollm2"`` →
+    :func:`ensure_smollm2` under ``cache_dir`` (default ``data_dir/models``); anything else must
+    be an existing local directory holding a ``config.json`` (ConfigError otherwise; nothing is
+    ever downloaded).
     """
-    data_dir = Path(data_dir)
+    cache = Path(cache_dir) if cache_dir else Path(data_dir) / "models"
     if spec == "tiny":
-        return ensure_tiny_model(data_dir / "models" / "tiny")
+        return ensure_tiny_model(cache / "tiny")
     if spec == "smollm2":
-        return ensure_smollm2(data_dir / "models")
+        return ensure_smollm2(cache)
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise ConfigError(

@@ -158,9 +158,11 @@ class Deployment:
 
     def load_base_model(self):
         """The deployment's base model, as the local engine loaded it (``(model, tokenizer)``)."""
+        from ..builtins.engines import model_cache_dir
         from ..grow.models import load_model, resolve_model
 
-        return load_model(resolve_model(str(self.cfg.engine.model), self.data_dir))
+        engine_cfg = self.cfg.engine
+        return load_model(resolve_model(str(engine_cfg.model), self.data_dir, model_cache_dir(engine_cfg)))
 
     def run_async(self, coroutine, timeout: float | None = 600):
         """Run a coroutine on the server's event loop from a worker thread and wait for it."""

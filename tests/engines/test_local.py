@@ -1,0 +1,229 @@
+"""LocalEngine on the tiny random-init model: token data, sampling, streaming, stops and weight swaps."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+
+import pytest
+import torch
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from reef_core.engines.base import TOKENS_EVENT, EngineRequest
+from reef_core.engines.local import LocalEngine
+from reef_core.errors import ValidationFailed
+
+MESSAGES = [{"role": "system", "content": "be nice"}, {"role": "user", "content": "What is 2 + 3?"}]
+
+
+def _req(**body):
+    return EngineRequest("openai", "chat", {"model": "tiny", "messages": MESSAGES, **body}, {})
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model_dir):
+    from reef_core.grow.models import load_model
+
+    return load_model(tiny_model_dir)
+
+
+def _recompute(model, prompt_ids, output_ids):
+    """log_softmax of a full (cache-free) forward pass, at each sampled token."""
+    ids = torch.tensor([prompt_ids + output_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt_ids) - 1:-1], dim=-1)
+    return lp, lp[torch.arange(len(output_ids)), torch.tensor(output_ids)]
+
+
+async def _events(engine, req):
+    return [ev async for ev in engine.stream(req)]
+
+
+def _engine(tiny_model_dir, **kw):
+    return LocalEngine(tiny_model_dir, max_new_tokens=16, **kw)
+
+
+def test_tokens_and_logprobs_match_a_recomputed_forward(tiny_model_dir, ref):
+    async def go():
+        async with _engine(tiny_model_dir) as eng:
+            return await eng.complete(_req(seed=7, temperature=0.7, top_p=0.8, max_tokens=24))
+
+    r = asyncio.run(go())
+    model, tok = ref
+    ChatCompletion.model_validate(r.body)
+    t = r.tokens
+    prompt_text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert t.prompt_ids == tok(prompt_text, add_special_tokens=False)["input_ids"]
+    assert 0 < len(t.output_ids) == len(t.output_logprobs) == r.body["usage"]["completion_tokens"] <= 24
+    assert r.body["usage"]["prompt_tokens"] == len(t.prompt_ids)
+    _, expected = _recompute(model, t.prompt_ids, t.output_ids)
+    # the raw temperature-1 distribution, not the temperature-0.7 / top-p-0.8 one used for sampling
+    assert torch.allclose(torch.tensor(t.output_logprobs), expected, atol=1e-4, rtol=0)
+    assert t.version == r.version == "base" and r.body["system_fingerprint"] == "reef-base"
+    text = tok.decode([i for i in t.output_ids if i != tok.eos_token_id], skip_special_tokens=True)
+    if "\ufffd" not in text:  # random byte tokens can split a character; otherwise the text is exact
+        assert r.body["choices"][0]["message"]["content"] == text
+
+
+def test_greedy_is_argmax_and_deterministic(tiny_model_dir, ref):
+    async def go():
+        async with _engine(tiny_model_dir) as eng:
+            runs = [await eng.complete(_req(temperature=0, max_tokens=12)) for _ in range(2)]
+            nucleus0 = await eng.complete(_req(temperature=1.0, top_p=0.0, max_tokens=12))  # only the top token
+            return runs + [nucleus0]
+
+    a, b, c = asyncio.run(go())
+    assert a.tokens.output_ids == b.tokens.output_ids == c.tokens.output_ids
+    lp, _ = _recompute(ref[0], a.tokens.prompt_ids, a.tokens.output_ids)
+    assert a.tokens.output_ids == lp.argmax(dim=-1).tolist()
+
+
+def test_stream_matches_non_stream_with_the_same_seed(tiny_model_dir):
+    async def go():
+        async with _engine(tiny_model_dir) as eng:
+            r = await eng.complete(_req(seed=11, max_tokens=20, logprobs=True, top_logprobs=2))
+            ev = await _events(eng, _req(seed=11, max_tokens=20, logprobs=True, top_logprobs=2, stream=True,
+                                         stream_options={"include_usage": True}))
+            return r, ev
+
+    r, events = asyncio.run(go())
+    assert events[-1].data == "[DONE]" and events[-2].event == TOKENS_EVENT
+    usage_chunk, finish_chunk = events[-3].data, events[-4].data
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == r.body["usage"]
+    assert finish_chunk["choices"][0]["finish_reason"] == r.body["choices"][0]["finish_reason"]
+    assert events[0].data["choices"][0]["delta"]["role"] == "assistant"
+    state = ChatCompletionStreamState()
+    for ev in events[:-2]:
+        state.handle_chunk(ChatCompletionChunk.model_validate(ev.data))
+    streamed = state.current_completion_snapshot  # (get_final_completion refuses finish_reason "length")
+    assert streamed.choices[0].message.content == r.body["choices"][0]["message"]["content"]
+    tokens = events[-2].data
+    assert tokens["output_ids"] == r.tokens.output_ids and tokens["prompt_ids"] == r.tokens.prompt_ids
+    assert tokens["output_logprobs"] == r.tokens.output_logprobs and tokens["version"] == "base"
+    stream_lps = [e for ev in events[:-2] if ev.data["choices"]
+                  for e in (ev.data["choices"][0]["logprobs"] or {}).get("content") or []]
+    assert stream_lps == r.body["choices"][0]["logprobs"]["content"]
+    assert all(len(e["top_logprobs"]) == 2 for e in stream_lps)
+
+
+def test_stop_strings_and_token_budget(tiny_model_dir):
+    async def go():
+        async with _engine(tiny_model_dir) as eng:
+            free = await eng.complete(_req(temperature=0, max_tokens=24))
+            text = free.body["choices"][0]["message"]["content"]
+            assert len(text) >= 6, text
+            stop = text[len(text) // 2: len(text) // 2 + 2]
+            cut = await eng.complete(_req(temperature=0, max_tokens=24, stop=[stop, "never-occurs"]))
+            streamed = await _events(eng, _req(temperature=0, max_tokens=24, stop=stop, stream=True))
+            short = await eng.complete(_req(temperature=0, max_tokens=3))
+            return text, stop, cut, streamed, short
+
+    text, stop, cut, streamed, short = asyncio.run(go())
+    expected = text[: text.find(stop)]
+    assert cut.body["choices"][0]["message"]["content"] == expected
+    assert cut.body["choices"][0]["finish_reason"] == "stop"
+    stream_text = "".join(ev.data["choices"][0]["delta"].get("content") or "" for ev in streamed
+                          if isinstance(ev.data, dict) and ev.data.get("choices"))
+    assert stream_text == expected  # the held-back prefix of the stop string never leaked
+    assert short.body["choices"][0]["finish_reason"] == "length" and len(short.tokens.output_ids) == 3
+
+
+def test_swap_weights_versions_requests(tiny_model_dir, ref):
+    model, _ = ref
+    noise = torch.Generator().manual_seed(3)
+    key = "model.layers.1.mlp.down_proj.weight"
+    new_w = model.state_dict()[key] + 0.5 * torch.randn(model.state_dict()[key].shape, generator=noise)
+    swapped = copy.deepcopy(model)
+    swapped.load_state_dict({key: new_w}, strict=False)
+
+    async def go():
+        async with _engine(tiny_model_dir) as eng:
+            gen = eng.stream(_req(seed=1, max_tokens=40, stream=True))
+            first = await gen.__anext__()  # the generation has started on "base"
+            swap = asyncio.create_task(eng.swap_weights("v2", {key: new_w}))
+            rest = [ev async for ev in gen]
+            await swap
+            after = await eng.complete(_req(seed=1, max_tokens=12))
+            with pytest.raises(ValidationFailed):
+                await eng.swap_weights("bad", {"no.such.weight": new_w})
+            with pytest.raises(ValidationFailed):
+                await eng.swap_weights("bad", {key: new_w[:, :3]})
+            return first, rest, after, eng.version
+
+    first, rest, after, version = asyncio.run(go())
+    assert first.data["system_fingerprint"] == "reef-base"
+    old = next(ev.data for ev in rest if ev.event == TOKENS_EVENT)
+    assert old["version"] == "base"
+    # the whole stream came from the old weights, although the swap was requested mid-stream
+    _, expected_old = _recompute(model, old["prompt_ids"], old["output_ids"])
+    assert torch.allclose(torch.tensor(old["output_logprobs"]), expected_old, atol=1e-4, rtol=0)
+    assert after.tokens.version == after.version == "v2" and after.body["system_fingerprint"] == "reef-v2"
+    _, expected_new = _recompute(swapped, after.tokens.prompt_ids, after.tokens.output_ids)
+    _, under_old = _recompute(model, after.tokens.prompt_ids, after.tokens.output_ids)
+    assert torch.allclose(torch.tensor(after.tokens.output_logprobs), expected_new, atol=1e-4, rtol=0)
+    assert not torch.allclose(expected_new, under_old, atol=1e-3)  # the new weights really are different
+    assert version == "v2"  # refused swaps changed nothing
+
+
+def test_closing_a_stream_stops_generation(tiny_model_dir):
+    async def go():
+        async with _engine(tiny_model_dir) as eng:
+            gen = eng.stream(_req(seed=2, max_tokens=800, stream=True))
+            async for ev in gen:
+                if ev.data["choices"][0]["delta"].get("content"):
+                    break
+            await gen.aclose()
+            await eng.swap_weights("barrier")  # queued behind the cancelled generation
+            return dict(eng.stats)
+
+    stats = asyncio.run(go())
+    assert stats["cancelled"] == 1 and stats["output_tokens"] < 800
+
+
+def test_event_loop_stays_responsive(tiny_model_dir):
+    async def go():
+        async with _engine(tiny_model_dir) as eng:
+            gaps, stop = [], asyncio.Event()
+
+            async def ticker():
+                last = time.monotonic()
+                while not stop.is_set():
+                    await asyncio.sleep(0.005)
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+
+            task = asyncio.create_task(ticker())
+            await asyncio.gather(eng.complete(_req(seed=3, max_tokens=30)), eng.complete(_req(seed=4, max_tokens=30)))
+            stop.set()
+            await task
+            return gaps
+
+    gaps = asyncio.run(go())
+    assert len(gaps) > 5 and max(gaps) < 0.5  # generation never ran on the loop
+
+
+def test_count_tokens_and_refusals(tiny_model_dir):
+    async def go():
+        async with _engine(tiny_model_dir) as eng:
+            counted = await eng.count_tokens(EngineRequest("anthropic", "count_tokens", {
+                "model": "tiny", "system": "be nice", "messages": [{"role": "user", "content": "What is 2 + 3?"}]}, {}))
+            one = await eng.complete(_req(max_tokens=1))
+            errors = []
+            for req in (_req(n=2), _req(temperature=-1), EngineRequest("anthropic", "messages", {}, {}),
+                        _req(messages=[{"role": "user", "content": "word " * 3000}])):
+                try:
+                    await eng.complete(req)
+                except ValidationFailed as exc:
+                    errors.append(exc)
+            with pytest.raises(ValidationFailed):  # refused before the stream yields anything
+                async for _ev in eng.stream(_req(messages=[{"role": "user", "content": "word " * 3000}], stream=True)):
+                    raise AssertionError("no event expected")
+            return counted, one, errors, eng.model_ids()
+
+    counted, one, errors, ids = asyncio.run(go())
+    assert counted.body == {"input_tokens": len(one.tokens.prompt_ids)}
+    assert len(errors) == 4 and ids == [tiny_model_dir.name]

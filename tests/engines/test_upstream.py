@@ -1,0 +1,337 @@
+"""UpstreamEngine against the FakeUpstream over real loopback HTTP: both dialects, streams and every fault."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+
+from reef_core.engines.base import HEADERS_EVENT, DirectResponse, EngineRequest
+from reef_core.engines.upstream import UpstreamEngine
+from reef_core.errors import UpstreamError, UpstreamTimeout, ValidationFailed
+
+ROUTE = {"openai": "chat", "anthropic": "messages"}
+
+
+def _req(dialect, text="hello there world", **extra):
+    body = {"model": "m", "messages": [{"role": "user", "content": text}], **extra}
+    if dialect == "anthropic":
+        body.setdefault("max_tokens", 50)
+    return EngineRequest(dialect, ROUTE[dialect], body, {"x-client-trace": "t1", "authorization": "Bearer client",
+                                                          "x-reef-scenario": "s"})
+
+
+async def _collect(engine, req):
+    events = []
+    try:
+        async for ev in engine.stream(req):
+            events.append(ev)
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return events, exc
+    return events, None
+
+
+def _text(dialect, events):
+    if dialect == "openai":
+        return "".join(e.data["choices"][0]["delta"].get("content") or "" for e in events
+                       if isinstance(e.data, dict) and e.data.get("choices"))
+    return "".join(e.data["delta"]["text"] for e in events if e.event == "content_block_delta")
+
+
+@pytest.mark.parametrize("dialect", ["openai", "anthropic"])
+def test_complete_and_stream(fake, api_key, dialect):
+    app, url = fake
+
+    async def go():
+        async with UpstreamEngine(url, api_key=api_key, dialect=dialect, model="served") as eng:
+            r = await eng.complete(_req(dialect, stream=True))  # complete() never asks for a stream
+            events, err = await _collect(eng, _req(dialect))
+            return r, events, err
+
+    r, events, err = asyncio.run(go())
+    assert r.status == 200 and r.tokens is None
+    if dialect == "openai":
+        assert r.body["choices"][0]["message"]["content"] == "echo: hello there world"
+        assert r.body["model"] == "served"
+    else:
+        assert r.body["content"][0]["text"] == "echo: hello there world"
+    assert err is None
+    assert events[0].event == HEADERS_EVENT and events[0].data["content-type"].startswith("text/event-stream")
+    assert _text(dialect, events) == "echo: hello there world"
+    last = events[-1]
+    assert last.data == "[DONE]" if dialect == "openai" else last.event == "message_stop"
+    log = app.requests_log()
+    assert [entry["body"]["stream"] for entry in log] == [False, True]
+    headers = log[0]["headers"]
+    assert headers["x-client-trace"] == "t1" and "x-reef-scenario" not in headers  # forwarded, minus Reef's
+    if dialect == "openai":  # the engine's own credentials replace the client's
+        assert headers["authorization"] == f"Bearer {api_key}"
+    else:
+        assert headers["x-api-key"] == api_key and headers["anthropic-version"] and "authorization" not in headers
+
+
+def test_url_with_v1_suffix_and_connection_reuse(fake, api_key):
+    app, url = fake
+
+    async def go():
+        async with UpstreamEngine(url + "/v1/", api_key=api_key) as eng:
+            await asyncio.gather(*(eng.complete(_req("openai")) for _ in range(4)))
+            for _ in range(20):
+                assert (await eng.complete(_req("openai"))).status == 200
+
+    asyncio.run(go())
+    stats = app.stats()
+    assert stats["requests"] == 24
+    assert stats["connections"] <= 4  # keep-alive: sequential requests reuse pooled connections
+
+
+def test_count_tokens(fake, api_key):
+    app, url = fake
+    anthropic_body = {"model": "m", "system": "a b", "messages": [{"role": "user", "content": "c d e"}]}
+    openai_body = {"model": "m", "messages": [{"role": "system", "content": "a b"},
+                                              {"role": "user", "content": "c d e " * 40}]}
+
+    async def go():
+        async with UpstreamEngine(url, api_key=api_key, dialect="anthropic") as eng:
+            exact = await eng.count_tokens(EngineRequest("anthropic", "count_tokens", anthropic_body, {}))
+        async with UpstreamEngine(url, api_key=api_key, dialect="openai") as eng:
+            estimate = await eng.count_tokens(EngineRequest("openai", "count_tokens", openai_body, {}))
+        async with UpstreamEngine(url, api_key=api_key, dialect="openai", count_tokens_mode="probe") as eng:
+            probe = await eng.count_tokens(EngineRequest("openai", "count_tokens", openai_body, {}))
+        return exact, estimate, probe
+
+    exact, estimate, probe = asyncio.run(go())
+    assert (exact.status, exact.body) == (200, {"input_tokens": 5})
+    text_chars = len("a b") + len("c d e " * 40)
+    assert estimate.headers["x-reef-token-count"] == "estimate"
+    assert text_chars // 4 <= estimate.body["input_tokens"] <= text_chars // 4 + 10
+    assert probe.body == {"input_tokens": 122} and probe.headers["x-reef-token-count"] == "probe"
+    assert app.requests_log()[-1]["body"]["max_tokens"] == 1  # the probe asked for a single token
+
+
+@pytest.mark.parametrize("dialect", ["openai", "anthropic"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_4xx_relayed_with_retry_after(fake, api_key, dialect, stream):
+    app, url = fake
+    app.add_faults({"status": 429, "retry_after": 7}, {"status": 418}, {"status": 422})
+
+    async def go():
+        async with UpstreamEngine(url, api_key=api_key, dialect=dialect) as eng:
+            out = []
+            for _ in range(3):
+                if stream:
+                    with pytest.raises(DirectResponse) as info:
+                        async for _ev in eng.stream(_req(dialect)):
+                            pass
+                    out.append(info.value.response)
+                else:
+                    out.append(await eng.complete(_req(dialect)))
+            return out
+
+    r429, r418, r422 = asyncio.run(go())
+    assert r429.status == 429 and r429.headers["retry-after"] == "7"
+    assert "injected fault 429" in str(r429.body)  # the provider's own body is relayed
+    assert r418.status == 400  # a 4xx outside the relayed set becomes 400
+    assert r422.status == 422
+
+
+def test_wrong_key_is_relayed_401(fake):
+    _, url = fake
+
+    async def go():
+        async with UpstreamEngine(url, api_key="wrong", dialect="anthropic") as eng:
+            return await eng.complete(_req("anthropic"))
+
+    r = asyncio.run(go())
+    assert r.status == 401 and r.body["error"]["type"] == "authentication_error"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_5xx_raises_upstream_error(fake, api_key, stream):
+    app, url = fake
+    app.add_faults({"status": 503})
+
+    async def go():
+        async with UpstreamEngine(url, api_key=api_key) as eng:
+            if stream:
+                return await _collect(eng, _req("openai"))
+            try:
+                await eng.complete(_req("openai"))
+            except Exception as exc:  # noqa: BLE001
+                return [], exc
+
+    events, err = asyncio.run(go())
+    assert events == []
+    assert type(err) is UpstreamError and err.status == 502 and "503" in err.message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_timeout_raises_upstream_timeout(fake, api_key, stream):
+    app, url = fake
+    app.add_faults({"delay_s": 2.0} if not stream else {"chunk_delay_s": 2.0})
+
+    async def go():
+        async with UpstreamEngine(url, api_key=api_key, timeout_s=0.3) as eng:
+            t0 = time.monotonic()
+            if stream:
+                events, err = await _collect(eng, _req("openai"))
+            else:
+                events = []
+                try:
+                    await eng.complete(_req("openai"))
+                    err = None
+                except Exception as exc:  # noqa: BLE001
+                    err = exc
+            return events, err, time.monotonic() - t0
+
+    events, err, took = asyncio.run(go())
+    assert isinstance(err, UpstreamTimeout) and err.status == 504
+    assert took < 1.5
+    if stream:
+        assert events and events[-1].data != "[DONE]"  # what arrived before the stall was delivered
+
+
+@pytest.mark.parametrize("dialect", ["openai", "anthropic"])
+def test_truncated_stream_errors_after_partial_events(fake, api_key, dialect):
+    app, url = fake
+    app.add_faults({"truncate_after": 3})
+
+    async def go():
+        async with UpstreamEngine(url, api_key=api_key, dialect=dialect) as eng:
+            return await _collect(eng, _req(dialect))
+
+    events, err = asyncio.run(go())
+    assert isinstance(err, UpstreamError) and "stream ended early" in err.message
+    assert len([e for e in events if not e.is_reef]) == 3
+
+
+def test_connection_reset_and_mid_stream_reset(fake, api_key):
+    app, url = fake
+    app.add_faults({"reset": True}, {"reset_after_events": 2})
+
+    async def go():
+        async with UpstreamEngine(url, api_key=api_key) as eng:
+            try:
+                await eng.complete(_req("openai"))
+                first = None
+            except Exception as exc:  # noqa: BLE001
+                first = exc
+            events, second = await _collect(eng, _req("openai"))
+            ok = await eng.complete(_req("openai"))  # the pool recovers
+            return first, events, second, ok
+
+    first, events, second, ok = asyncio.run(go())
+    assert type(first) is UpstreamError and "connection" in first.message
+    assert type(second) is UpstreamError and len([e for e in events if not e.is_reef]) == 2
+    assert ok.status == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_invalid_json_is_an_upstream_error(fake, api_key, stream):
+    app, url = fake
+    app.add_faults({"invalid_json": True})
+
+    async def go():
+        async with UpstreamEngine(url, api_key=api_key) as eng:
+            if stream:
+                return await _collect(eng, _req("openai"))
+            try:
+                await eng.complete(_req("openai"))
+            except Exception as exc:  # noqa: BLE001
+                return [], exc
+
+    events, err = asyncio.run(go())
+    assert type(err) is UpstreamError and "invalid JSON" in err.message
+    if stream:
+        assert len([e for e in events if not e.is_reef]) == 1
+
+
+@pytest.mark.parametrize("dialect", ["openai", "anthropic"])
+def test_stream_error_event_is_an_upstream_error(fake, api_key, dialect):
+    app, url = fake
+    app.add_faults({"stream_error": True})
+
+    async def go():
+        async with UpstreamEngine(url, api_key=api_key, dialect=dialect) as eng:
+            return await _collect(eng, _req(dialect))
+
+    events, err = asyncio.run(go())
+    assert type(err) is UpstreamError and "stream error" in err.message
+    assert len([e for e in events if not e.is_reef]) == 2
+
+
+def test_oversized_response_is_refused(fake, api_key):
+    app, url = fake
+    app.add_faults({"oversized_bytes": 300_000}, {"oversized_bytes": 300_000})
+
+    async def go():
+        async with UpstreamEngine(url, api_key=api_key, max_response_bytes=100_000) as eng:
+            with pytest.raises(UpstreamError, match="too large|larger"):
+                await eng.complete(_req("openai"))
+            events, err = await _collect(eng, _req("openai", stream=True))
+            return events, err
+
+    events, err = asyncio.run(go())
+    assert type(err) is UpstreamError and "too large" in err.message
+    assert len([e for e in events if not e.is_reef]) == 1  # the event before the oversized one arrived
+
+
+def test_non_sse_answer_to_a_stream_is_a_direct_response(fake, api_key):
+    app, url = fake
+    app.add_faults({"not_sse": True})
+
+    async def go():
+        async with UpstreamEngine(url, api_key=api_key) as eng:
+            with pytest.raises(DirectResponse) as info:
+                async for _ev in eng.stream(_req("openai")):
+                    pass
+            return info.value.response
+
+    resp = asyncio.run(go())
+    assert resp.status == 200 and resp.body["object"] == "chat.completion"
+
+
+def test_connection_refused_is_an_upstream_error():
+    s = socket.socket()  # a port nobody listens on
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+
+    async def go():
+        async with UpstreamEngine(f"http://127.0.0.1:{port}") as eng:
+            await eng.complete(_req("openai"))
+
+    with pytest.raises(UpstreamError, match="connection"):
+        asyncio.run(go())
+
+
+def test_wrong_dialect_is_refused(fake):
+    _, url = fake
+
+    async def go():
+        async with UpstreamEngine(url, dialect="anthropic") as eng:
+            await eng.complete(_req("openai"))
+
+    with pytest.raises(ValidationFailed):
+        asyncio.run(go())
+
+
+def test_closing_a_stream_early_releases_it(fake, api_key):
+    app, url = fake
+    app.add_faults({"chunk_delay_s": 0.5})  # the whole stream would take ~4 s
+
+    async def go():
+        async with UpstreamEngine(url, api_key=api_key) as eng:
+            t0 = time.monotonic()
+            gen = eng.stream(_req("openai", text="one two three four five six"))
+            async for ev in gen:
+                if not ev.is_reef:
+                    break
+            await gen.aclose()  # drops the connection instead of draining the stream
+            took = time.monotonic() - t0
+            return took, (await eng.complete(_req("openai"))).status
+
+    took, status = asyncio.run(go())
+    assert took < 1.0 and status == 200
