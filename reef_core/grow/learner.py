@@ -72,7 +72,7 @@ class ScenarioLearner:
         self.counters = {"steps": 0, "selected": 0, "rejected": 0, "skipped": 0, "stale_batches": 0, "errors": 0}
         self.last_error: str | None = None
         self.last_metrics: dict = {}
-        self.publish_latency: dict[str, dict] = self._load_latency()
+        self.release_metrics: dict[str, dict] = self._load_release_metrics()
         self._pending_latency: dict[str, float] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -95,6 +95,7 @@ class ScenarioLearner:
                                                       source={"kind": "seed"})
         if self.head is not None and self.surface is not None:
             self.surface.activate(self.name, self.head.release_id, files=self._files(self.head.release_id))
+            self._remember(self.head.release_id, {"serving_version": self.serving_version()})
         self._thread = threading.Thread(target=self._run, name=f"reef-learner-{self.name}", daemon=True)
         self._thread.start()
 
@@ -202,7 +203,12 @@ class ScenarioLearner:
         policy_options = options.get("policy", {}) if isinstance(options.get("policy"), dict) else {}
         evaluator_options = options.get("evaluator", {}) if isinstance(options.get("evaluator"), dict) else {}
         try:
-            policy = pm.create("selection_policy", str(cfg.policy), **policy_options)
+            if ":" in str(cfg.policy):  # a custom policy by dotted path ("package.module:Policy")
+                from ..commit.policies import make_policy
+
+                policy = make_policy(str(cfg.policy), **policy_options)
+            else:
+                policy = pm.create("selection_policy", str(cfg.policy), **policy_options)
             if cfg.evaluator:
                 evaluator = pm.create("evaluator", str(cfg.evaluator), tasks=update.eval_tasks,
                                       run=self.trainer.run_task, options=evaluator_options)
@@ -252,7 +258,9 @@ class ScenarioLearner:
             if self.surface is not None:
                 self.surface.activate(self.name, release_id, payload=update.payload,
                                       files=self._files(release_id) if durable else None)
-            self._pending_latency[self.serving_version() or release_id] = accepted_at
+            version = self.serving_version()
+            self._pending_latency[version or release_id] = accepted_at
+            self._remember(release_id, {"serving_version": version, "step": step})
             self.trainer.accepted(update, release_id)
             self.processor.acknowledge(batch.batch_id)
             crash_point("before_mark_consumed")
@@ -281,24 +289,29 @@ class ScenarioLearner:
         if started is None:
             return
         latency_ms = (time.perf_counter() - started) * 1000
-        release_id = self.live_release_id or (self.head.release_id if self.head else version)
-        self.publish_latency[release_id] = {"publish_latency_ms": round(latency_ms, 3), "version": version}
-        self._save_latency()
+        release_id = next((rid for rid, m in self.release_metrics.items() if m.get("serving_version") == version),
+                          self.current_release_id() or version)
+        self._remember(release_id, {"publish_latency_ms": round(latency_ms, 3)})
 
-    def _latency_path(self) -> Path:
+    def _remember(self, release_id: str, metrics: dict) -> None:
+        """Metrics known only after publication (serving version, publish latency), kept beside the chain."""
+        self.release_metrics[release_id] = {**self.release_metrics.get(release_id, {}), **metrics}
+        self._save_release_metrics()
+
+    def _release_metrics_path(self) -> Path:
         return self.dep.data_dir / "release-metrics" / f"{self.log.path.stem}.json"
 
-    def _load_latency(self) -> dict:
+    def _load_release_metrics(self) -> dict:
         try:
-            return json.loads(self._latency_path().read_text())
+            return json.loads(self._release_metrics_path().read_text())
         except (OSError, ValueError):
             return {}
 
-    def _save_latency(self) -> None:
-        path = self._latency_path()
+    def _save_release_metrics(self) -> None:
+        path = self._release_metrics_path()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.publish_latency))
+        tmp.write_text(json.dumps(self.release_metrics))
         os.replace(tmp, path)
 
     # -- operations and reads ----------------------------------------------------------------------
@@ -325,6 +338,7 @@ class ScenarioLearner:
             self.versions_since_checkpoint = 0
             if self.surface is not None:
                 self.surface.activate(self.name, release.release_id, files=self._files(release.release_id))
+                self._remember(release.release_id, {"serving_version": self.serving_version()})
             if self.trainer is not None:
                 self.trainer.rejected(CandidateUpdate(files={}))  # trainers resync to what now serves
         self.dep.pm.notify("reef_release_published", scenario=self.name, release=release)
@@ -337,12 +351,12 @@ class ScenarioLearner:
             last = self.log.last_row() or {}
             rows.append({"release_id": self.live_release_id, "parent_release_id": self.head.release_id
                          if self.head else None, "content_id": None, "operation": "training",
-                         "metrics": {**last.get("metrics", {}), **self.publish_latency.get(self.live_release_id, {})},
+                         "metrics": {**last.get("metrics", {}), **self.release_metrics.get(self.live_release_id, {})},
                          "current": True, "pending": False, "restorable": False, "checkpoint": False,
                          "content_kind": "live_weights"})
         for release in self.dep.artifacts.releases(self.name):
             row = release.to_dict()
-            row["metrics"] = {**(row.get("metrics") or {}), **self.publish_latency.get(release.release_id, {})}
+            row["metrics"] = {**(row.get("metrics") or {}), **self.release_metrics.get(release.release_id, {})}
             row["current"] = release.release_id == current
             rows.append(row)
         return rows

@@ -169,6 +169,10 @@ class Processor(ABC):
     def drop(self, batch_id: str, reason: str) -> list[str]:
         """The batch will never train: acknowledge it without a step, counting ``reason`` once per sample."""
 
+    def preview(self, limit: int = 20) -> list["Sample"]:
+        """Samples waiting to train (the reserved batch first), without reserving anything."""
+        return []
+
     @abstractmethod
     def status(self) -> dict:
         """JSON-serialisable state: pending units, ready, the reserved batch, drops by reason, consumed count..."""

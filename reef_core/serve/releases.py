@@ -86,6 +86,18 @@ async def scenario_status(request: Request, scenario: str):
     return JSONResponse(await asyncio.to_thread(dep.learner(found).status), headers=_NO_STORE)
 
 
+@router.get("/reef/scenarios/{scenario}/samples")
+async def preview_samples(request: Request, scenario: str, limit: int = Query(20, ge=1, le=100)):
+    """What the processor would train on next (nothing is reserved or consumed)."""
+    dep, found = await _scenario(request, scenario)
+    processor = dep.learner(found).processor
+    samples = await asyncio.to_thread(processor.preview, limit) if processor is not None else []
+    rows = [{"messages": s.messages, "reward": s.reward, "feedback": s.feedback, "metadata": s.metadata,
+             "source_ids": s.source_ids, "report_id": s.report_id, "versions": s.versions,
+             "turns": len(s.segments), "group_key": s.group_key} for s in samples]
+    return JSONResponse({"scenario": found.name, "samples": rows}, headers=_NO_STORE)
+
+
 @router.get("/reef/status")
 async def deployment_status(request: Request):
     dep = request.app.state.reef

@@ -251,6 +251,12 @@ class BufferedProcessor(Processor):
             ids.update(i for unit in self._batch_units for i in unit.record_ids)
             return ids
 
+    def preview(self, limit: int = 20) -> list[Sample]:
+        with self._lock:
+            reserved = list(self._batch.samples) if self._batch is not None else []
+            waiting = [unit.sample for unit in self._waiting_units()]
+            return (reserved + waiting)[:limit]
+
     def status(self) -> dict:
         with self._lock:
             self._refresh()
