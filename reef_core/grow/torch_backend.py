@@ -23,6 +23,9 @@ Candidates are gated: until :meth:`~TorchTrainer.accepted` the step is provision
 accepted snapshot. The policy is kept in ``eval`` mode throughout, so its log-probs match the serving engine's
 (no dropout noise in the importance ratio).
 
+The base model is loaded on first use (:meth:`~TorchTrainer.load`, called by the first step or by reading
+``policy``), not in the constructor: a learner may build its trainer before it knows the scenario's head.
+
 Restart: when the scenario's serving release is not the one this trainer last saw (a restart, a rollback), the
 weights are loaded from that release's files (``ctx.current_files()``) and the optimizer state is reset.
 """
@@ -198,34 +201,64 @@ class TorchTrainer(Trainer):
         self.lag_metric_prefix = lag_metric_prefix
         self.name = name
         self.steps = 0
-
-        model, tokenizer = load_base_model()
-        model.to(self.device)
-        model.eval()  # see the module docstring: no dropout in the importance ratio
-        self.tokenizer = tokenizer
-        pad = getattr(tokenizer, "pad_token_id", None)
-        if pad is None:
-            pad = getattr(tokenizer, "eos_token_id", None)
-        self.pad_token_id = int(pad) if pad is not None else 0
-        self._static_files = self._static_model_files(model, tokenizer) if not self.lora else {}
-        # Auxiliary models copy the plain base model, before an adapter is injected into it.
-        objective.setup(model, tokenizer, self.device, micro_batches=self.grad_accumulation)
-        if self.lora:
-            model = self._attach_lora(model, int(lora_rank), float(lora_alpha), float(lora_dropout),
-                                      lora_target_modules, seed)
-        else:
-            model.requires_grad_(True)
-        self.policy: nn.Module = model
-        self._params = [p for p in model.parameters() if p.requires_grad]
-        self._param_names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self._loader = load_base_model
+        self._lora_args = (int(lora_rank), float(lora_alpha), float(lora_dropout), lora_target_modules, int(seed))
         self._opt_args = {"lr": self.lr, "betas": tuple(betas), "weight_decay": float(weight_decay)}
-        self.optimizer = torch.optim.AdamW(self._params, **self._opt_args)
-        self._export_keys = self._dedup_keys(model) if not self.lora else []
-        self._snapshot = self._take_snapshot()
+        self._loaded = False
+        self._load_lock = threading.Lock()
         self._expected_release: str | None = None
         self._first_step = True
 
     # -- setup -------------------------------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Load the base model, build the objective's auxiliary models and the optimizer (once).
+
+        Deferred to first use (a step, or reading :attr:`policy`), so a learner may build its trainer before it
+        knows which checkpoint the scenario starts from."""
+        if self._loaded:
+            return
+        with self._load_lock:
+            if self._loaded:
+                return
+            model, tokenizer = self._loader()
+            model.to(self.device)
+            model.eval()  # see the module docstring: no dropout in the importance ratio
+            self._tokenizer = tokenizer
+            pad = getattr(tokenizer, "pad_token_id", None)
+            if pad is None:
+                pad = getattr(tokenizer, "eos_token_id", None)
+            self.pad_token_id = int(pad) if pad is not None else 0
+            self._static_files = self._static_model_files(model, tokenizer) if not self.lora else {}
+            # Auxiliary models copy the plain base model, before an adapter is injected into it.
+            self.objective.setup(model, tokenizer, self.device, micro_batches=self.grad_accumulation)
+            if self.lora:
+                model = self._attach_lora(model, *self._lora_args)
+            else:
+                model.requires_grad_(True)
+            self._policy: nn.Module = model
+            self._params = [p for p in model.parameters() if p.requires_grad]
+            self._optimizer = torch.optim.AdamW(self._params, **self._opt_args)
+            self._export_keys = self._dedup_keys(model) if not self.lora else []
+            self._snapshot = self._take_snapshot()
+            self._loaded = True
+
+    @property
+    def policy(self) -> nn.Module:
+        """The trained model (a ``PeftModel`` in LoRA mode)."""
+        self.load()
+        return self._policy
+
+    @property
+    def tokenizer(self) -> Any:
+        self.load()
+        return self._tokenizer
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        self.load()
+        return self._optimizer
+
 
     @staticmethod
     def _static_model_files(model: nn.Module, tokenizer: Any) -> dict[str, bytes]:
@@ -273,7 +306,7 @@ class TorchTrainer(Trainer):
     def _take_snapshot(self) -> dict:
         return {
             "params": [p.detach().clone() for p in self._params],
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "optimizer": copy.deepcopy(self._optimizer.state_dict()),
             "objective": self.objective.snapshot(),
             "steps": self.steps,
         }
@@ -282,23 +315,27 @@ class TorchTrainer(Trainer):
         with torch.no_grad():
             for p, saved in zip(self._params, snap["params"]):
                 p.copy_(saved)
-        self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
+        self._optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
         self.objective.restore(snap["objective"])
         self.steps = snap["steps"]
 
     def accepted(self, update: CandidateUpdate, release_id: str | None) -> None:
         """Commit the in-memory policy (and the objective's state) as the new rollback point."""
+        self.load()
         self._snapshot = self._take_snapshot()
         if release_id is not None:
             self._expected_release = release_id
 
     def rejected(self, update: CandidateUpdate) -> None:
         """Restore the policy, the optimizer and the objective to the last accepted snapshot."""
+        if not self._loaded:
+            return  # nothing trained yet
         self._restore_snapshot(self._snapshot)
 
     # -- restart / rollback sync -------------------------------------------------------------------------------
 
     def _sync(self, ctx: TrainContext) -> None:
+        self.load()
         if self._first_step:
             self._first_step = False
             state = ctx.algorithm_state if isinstance(ctx.algorithm_state, dict) else None
@@ -317,18 +354,18 @@ class TorchTrainer(Trainer):
             missing = [k for k in self._export_keys if k not in state]
             if missing:
                 raise ConfigError(f"release {release_id} lacks weights {missing[:3]}; cannot resume from it")
-            self.policy.load_state_dict(state, strict=False)
+            self._policy.load_state_dict(state, strict=False)
             loaded = True
         elif self.lora and ADAPTER_WEIGHTS in files:
             from peft import set_peft_model_state_dict
 
-            set_peft_model_state_dict(self.policy, _load_safetensors(files[ADAPTER_WEIGHTS]))
+            set_peft_model_state_dict(self._policy, _load_safetensors(files[ADAPTER_WEIGHTS]))
             loaded = True
         objective_file = f"algorithm/{self.objective.name}.safetensors"
         if objective_file in files:
             self.objective.load_state_dict(_load_safetensors(files[objective_file]))
         if loaded:
-            self.optimizer = torch.optim.AdamW(self._params, **self._opt_args)  # another lineage: fresh moments
+            self._optimizer = torch.optim.AdamW(self._params, **self._opt_args)  # another lineage: fresh moments
             log.info("trainer resumed from release %s", release_id)
         else:
             log.info("release %s holds no %s weights; training continues from the weights in memory", release_id,
@@ -341,10 +378,10 @@ class TorchTrainer(Trainer):
         """What ``LocalEngine.swap_weights`` takes (see the module docstring)."""
         with torch.no_grad():
             if not self.lora:
-                own = self.policy.state_dict()
+                own = self._policy.state_dict()
                 return {k: own[k].detach().clone() for k in self._export_keys}
             merged: dict[str, Tensor] = {}
-            for name, module in self.policy.named_modules():
+            for name, module in self._policy.named_modules():
                 if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
                     if "default" not in getattr(module, "lora_A", {}):
                         continue
@@ -363,7 +400,7 @@ class TorchTrainer(Trainer):
         if self.lora:
             from peft import get_peft_model_state_dict
 
-            adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.policy).items()}
+            adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self._policy).items()}
             static = {ADAPTER_CONFIG: self._adapter_config}
             names.insert(0, ADAPTER_WEIGHTS)
             main = (ADAPTER_WEIGHTS, adapter)
@@ -384,6 +421,7 @@ class TorchTrainer(Trainer):
 
     def token_batch(self, samples: list) -> TokenBatch:
         """The :class:`TokenBatch` of ``samples`` on the trainer's device."""
+        self.load()
         return TokenBatch.from_samples(samples, pad_token_id=self.pad_token_id).to(self.device)
 
     def train(self, batch, ctx: TrainContext) -> CandidateUpdate | None:
@@ -407,7 +445,8 @@ class TorchTrainer(Trainer):
     def step(self, tb: TokenBatch) -> CandidateUpdate | None:
         """The step itself on a ready :class:`TokenBatch` (no context: tests and offline runs call this)."""
         started = time.monotonic()
-        prepared = self.objective.prepare(self.policy, tb)
+        self.load()
+        prepared = self.objective.prepare(self._policy, tb)
         metrics: dict[str, Any] = {
             "reward_mean": float(tb.rewards.mean()),
             "reward_std": float(tb.rewards.std(unbiased=False)),
@@ -419,11 +458,11 @@ class TorchTrainer(Trainer):
             self._snapshot["objective"] = self.objective.snapshot()
             log.info("step trained the objective's auxiliary models only; no candidate")
             return None
-        self.optimizer.zero_grad(set_to_none=True)
+        self._optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         total = 0.0
         for micro in prepared.batch.split(self.grad_accumulation):
-            loss, parts = self.objective.loss(self.policy, micro, prepared)
+            loss, parts = self.objective.loss(self._policy, micro, prepared)
             loss.backward()
             total += float(loss.detach())
             for key, value in parts.items():
@@ -432,12 +471,12 @@ class TorchTrainer(Trainer):
             self._params, self.max_grad_norm if self.max_grad_norm is not None else float("inf"))
         grad_norm = float(norm)
         if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
+            self._optimizer.zero_grad(set_to_none=True)
             self._restore_snapshot(self._snapshot)
             log.warning("non-finite gradient norm (%s); step skipped, state restored", grad_norm)
             return None
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         metrics.update(self.objective.summarize(prepared, sums))
         metrics.update({"loss": total, "grad_norm": grad_norm, "lr": self.lr, "step_seconds": time.monotonic() - started})

@@ -139,14 +139,22 @@ async def get_harness_file(request: Request, path: str):
 
 
 def _release_rows(dep, scenario: str) -> list[dict]:
-    releases = list(reversed(dep.artifacts.releases(scenario)))  # the store lists newest first
-    current = dep.artifacts.head(scenario)
-    rows = []
-    for step, release in enumerate(releases):
-        row = release.to_dict()
+    """The scenario's releases, oldest first, each with its catalog ``step``.
+
+    The deployment's own rows (``release_rows``: manifest metrics plus publish latency, ``current``
+    as the learner sees it) when it offers them, else the artifact store's."""
+    if callable(getattr(dep, "release_rows", None)):
+        rows = [dict(r) for r in dep.release_rows(scenario)]
+    else:
+        head = dep.artifacts.head(scenario)
+        rows = []
+        for release in dep.artifacts.releases(scenario):
+            row = release.to_dict()
+            row["current"] = head is not None and release.release_id == head.release_id
+            rows.append(row)
+    rows.reverse()  # both list newest first
+    for step, row in enumerate(rows):
         row["step"] = step
-        row["current"] = current is not None and release.release_id == current.release_id
-        rows.append(row)
     return rows
 
 

@@ -151,7 +151,7 @@ def test_records_survive_restart(server, upstream, sc):
     for i, receipt in enumerate(receipts):
         assert get_record(server, receipt, sc)["payload"]["request"]["messages"][0]["content"] == f"keep {i}"
     scenarios = httpx.get(f"{server.url}/reef/scenarios").json()["scenarios"]
-    assert [s["scenario"] for s in scenarios] == [sc]
+    assert sc in [s["scenario"] for s in scenarios]
 
 
 def test_sdk_retry_after_upstream_failure_makes_one_record(shared, upstream, sc):

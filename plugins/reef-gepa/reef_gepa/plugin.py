@@ -1,4 +1,9 @@
-"""Hook implementations of reef-gepa, loaded through the ``reef`` entry point."""
+"""Hook implementations of reef-gepa, loaded through the ``reef`` entry point.
+
+The recipe (``+recipe=gepa``, ``conf/recipe/gepa.yaml``) combines Reef's built-in ``per_report``
+processor (``processor_options.batch_size`` = the GEPA minibatch), the ``gepa`` trainer registered
+here and Reef's built-in ``harness`` surface.
+"""
 
 from __future__ import annotations
 
@@ -8,3 +13,15 @@ from reef_core import hookimpl
 @hookimpl
 def reef_config_searchpath():
     return "pkg://reef_gepa.conf"
+
+
+def _make_trainer(**kwargs):
+    from .trainer import make_trainer
+
+    return make_trainer(**kwargs)
+
+
+@hookimpl
+def reef_register_trainers(register):
+    register("gepa", _make_trainer,
+             description="GEPA: reflective prompt evolution with a per-task Pareto front (harness text)")

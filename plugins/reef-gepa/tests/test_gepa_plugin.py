@@ -1,7 +1,10 @@
-"""reef-gepa registers through the hooks and its recipe composes."""
+"""reef-gepa registers through the hooks and its recipe composes into a runnable GEPA deployment."""
+
+from omegaconf import OmegaConf
 
 from reef_core.config import available_recipes, compose_config
 from reef_core.plugins import PluginManager
+from reef_gepa.options import GepaOptions
 
 
 def test_gepa_plugin_loads_and_registers_searchpath():
@@ -9,11 +12,24 @@ def test_gepa_plugin_loads_and_registers_searchpath():
     assert "gepa" in pm.info, pm.failures
     assert "reef_config_searchpath" in pm.info["gepa"].hooks
     assert "pkg://reef_gepa.conf" in pm.config_searchpath()
+    assert pm.get("trainer", "gepa").plugin == "gepa"
+    assert pm.get("surface", "harness").plugin == "reef_core.builtins.surfaces"
 
 
 def test_gepa_recipe_composes():
     pm = PluginManager()
     assert "gepa" in available_recipes(pm)
-    cfg = compose_config(["+recipe=gepa"], pm)
-    assert cfg.recipe.name == "gepa"
-    assert cfg.recipe.description
+    cfg = compose_config(["+recipe=gepa", "recipe.options.minibatch_size=4", "recipe.options.verifier=pkg.mod:fn"], pm)
+    recipe = OmegaConf.to_container(cfg.recipe, resolve=True)
+    assert recipe["name"] == "gepa" and recipe["description"]
+    assert (recipe["processor"], recipe["trainer"], recipe["surface"]) == ("per_report", "gepa", "harness")
+    assert recipe["processor_options"] == {"batch_size": 4, "require_score": True}  # one batch = one minibatch
+    assert recipe["surface_options"] == {"inject": "system", "system_files": ["system_prompt.md"]}
+    assert cfg.evaluation.policy == "score_comparison" and cfg.evaluation.evaluator == "python"
+    assert cfg.evaluation.options.evaluator.path == "pkg.mod:fn"  # the gate scores with GEPA's verifier
+    opts = GepaOptions.from_config(cfg.recipe.options)
+    assert opts.minibatch_size == 4 and opts.components == ["system_prompt.md"] and opts.use_merge is False
+    # Every component the recipe names exists.
+    for kind, name in (("processor", "per_report"), ("trainer", "gepa"), ("surface", "harness"),
+                       ("evaluator", "python"), ("selection_policy", "score_comparison")):
+        pm.get(kind, name)

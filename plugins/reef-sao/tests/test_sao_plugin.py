@@ -1,19 +1,152 @@
-"""reef-sao registers through the hooks and its recipe composes."""
+"""reef-sao registers through the hooks, its configs compose, its options and reports are validated."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
 
 from reef_core.config import available_recipes, compose_config
+from reef_core.errors import ConfigError, ValidationFailed
+from reef_core.grow.models import build_tiny_model, build_tiny_tokenizer
+from reef_core.grow.trainer import TrainerSetup
 from reef_core.plugins import PluginManager
+from reef_sao.objectives import GRPODISObjective, SAOObjective
+from reef_sao.schema import validate_sao_report
+from reef_sao.tasks import Task, score, task_stream
+from reef_sao.trainer import SAOOptions
 
 
-def test_sao_plugin_loads_and_registers_searchpath():
-    pm = PluginManager()
+@pytest.fixture(scope="module")
+def pm():
+    return PluginManager()
+
+
+def test_sao_plugin_loads_and_registers_components(pm):
     assert "sao" in pm.info, pm.failures
-    assert "reef_config_searchpath" in pm.info["sao"].hooks
+    assert {"reef_config_searchpath", "reef_register_trainers", "reef_register_report_schemas"} <= set(
+        pm.info["sao"].hooks)
     assert "pkg://reef_sao.conf" in pm.config_searchpath()
+    assert pm.get("trainer", "sao").plugin == "sao"
+    assert pm.get("report_schema", "sao").plugin == "sao"
 
 
-def test_sao_recipe_composes():
-    pm = PluginManager()
-    assert "sao" in available_recipes(pm)
+def test_sao_recipe_composes_with_the_paper_knobs(pm):
+    assert {"sao", "sao_grpo"} <= set(available_recipes(pm))
     cfg = compose_config(["+recipe=sao"], pm)
-    assert cfg.recipe.name == "sao"
-    assert cfg.recipe.description
+    recipe = OmegaConf.to_container(cfg.recipe, resolve=True)
+    assert (recipe["name"], recipe["processor"], recipe["trainer"], recipe["surface"], recipe["report_schema"]) == (
+        "sao", "per_report", "sao", "weights", "sao")
+    opts = recipe["options"]
+    assert (opts["eps_clip"], opts["eps_clip_high"], opts["critic_steps_per_actor"], opts["lambda_alpha"],
+            opts["critic_lambda"], opts["gamma"], opts["critic_lr"]) == (0.3, 5.0, 2, 1.5, 1.0, 1.0, 5e-6)
+    assert recipe["processor_options"] == {"batch_size": opts["batch_size"], "max_staleness": 2}
+    assert cfg.trainer.lr == 1e-6 and opts["batch_size"] % cfg.trainer.grad_accumulation == 0
+    assert cfg.engine.model == "smollm2"  # the README's main command runs SmolLM2 on CPU
+    SAOOptions.from_options(recipe["options"], recipe["processor_options"])  # valid as shipped
+
+
+def test_batch_size_follows_the_environment(pm, monkeypatch):
+    monkeypatch.setenv("REEF_SAO_BATCH_SIZE", "128")
+    cfg = compose_config(["+recipe=sao"], pm)
+    assert cfg.recipe.options.batch_size == 128 and cfg.recipe.processor_options.batch_size == 128
+
+
+def test_tiny_profile_and_grpo_control_compose(pm):
+    cfg = compose_config(["+recipe=sao", "+sao_profile=tiny"], pm)
+    assert cfg.engine.model == "tiny" and cfg.engine.max_new_tokens == 8
+    assert cfg.recipe.options.batch_size == 4 and cfg.recipe.processor_options.batch_size == 4
+    assert cfg.trainer.grad_accumulation == 1
+    grpo = compose_config(["+recipe=sao_grpo", "+sao_profile=tiny_grpo"], pm)
+    opts = OmegaConf.to_container(grpo.recipe, resolve=True)
+    assert opts["processor"] == "grouped" and opts["options"]["advantage"] == "grpo"
+    SAOOptions.from_options(opts["options"], opts["processor_options"])
+    # the processors accept the composed processor options as they are
+    for c in (cfg, grpo):
+        pm.create("processor", c.recipe.processor, scenario="s", options=c.recipe.processor_options,
+                  serving_version=lambda: "base")
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"eps_clip": 0.3}, "eps_clip_high must be set explicitly"),
+    ({"eps_clip": 1.0, "eps_clip_high": 5.0}, r"eps_clip must lie in \[0, 1\)"),
+    ({"eps_clip": 0.3, "eps_clip_high": 0}, "eps_clip_high must be positive"),
+    ({"eps_clip_high": 5.0, "critic_steps_per_actor": 0}, "critic_steps_per_actor"),
+    ({"eps_clip_high": 5.0, "advantage": "ppo"}, "advantage must be one of"),
+    ({"eps_clip_high": 5.0, "eps_clip_hihg": 5.0}, "unknown option 'eps_clip_hihg'"),
+    ({"eps_clip_high": 5.0, "advantage": "grpo", "batch_size": 6}, "multiple of group_size"),
+    ({"eps_clip_high": 5.0, "critic_lambda": 1.5}, r"critic_lambda must lie in \[0, 1\]"),
+    ({"eps_clip_high": 5.0, "batch_size": 0}, "batch_size must be a positive integer"),
+])
+def test_options_are_validated_at_construction(options, message):
+    with pytest.raises(ConfigError, match=message):
+        SAOOptions.from_options({"batch_size": 4, **options}).objective(critic_lr=1e-3)
+
+
+def test_kebab_case_options_and_processor_consistency():
+    opts = SAOOptions.from_options({"eps-clip-high": 3.0, "eps-clip": 0.8, "batch-size": 8, "max-staleness": 18})
+    assert (opts.eps_clip, opts.eps_clip_high, opts.batch_size) == (0.8, 3.0, 8)
+    with pytest.raises(ConfigError, match="processor's batch_size"):
+        SAOOptions.from_options({"eps_clip_high": 5.0, "batch_size": 8}, {"batch_size": 4})
+    with pytest.raises(ConfigError, match="groups_per_batch"):
+        SAOOptions.from_options({"eps_clip_high": 5.0, "advantage": "grpo", "batch_size": 8},
+                                {"group_size": 4, "groups_per_batch": 4})
+
+
+def test_trainer_factory_builds_both_arms_and_checks_the_backend(pm, tmp_path):
+    tok = build_tiny_tokenizer()
+    setup = TrainerSetup(data_dir=tmp_path, load_base_model=lambda: build_tiny_model(seed=0, tokenizer=tok))
+    trainer_section = {"backend": "torch", "lr": 1e-3, "critic_lr": 2e-3, "grad_accumulation": 2, "device": "cpu"}
+    recipe = {"options": {"batch_size": 4, "eps_clip": 0.3, "eps_clip_high": 5.0}}
+    sao = pm.create("trainer", "sao", scenario="s", recipe=recipe, trainer=trainer_section, context=setup)
+    assert isinstance(sao.objective, SAOObjective) and sao.objective.critic_lr == 2e-3
+    assert sao.grad_accumulation == 2 and sao.artifact_kind == "weights"
+    grpo = pm.create("trainer", "sao", scenario="s", recipe={"options": {**recipe["options"], "advantage": "grpo"}},
+                     trainer=trainer_section, context=setup)
+    assert isinstance(grpo.objective, GRPODISObjective)
+    with pytest.raises(ConfigError, match="torch backend"):
+        pm.create("trainer", "sao", scenario="s", recipe=recipe, trainer={**trainer_section, "backend": "jax"},
+                  context=setup)
+    with pytest.raises(ConfigError, match="multiple of trainer.grad_accumulation"):
+        pm.create("trainer", "sao", scenario="s", recipe=recipe, trainer={**trainer_section, "grad_accumulation": 3},
+                  context=setup)
+    # The built-in `torch` trainer runs any objective named by dotted path.
+    import reef_core.builtins.trainers as builtin
+
+    with_builtin = PluginManager(load_entry_points=False, extra_plugins=(builtin,))
+    plain = with_builtin.create(
+        "trainer", "torch", scenario="s", trainer=trainer_section, context=setup,
+        recipe={"options": {"objective": "reef_sao.objectives:GRPODISObjective",
+                            "objective_options": {"eps_clip": 0.3, "eps_clip_high": 5.0}}})
+    assert isinstance(plain.objective, GRPODISObjective)
+    with pytest.raises(ConfigError, match="objective"):
+        with_builtin.create("trainer", "torch", scenario="s", recipe={"options": {}}, trainer=trainer_section,
+                            context=setup)
+
+
+def test_report_schema_accepts_one_scored_rollout_and_explains_refusals(pm):
+    validate = pm.create("report_schema", "sao")
+    ok = {"score": 0.5, "references": ["rec-1"], "metadata": {}}
+    assert validate(ok) is ok and validate({"score": 1, "references": ["r"]})
+    for bad, message in [
+        ({"references": ["r"]}, "needs a numeric 'score'"),
+        ({"score": True, "references": ["r"]}, "must be a number"),
+        ({"score": "1", "references": ["r"]}, "must be a number"),
+        ({"score": float("nan"), "references": ["r"]}, "finite"),
+        ({"score": float("inf"), "references": ["r"]}, "finite"),
+        ({"score": 1.0, "references": []}, r"exactly one receipt .* \(got 0\)"),
+        ({"score": 1.0, "references": ["a", "b"]}, r"\(got 2\)"),
+        ({"score": 1.0}, "exactly one receipt"),
+        ({"score": 1.0, "references": [""]}, "non-empty receipt"),
+    ]:
+        with pytest.raises(ValidationFailed, match=message) as info:
+            validate_sao_report(bad)
+        assert info.value.status == 400
+
+
+def test_task_stream_is_deterministic_and_the_verifier_is_exact():
+    a, b = list(task_stream(20, seed=3)), list(task_stream(20, seed=3))
+    assert a == b and len({t.prompt for t in a}) > 3 and a != list(task_stream(20, seed=4))
+    task = Task("t", "reply", alphabet="aeiou")
+    assert score(task, "") == 0.0 and score(task, "aeiou") == 1.0 and score(task, "a e") == pytest.approx(2 / 3)
+    assert score(task, "xyz") == 0.0
+    assert task.messages() == [{"role": "user", "content": "reply"}]
