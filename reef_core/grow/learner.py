@@ -57,12 +57,10 @@ class ScenarioLearner:
                 "processor", self.recipe.processor, scenario=scenario,
                 options=_plain(self.recipe.get("processor_options")) or {},
                 serving_version=self.serving_version)
-        self.trainer: Trainer | None = None
-        if self.recipe.get("trainer"):
-            setup = TrainerSetup(data_dir=deployment.data_dir, engine=deployment.engine,
-                                 load_base_model=self._load_start_model, seed=int(cfg.seed))
-            self.trainer = deployment.pm.create("trainer", self.recipe.trainer, scenario=scenario,
-                                                recipe=self.recipe, trainer=cfg.trainer, context=setup)
+        self._trainer: Trainer | None = None
+        # A weights trainer holds a model copy and optimizer state: build it when a batch first needs it.
+        if self.recipe.get("trainer") and (self.surface is None or self.surface.kind != "weights"):
+            self._build_trainer()
         self.checkpoint_every = max(1, int(cfg.trainer.checkpoint_every_n_versions))
         self.publish_mode = str(cfg.evaluation.publish)
         self.head: Release | None = None
@@ -88,8 +86,8 @@ class ScenarioLearner:
         consumed = set(recovered.consumed_ids) | self.dep.store.consumed_ids(self.name)
         if self.processor is not None:
             self.processor.restore(consumed)
-        if self.head is None and self.trainer is not None:
-            files = self.trainer.initial_files()
+        if self.head is None and self._trainer is not None:
+            files = self._trainer.initial_files()
             if files:
                 self.head, _ = self.committer.publish(files, expected_head=None, operation="creation",
                                                       source={"kind": "seed"})
@@ -98,6 +96,24 @@ class ScenarioLearner:
             self._remember(self.head.release_id, {"serving_version": self.serving_version()})
         self._thread = threading.Thread(target=self._run, name=f"reef-learner-{self.name}", daemon=True)
         self._thread.start()
+
+    def _build_trainer(self) -> Trainer:
+        if self._trainer is None:
+            cfg = self.dep.cfg
+            setup = TrainerSetup(data_dir=self.dep.data_dir, engine=self.dep.engine,
+                                 load_base_model=self._load_start_model, seed=int(cfg.seed),
+                                 run_async=self.dep.run_async)
+            self._trainer = self.dep.pm.create("trainer", self.recipe.trainer, scenario=self.name,
+                                               recipe=self.recipe, trainer=cfg.trainer, context=setup)
+        return self._trainer
+
+    @property
+    def trainer(self) -> Trainer | None:
+        return self._build_trainer() if self.recipe.get("trainer") else None
+
+    @property
+    def has_trainer(self) -> bool:
+        return bool(self.recipe.get("trainer"))
 
     def stop(self, timeout: float = 30) -> None:
         self._stop.set()
@@ -114,15 +130,14 @@ class ScenarioLearner:
 
     def _load_start_model(self):
         """The model a weights trainer starts from: the scenario's head checkpoint, else the base."""
-        from .models import load_model
+        from ..surfaces.weights import state_dict_from_files
 
-        if self.head is not None and "model.safetensors" in self.head_files_index():
-            directory = self.dep.artifacts.materialize(self.head.release_id)
-            return load_model(Path(directory))
-        return self.dep.load_base_model()
-
-    def head_files_index(self) -> set[str]:
-        return set(self.dep.artifacts.read_files(self.head.release_id)) if self.head else set()
+        model, tokenizer = self.dep.load_base_model()
+        if self.head is not None:
+            state = state_dict_from_files(self.dep.artifacts.read_files(self.head.release_id),
+                                          self.dep.load_base_model)
+            model.load_state_dict(state, strict=False)
+        return model, tokenizer
 
     # -- the loop ------------------------------------------------------------------------------------
 
@@ -137,7 +152,7 @@ class ScenarioLearner:
             self._wake.clear()
             try:
                 self._ingest()
-                while (self.processor is not None and self.trainer is not None and not self._stop.is_set()
+                while (self.processor is not None and self.has_trainer and not self._stop.is_set()
                        and self.processor.ready()):
                     self._step()
                     self._ingest()
@@ -339,8 +354,8 @@ class ScenarioLearner:
             if self.surface is not None:
                 self.surface.activate(self.name, release.release_id, files=self._files(release.release_id))
                 self._remember(release.release_id, {"serving_version": self.serving_version()})
-            if self.trainer is not None:
-                self.trainer.rejected(CandidateUpdate(files={}))  # trainers resync to what now serves
+            if self._trainer is not None:
+                self._trainer.rejected(CandidateUpdate(files={}))  # trainers resync to what now serves
         self.dep.pm.notify("reef_release_published", scenario=self.name, release=release)
         return release
 
@@ -374,7 +389,7 @@ class ScenarioLearner:
             "versions_since_checkpoint": self.versions_since_checkpoint,
             "records_seen": self.last_sequence,
             "processor": self.processor.status() if self.processor is not None else None,
-            "trainer": type(self.trainer).__name__ if self.trainer is not None else None,
+            "trainer": self.recipe.get("trainer"),
             "counters": dict(self.counters),
             "last_metrics": self.last_metrics,
             "last_error": self.last_error,

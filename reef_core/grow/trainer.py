@@ -32,6 +32,8 @@ class TrainerSetup:
     #: Builds the local model the scenario starts from (weights trainers): ``() -> (model, tokenizer)``.
     load_base_model: Callable[[], tuple[Any, Any]] | None = None
     seed: int = 0
+    #: Run a coroutine on the server's event loop from the learner thread (e.g. engine calls).
+    run_async: Callable[..., Any] | None = None
 
 
 @dataclass

@@ -144,7 +144,11 @@ class Deployment:
             found = self._learners.get(scenario.name)
             if found is None:
                 found = ScenarioLearner(self, scenario.name, self.recipe(scenario))
-                found.start()
+                try:
+                    found.start()
+                except BaseException:
+                    found.stop()  # release the commit-log writer lock for a later attempt
+                    raise
                 self._learners[scenario.name] = found
             return found
 

@@ -108,8 +108,8 @@ class _Row:
 
 @router.get("/reef/harness")
 async def get_harness(request: Request):
-    dep, scenario, surface = await _harness_surface(request)
     path = _checked_path(request.query_params.get("path"))
+    dep, scenario, surface = await _harness_surface(request)
     row, files = await asyncio.to_thread(_read, dep, surface, scenario, _requested_release(request))
     if path is not None:
         if path not in files:

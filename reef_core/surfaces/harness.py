@@ -201,7 +201,7 @@ def _option_list(value: Any, default: tuple[str, ...]) -> tuple[str, ...]:
 class HarnessSurface(Surface):
     """Serves harness releases (text trees) per scenario; see the module docstring.
 
-    Options (``recipe.options.surface`` or the surface's own config):
+    Options (``recipe.surface_options``):
 
     ``inject``           ``none`` (default) or ``system``: write the harness text into every request's
                          system prompt.

@@ -1,0 +1,149 @@
+"""The GEPA learning demo, end to end through Reef's HTTP API.
+
+A client works through training tasks in rounds of one minibatch: it pulls the harness
+(``GET /reef/harness``), runs each task through Reef (``POST /v1/chat/completions`` with the pulled
+system prompt), scores the answer with the task's verifier and reports the score with textual
+feedback (``POST /reef/report``). Reef's learner runs one GEPA iteration per minibatch and publishes a
+new harness release whenever a candidate beats the served one on the validation tasks; the client
+shows the validation score of the prompt it pulls, release by release.
+
+By default everything runs in this process on loopback ports: the rule-based task model and the
+deterministic reflector of :mod:`reef_gepa.examples` behind OpenAI-compatible stand-in servers, and a
+Reef server (``+recipe=gepa``) whose engine is the task-model stand-in. ``reef_url`` points the client
+at a Reef server started elsewhere instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+
+from . import feedback, reflector, score_prompt, task_model, tasks, verify
+from .standins import serve_chat_model
+
+SCENARIO = "gepa-demo"
+PROMPT_FILE = "system_prompt.md"
+
+
+@contextlib.contextmanager
+def serve_reef(task_url: str, reflection_url: str, data_dir: Path, *extra: str) -> Iterator[str]:
+    """A Reef server (``+recipe=gepa``) on a free loopback port, served by the task-model stand-in."""
+    from reef_core.config import compose_config
+    from reef_core.plugins import get_plugin_manager
+    from reef_core.serve.app import create_app
+    from reef_core.serve.server import build_deployment
+    from reef_core.testing.fake_upstream import serve_asgi
+
+    pm = get_plugin_manager()
+    cfg = compose_config(["+recipe=gepa", "engine.kind=upstream", f"engine.upstream_url={task_url}",
+                          f"storage.data_dir={data_dir}",
+                          f"recipe.options.reflection_model={{url:'{reflection_url}'}}", *extra], pm)
+    deployment = build_deployment(cfg, pm)
+    with serve_asgi(create_app(deployment), lifespan="on") as url:
+        yield url
+
+
+def pull(client: httpx.Client) -> dict | None:
+    """The serving harness release, or None before the scenario has one."""
+    response = client.get("/reef/harness")
+    if response.status_code == 404:
+        return None
+    response.raise_for_status()
+    return response.json()
+
+
+def learner_status(client: httpx.Client, scenario: str) -> dict:
+    response = client.get(f"/reef/scenarios/{scenario}/status")
+    return response.json() if response.status_code == 200 else {}
+
+
+def committed_steps(client: httpx.Client, scenario: str) -> int:
+    return int(learner_status(client, scenario).get("step", 0))
+
+
+def run_round(client: httpx.Client, scenario: str, batch: list[dict],
+              prompt: str | None) -> tuple[list[float], int, set[str]]:
+    """Run ``batch`` through Reef with ``prompt``, then report each score with its feedback.
+
+    Returns the scores, the number of committed steps before the reports (the learner commits one step
+    per minibatch of reports) and the releases that served the inferences (``x-reef-release-id``)."""
+    answers, served_by = [], set()
+    for task in batch:
+        messages = ([{"role": "system", "content": prompt}] if prompt else []) + [
+            {"role": "user", "content": task["input"]}]
+        response = client.post("/v1/chat/completions", json={"model": "stand-in", "messages": messages})
+        response.raise_for_status()
+        served_by.add(response.headers.get("x-reef-release-id", ""))
+        answers.append((task, response.json()["choices"][0]["message"]["content"],
+                        response.headers["x-reef-agent-record-id"]))
+    step = committed_steps(client, scenario)  # the scenario exists now (its first request created it)
+    scores = []
+    for task, answer, receipt in answers:
+        score = verify(answer, task)
+        report = client.post("/reef/report", json={"score": score, "feedback": feedback(task, answer, score),
+                                                   "references": [receipt], "metadata": {"task": task}})
+        report.raise_for_status()
+        scores.append(score)
+    return scores, step, served_by
+
+
+def wait_for_step(client: httpx.Client, scenario: str, step: int,
+                  timeout_s: float = 120.0) -> tuple[dict | None, dict]:
+    """Wait until the learner committed ``step`` and, when that step published a release, until the harness
+    serves it (the commit-log row lands just before the head moves); return that harness and the row."""
+    deadline = time.monotonic() + timeout_s
+    row: dict | None = None
+    while True:
+        if row is None:
+            rows = client.get(f"/reef/scenarios/{scenario}/commits",
+                              params={"after_step": step - 1, "limit": 1}).json().get("commits", [])
+            row = rows[0] if rows else None
+        if row is not None:
+            harness = pull(client)
+            published = row.get("release_id")
+            if not published or (harness is not None and harness["release_id"] == published):
+                return harness, row
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the learner did not commit step {step} within {timeout_s} s")
+        time.sleep(0.02)
+
+
+def run_demo(rounds: int = 8, *, minibatch_size: int = 3, reef_url: str | None = None,
+             data_dir: Path | None = None, scenario: str = SCENARIO,
+             log: Callable[[str], None] = print) -> list[dict]:
+    """Run ``rounds`` minibatches; return one row per round (release, its validation score, prompt)."""
+    train, val = tasks("train"), tasks("val")
+    history: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        if reef_url is None:
+            task_url = stack.enter_context(serve_chat_model(task_model))
+            reflection_url = stack.enter_context(serve_chat_model(reflector))
+            if data_dir is None:
+                data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="reef-gepa-demo-")))
+            reef_url = stack.enter_context(serve_reef(task_url, reflection_url, data_dir))
+        client = stack.enter_context(httpx.Client(base_url=reef_url, timeout=120,
+                                                  headers={"x-reef-scenario": scenario}))
+        harness = pull(client)
+        cursor = 0
+        for index in range(rounds):
+            prompt = harness["files"].get(PROMPT_FILE) if harness else None
+            batch = [train[(cursor + i) % len(train)] for i in range(minibatch_size)]
+            cursor += minibatch_size
+            scores, step, served_by = run_round(client, scenario, batch, prompt)
+            harness, commit = wait_for_step(client, scenario, step + 1)
+            text = harness["files"].get(PROMPT_FILE, "") if harness else ""
+            row = {"round": index, "served_by": sorted(served_by),
+                   "release_id": harness["release_id"] if harness else None,
+                   "minibatch_score": sum(scores) / len(scores), "val_score": score_prompt(text, val),
+                   "prompt": text, "metrics": commit.get("metrics") or {}}
+            history.append(row)
+            log(f"round {index}: minibatch {row['minibatch_score']:.2f} -> release "
+                f"{(row['release_id'] or '-')[:12]} validation {row['val_score']:.2f}")
+        releases = client.get("/reef/harness/releases").json()["releases"]
+        log(f"{len(releases)} releases; the prompt served now:\n{history[-1]['prompt'] if history else ''}")
+    return history

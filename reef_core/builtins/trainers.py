@@ -1,0 +1,90 @@
+"""Built-in trainer ``torch``: the torch backend running an objective named in config.
+
+Recipe packages usually register their own trainer (``sao`` builds its objective from validated options). The
+built-in lets a deployment train with any :class:`~reef_core.grow.objective.Objective` without writing a plugin::
+
+    recipe:
+      trainer: torch
+      options:
+        objective: my_package.objectives:MyObjective   # "module:attribute" (or "module.attribute")
+        objective_options: {eps_clip: 0.2}              # keyword arguments of the objective factory
+        max_grad_norm: 1.0                              # optional (null: no clipping)
+
+The ``trainer`` section gives the backend settings (``lr``, ``lora``, ``lora_rank``, ``lora_alpha``,
+``grad_accumulation``, ``device``; ``backend`` must be ``torch``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .. import hookimpl
+from ..errors import ConfigError
+
+_OPTIONS = ("objective", "objective_options", "max_grad_norm", "weight_decay")
+
+
+def _plain(section: Any) -> dict:
+    if section is None:
+        return {}
+    if isinstance(section, Mapping):
+        return dict(section)
+    from omegaconf import OmegaConf
+
+    return dict(OmegaConf.to_container(section, resolve=True))
+
+
+def _section_get(section: Any, key: str, default: Any) -> Any:
+    if section is None:
+        return default
+    value = section.get(key, default) if isinstance(section, Mapping) or hasattr(section, "get") else default
+    return default if value is None else value
+
+
+def make_torch_trainer(*, scenario: str, recipe: Any, trainer: Any, context: Any, **_extra):
+    """Build a :class:`~reef_core.grow.torch_backend.TorchTrainer` around ``recipe.options.objective``."""
+    from .processors import resolve_judge  # "module:attribute" → callable, with clear ConfigErrors
+    from ..grow.objective import Objective
+    from ..grow.torch_backend import TorchTrainer
+
+    options = {str(k).replace("-", "_"): v for k, v in _plain(_section_get(recipe, "options", {})).items()}
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise ConfigError(f"trainer 'torch' has no option(s) {', '.join(unknown)} (known: {', '.join(_OPTIONS)})")
+    target = options.get("objective")
+    if not target:
+        raise ConfigError("trainer 'torch' needs recipe.options.objective ('module:Objective')")
+    factory = resolve_judge(str(target))
+    kwargs = _plain(options.get("objective_options"))
+    try:
+        objective = factory(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"objective {target!r} does not accept {sorted(kwargs)}: {exc}") from exc
+    if not isinstance(objective, Objective):
+        raise ConfigError(f"{target!r} did not build a reef_core.grow.objective.Objective")
+    backend = _section_get(trainer, "backend", "torch")
+    if backend != "torch":
+        raise ConfigError(f"trainer 'torch' runs the torch backend; trainer.backend is {backend!r}")
+    if context is None or getattr(context, "load_base_model", None) is None:
+        raise ConfigError("trainer 'torch' needs a local base model (engine.kind=local)")
+    return TorchTrainer(
+        objective,
+        context.load_base_model,
+        lr=float(_section_get(trainer, "lr", 1e-6)),
+        lora=bool(_section_get(trainer, "lora", False)),
+        lora_rank=int(_section_get(trainer, "lora_rank", 8)),
+        lora_alpha=float(_section_get(trainer, "lora_alpha", 16)),
+        grad_accumulation=int(_section_get(trainer, "grad_accumulation", 1)),
+        max_grad_norm=options.get("max_grad_norm", 1.0),
+        weight_decay=float(options.get("weight_decay", 0.0)),
+        device=str(_section_get(trainer, "device", "cpu")),
+        seed=int(getattr(context, "seed", 0) or 0),
+        name="torch",
+    )
+
+
+@hookimpl
+def reef_register_trainers(register):
+    register("torch", make_torch_trainer,
+             description="torch backend (full weights or LoRA) running the objective named in recipe.options")

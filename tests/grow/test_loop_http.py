@@ -1,0 +1,127 @@
+"""The learning loop over real HTTP: serving stays live while versions are trained and published.
+
+Uses the SAO recipe package (a real weights trainer) with its tiny-model CPU profile, a real
+`reef serve` process, the openai SDK, real git releases and real torch weights.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from reef_core.commit.git_store import GitArtifactStore
+
+reef_sao_tasks = pytest.importorskip("reef_sao.tasks")
+
+pytestmark = pytest.mark.slow
+
+
+def _chat(client, scenario, messages):
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=messages,
+                                                           extra_headers={"x-reef-scenario": scenario})
+    return raw.headers["x-reef-agent-record-id"], raw.parse().choices[0].message.content or ""
+
+
+def _releases(server, scenario):
+    response = httpx.get(f"{server.url}/reef/scenarios/{scenario}/releases")
+    return response.json()["releases"] if response.status_code == 200 else []
+
+
+def _records(server, scenario):
+    rows, after = [], 0
+    while True:
+        page = httpx.get(f"{server.url}/reef/scenarios/{scenario}/records",
+                         params={"after_sequence": after, "limit": 100}).json()
+        rows += page["records"]
+        if page["next_after_sequence"] is None:
+            return rows
+        after = page["next_after_sequence"]
+
+
+def _logprobs(model, prompt_ids, output_ids):
+    ids = torch.tensor([prompt_ids + output_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output_ids)[:, None])[:, 0]
+
+
+def test_versions_publish_while_serving(reef_server, tmp_path):
+    server = reef_server("+recipe=sao", "+sao_profile=tiny", "engine.seed=0", "seed=0",
+                         "trainer.checkpoint_every_n_versions=1")
+    scenario = "vowels"
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    failures: list[str] = []
+    served = {"n": 0}
+    stop = threading.Event()
+
+    def bystander():
+        # A concurrent client that never reports: every one of its requests must succeed, swaps or not.
+        local = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        while not stop.is_set():
+            try:
+                _chat(local, scenario, [{"role": "user", "content": "keep talking"}])
+                served["n"] += 1
+            except Exception as exc:  # noqa: BLE001 - collected and asserted on below
+                failures.append(repr(exc))
+
+    thread = threading.Thread(target=bystander, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 400
+    tasks = reef_sao_tasks.task_stream(seed=0)
+    try:
+        while time.monotonic() < deadline:
+            task = next(tasks)
+            receipt, text = _chat(client, scenario, task.messages())
+            report = httpx.post(f"{server.url}/reef/report", headers={"x-reef-scenario": scenario},
+                                json={"score": reef_sao_tasks.score(task, text), "references": [receipt]})
+            assert report.status_code == 200, report.text
+            trained = [r for r in _releases(server, scenario) if r["operation"] == "training"]
+            if len(trained) >= 3:
+                break
+    finally:
+        stop.set()
+        thread.join(60)
+    assert len(trained) >= 3, server.log()
+    assert not failures, failures[:3]
+    assert served["n"] > 0
+
+    # Every record names the version that served it, and that version's published weights
+    # reproduce the log-probs recorded for its tokens.
+    from reef_core.grow.models import load_model
+
+    base_dir = Path(__import__("os").environ["REEF_MODEL_CACHE"]) / "tiny"
+    store = GitArtifactStore(server.data_dir / "artifacts.git", tmp_path / "reader")
+    release_of = {r["metrics"].get("serving_version"): r["release_id"] for r in _releases(server, scenario)
+                  if r["metrics"].get("serving_version")}
+    records = [r for r in _records(server, scenario) if r["request_type"] == "inference"]
+    versions = {r["artifact_ref"] for r in records}
+    assert len(versions) >= 3
+    checked = 0
+    for version in sorted(versions):
+        model, _ = load_model(base_dir)
+        if not version.endswith(":0"):
+            if version not in release_of:
+                continue  # a version no record-producing check can reach (e.g. replaced before use)
+            from safetensors.torch import load as load_safetensors
+
+            files = store.read_files(release_of[version])
+            model.load_state_dict(load_safetensors(files["model.safetensors"]), strict=False)
+        sample = [r for r in records if r["artifact_ref"] == version][:2]
+        for row in sample:
+            detail = httpx.get(f"{server.url}/reef/scenarios/{scenario}/records/{row['agent_record_id']}").json()
+            tokens = detail["payload"]["tokens"]
+            assert tokens["version"] == version
+            recomputed = _logprobs(model, tokens["prompt_ids"], tokens["output_ids"])
+            assert torch.allclose(recomputed, torch.tensor(tokens["output_logprobs"]), atol=2e-3), version
+            checked += 1
+    assert checked >= 3
+    publish = [r["metrics"].get("publish_latency_ms") for r in trained]
+    assert any(p is not None for p in publish)
+    status = httpx.get(f"{server.url}/reef/scenarios/{scenario}/status").json()
+    assert status["counters"]["selected"] >= 3 and status["last_error"] is None
