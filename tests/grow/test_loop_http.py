@@ -125,3 +125,66 @@ def test_versions_publish_while_serving(reef_server, tmp_path):
     assert any(p is not None for p in publish)
     status = httpx.get(f"{server.url}/reef/scenarios/{scenario}/status").json()
     assert status["counters"]["selected"] >= 3 and status["last_error"] is None
+
+
+def _commits(server, scenario):
+    return httpx.get(f"{server.url}/reef/scenarios/{scenario}/commits", params={"limit": 100}).json()["commits"]
+
+
+def _report_tasks(server, client, scenario, tasks, n):
+    for _ in range(n):
+        task = next(tasks)
+        receipt, text = _chat(client, scenario, task.messages())
+        response = httpx.post(f"{server.url}/reef/report", headers={"x-reef-scenario": scenario},
+                              json={"score": reef_sao_tasks.score(task, text), "references": [receipt]})
+        assert response.status_code == 200
+
+
+def _wait(predicate, timeout=300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError("condition not reached in time")
+
+
+def test_rejected_candidate_changes_nothing_that_serves(reef_server):
+    # The floor policy with no evaluation tasks rejects every candidate.
+    server = reef_server("+recipe=sao", "+sao_profile=tiny", "evaluation.policy=floor",
+                         "+evaluation.options.policy.floor_score=0.5")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    scenario = "gated"
+    _report_tasks(server, client, scenario, reef_sao_tasks.task_stream(seed=3), 8)  # two batches of 4
+    rows = _wait(lambda: (c := _commits(server, scenario)) and len(c) >= 2 and c)
+    assert all(row["release_id"] is None and row["decision"]["decision"] == "reject" for row in rows)
+    assert "floor" in rows[0]["decision"]["reason"] or "no task scores" in rows[0]["decision"]["reason"]
+    assert sum(len(row["consumed_ids"]) for row in rows) == 16  # 8 receipts + 8 reports, consumed once
+    assert _releases(server, scenario) == []
+    status = httpx.get(f"{server.url}/reef/scenarios/{scenario}/status").json()
+    assert status["current_version"].endswith(":0") and status["counters"]["rejected"] >= 2
+
+
+def test_restart_resumes_from_last_checkpoint_without_retraining(reef_server):
+    server = reef_server("+recipe=sao", "+sao_profile=tiny", "trainer.checkpoint_every_n_versions=2", "seed=1")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    scenario = "durable"
+    tasks = reef_sao_tasks.task_stream(seed=5)
+    _report_tasks(server, client, scenario, tasks, 12)  # three batches of 4: live, checkpoint, live
+    rows = _wait(lambda: (c := _commits(server, scenario)) and len(c) >= 3 and c)
+    assert [bool(r["release_id"]) for r in rows[:3]] == [False, True, False]
+    checkpoint = rows[1]["release_id"]
+    consumed = {i for r in rows for i in r["consumed_ids"]}
+    server.kill()
+    server.start()
+    status = _wait(lambda: (s := httpx.get(f"{server.url}/reef/scenarios/{scenario}/status").json())
+                   ["processor"]["records_ingested"] >= 24 and s)
+    assert status["step"] == len(rows)  # the step counter survived
+    assert status["current_release_id"] == checkpoint  # live versions after it were lost, by design
+    assert status["current_version"].endswith(":1")  # a fresh incarnation, restored from the checkpoint
+    assert status["processor"]["pending_units"] == 0  # nothing consumed came back
+    _report_tasks(server, client, scenario, tasks, 4)
+    after = _wait(lambda: (c := _commits(server, scenario)) and len(c) > len(rows) and c)
+    new = set(after[len(rows)]["consumed_ids"])
+    assert len(new) == 8 and not new & consumed
