@@ -1,0 +1,173 @@
+"""Added latency of Reef and LiteLLM over a loopback stub at one client, then throughput and peak RSS.
+
+Method (after cuihuan/llm-gateway-bench): interleaved rounds. Each round sends ``--per-round`` sequential
+requests to each target (stub direct, Reef, LiteLLM) over a kept-alive connection, in an order that rotates from
+round to round, so drift in the machine's load hits every target alike. Added latency at a percentile is the
+proxied percentile minus the direct one; the median of per-round median differences is reported as well.
+
+Reef runs with the upstream engine and its default durable store: SQLite in WAL mode with ``synchronous=FULL``,
+so every reply waited for its record's fsync. LiteLLM runs with default settings and no database.
+"""
+
+from __future__ import annotations
+
+import http.client
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from bench import common, throughput
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--rounds", type=int, default=40, help="interleaved rounds (default 40)")
+    parser.add_argument("--per-round", type=int, default=25, help="requests per target per round (default 25)")
+    parser.add_argument("--warmup", type=int, default=50, help="unmeasured requests per target first")
+    parser.add_argument("--duration", type=float, default=6.0, help="seconds per wrk run (default 6)")
+    parser.add_argument("--connections", default="1,16,64", help="wrk concurrencies (default 1,16,64)")
+    parser.add_argument("--no-throughput", action="store_true", help="latency only")
+    parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM proxy")
+
+
+class Client:
+    """One kept-alive HTTP/1.1 connection, the cheapest and steadiest client the stdlib offers."""
+
+    def __init__(self, url: str):
+        parts = urlsplit(url)
+        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+        self.headers = {"content-type": "application/json", "authorization": f"Bearer {common.TOKEN}",
+                        "x-reef-scenario": "bench-latency"}
+        self.body = common.chat_body()
+
+    def call(self) -> tuple[float, dict]:
+        started = time.perf_counter()
+        self.conn.request("POST", "/v1/chat/completions", body=self.body, headers=self.headers)
+        resp = self.conn.getresponse()
+        data = resp.read()
+        elapsed = (time.perf_counter() - started) * 1000
+        if resp.status != 200:
+            raise RuntimeError(f"{resp.status}: {data[:300]!r}")
+        return elapsed, {k.lower(): v for k, v in resp.getheaders()}
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def latency(targets: dict[str, common.Child], rounds: int, per_round: int, warmup: int) -> dict:
+    clients = {name: Client(child.url) for name, child in targets.items()}
+    samples: dict[str, list[float]] = {name: [] for name in targets}
+    round_medians: dict[str, list[float]] = {name: [] for name in targets}
+    overhead_header: list[float] = []
+    receipts = 0
+    try:
+        for client in clients.values():
+            for _ in range(warmup):
+                client.call()
+        names = list(targets)
+        cpu_before = {name: child.cpu_seconds() for name, child in targets.items()}
+        for r in range(rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                times = []
+                for _ in range(per_round):
+                    ms, headers = clients[name].call()
+                    times.append(ms)
+                    if name == "reef":
+                        receipts += "x-reef-agent-record-id" in headers
+                        overhead_header.append(float(headers.get("x-reef-overhead-ms", "nan")))
+                samples[name].extend(times)
+                round_medians[name].append(statistics.median(times))
+        cpu_ms = {name: round((child.cpu_seconds() - cpu_before[name]) * 1000 / len(samples[name]), 3)
+                  for name, child in targets.items()}
+    finally:
+        for client in clients.values():
+            client.close()
+    stats = {name: common.percentiles(values) for name, values in samples.items()}
+    added = {}
+    for name in targets:
+        if name == "stub":
+            continue
+        added[name] = {p: round(stats[name][p] - stats["stub"][p], 3) for p in ("p50", "p95", "p99")}
+        added[name]["median_of_round_medians"] = round(statistics.median(
+            a - b for a, b in zip(round_medians[name], round_medians["stub"])), 3)
+    # The stub's own CPU includes the requests the proxies forwarded to it: the sum is what one call costs.
+    result = {"rounds": rounds, "per_round": per_round, "latency_ms": stats, "added_ms": added,
+              "server_cpu_ms_per_request": cpu_ms}
+    if "reef" in targets:
+        result["reef_receipts"] = receipts
+        result["reef_requests"] = len(samples["reef"])
+        result["reef_overhead_header_ms"] = common.percentiles(overhead_header)
+    if "reef" in added and "litellm" in added:
+        result["ratio_reef_over_litellm"] = {
+            p: round(added["reef"][p] / added["litellm"][p], 3) if added["litellm"][p] > 0 else None
+            for p in ("p50", "p95", "p99")}
+    return result
+
+
+def run(args) -> dict:
+    machine = common.machine()  # the load average before we add ours
+    workdir = Path(tempfile.mkdtemp(prefix="reef-bench-"))
+    children: list[common.Child] = []
+    began = time.monotonic()
+    try:
+        stub = common.start_stub(workdir)
+        children.append(stub)
+        reef = common.start_reef(stub.url, workdir / "data")
+        children.append(reef)
+        targets = {"stub": stub, "reef": reef}
+        if not args.no_litellm:
+            litellm = common.start_litellm(stub.url, workdir)
+            children.append(litellm)
+            targets["litellm"] = litellm
+        lat = latency(targets, args.rounds, args.per_round, args.warmup)
+        rss_after_latency = {c.name: c.peak_rss_mib() for c in children}
+        runs: list[dict] = []
+        if not args.no_throughput:
+            connections = [int(c) for c in str(args.connections).split(",")]
+            runs = throughput.measure(targets, workdir / "data", connections, args.duration)
+        rss = {c.name: c.peak_rss_mib() for c in children}
+    finally:
+        for child in reversed(children):
+            child.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    rows = [[name, s["p50"], s["p95"], s["p99"], s["mean"],
+             *(lat["added_ms"].get(name, {}).get(p) for p in ("p50", "p95", "p99", "median_of_round_medians")),
+             lat["server_cpu_ms_per_request"][name]]
+            for name, s in lat["latency_ms"].items()]
+    print(f"Latency at one client ({lat['rounds']} interleaved rounds x {lat['per_round']} requests), ms")
+    print(common.table(["target", "p50", "p95", "p99", "mean", "added p50", "added p95", "added p99",
+                        "added (round medians)", "cpu ms/req"], rows))
+    if "ratio_reef_over_litellm" in lat:
+        ratio = lat["ratio_reef_over_litellm"]
+        print(f"Reef/LiteLLM added latency: p50 x{ratio['p50']}, p95 x{ratio['p95']}, p99 x{ratio['p99']}")
+    if "reef" in lat["added_ms"]:
+        print(f"Reef receipts: {lat['reef_receipts']} of {lat['reef_requests']} responses; "
+              f"x-reef-overhead-ms p50 {lat['reef_overhead_header_ms']['p50']} "
+              f"p99 {lat['reef_overhead_header_ms']['p99']}")
+    problems = []
+    if runs:
+        print()
+        print(f"Throughput (wrk, {args.duration:g} s per run)")
+        print(common.table(throughput.HEADERS, throughput.table_rows(runs)))
+        problems = throughput.check(runs)
+    if lat.get("reef_receipts") != lat.get("reef_requests"):
+        problems.append("a Reef response came back without a receipt")
+    print()
+    print("Peak RSS (VmHWM) MiB: " + ", ".join(f"{k} {v:.1f}" for k, v in rss.items() if v is not None))
+    for problem in problems:
+        print("PROBLEM:", problem)
+    reef_added = lat["added_ms"].get("reef", {})
+    c64 = next((r for r in runs if r["target"] == "reef" and r["connections"] == 64), None)
+    targets_met = {
+        "added_p50_le_2ms": reef_added.get("p50", 1e9) <= 2.0,
+        "added_p99_le_5ms": reef_added.get("p99", 1e9) <= 5.0,
+        "reef_1000_rps_at_64": (c64 or {}).get("rps", 0) >= 1000 if c64 else None,
+        "records_equal_receipts": not problems,
+    }
+    return {"machine": machine, "wall_s": round(time.monotonic() - began, 1), "latency": lat,
+            "throughput": runs, "peak_rss_mib": rss, "peak_rss_mib_after_latency": rss_after_latency,
+            "targets_met": targets_met, "problems": problems}

@@ -1,0 +1,164 @@
+"""Requests/s at 1, 16 and 64 connections with ``wrk``: the stub alone, through Reef, through LiteLLM.
+
+For Reef every run uses a scenario of its own; afterwards the store is read directly and compared with what wrk
+saw: every receipt a client received must be a stored record, and records = receipts up to the requests wrk
+abandoned in flight when its clock ran out (at most one per connection; those are stored but their answer is
+never read).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import tempfile
+import uuid
+from pathlib import Path
+
+from bench import common
+
+LUA = Path(__file__).with_name("wrk") / "chat.lua"
+CONNECTIONS = (1, 16, 64)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--duration", type=float, default=6.0, help="seconds per wrk run (default 6)")
+    parser.add_argument("--connections", default=",".join(map(str, CONNECTIONS)), help="e.g. 1,16,64")
+    parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM proxy")
+
+
+def wrk(url: str, connections: int, duration: float, scenario: str, receipts_dir: Path | None = None) -> dict:
+    """One wrk run against ``url``; returns wrk's counters plus requests/s (and receipt ids when asked)."""
+    if shutil.which("wrk") is None:
+        raise RuntimeError("wrk is not installed (Debian package `wrk`)")
+    env = {**os.environ, "BENCH_SCENARIO": scenario, "BENCH_BODY": common.chat_body().decode(),
+           "BENCH_TOKEN": common.TOKEN}
+    if receipts_dir is not None:
+        env["BENCH_RECEIPTS_DIR"] = str(receipts_dir)
+    # One wrk thread: on a 2-core box every extra client thread steals CPU from the servers under test.
+    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration))}s", "--timeout", "10s",
+           "-s", str(LUA), url + "/v1/chat/completions"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=duration + 60)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("WRK_JSON ")), None)
+    if out.returncode != 0 or line is None:
+        raise RuntimeError(f"wrk failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+    result = json.loads(line[len("WRK_JSON "):])
+    result["connections"] = connections
+    result["rps"] = round(result["requests"] / (result["duration_us"] / 1e6), 1)
+    result["ok_rps"] = round(result["ok"] / (result["duration_us"] / 1e6), 1)
+    result["latency_ms"] = {k: round(v / 1000, 3) for k, v in result.pop("latency_us").items()}
+    return result
+
+
+def stored_ids(data_dir: Path, scenario: str) -> set[str]:
+    """Record ids of ``scenario`` in Reef's SQLite store, read directly (read-only; the server keeps running)."""
+    db = sqlite3.connect(f"file:{data_dir / 'records.db'}?mode=ro", uri=True)
+    try:
+        return {row[0] for row in db.execute("SELECT record_id FROM records WHERE scenario = ?", (scenario,))}
+    finally:
+        db.close()
+
+
+def read_receipts(receipts_dir: Path) -> list[str]:
+    ids: list[str] = []
+    for path in sorted(receipts_dir.glob("*.txt")):
+        ids.extend(line.strip() for line in path.read_text().splitlines() if line.strip())
+    return ids
+
+
+def measure(targets: dict[str, common.Child], reef_data_dir: Path | None, connections: list[int],
+            duration: float) -> list[dict]:
+    """wrk each target at each concurrency (targets interleaved per concurrency); Reef runs get the store check.
+
+    Each row also carries the server's CPU time per request (process tree, all threads): unlike requests/s, it
+    hardly depends on what else the machine is running."""
+    rows = []
+    for conns in connections:
+        for name, child in targets.items():
+            url = child.url
+            scenario = f"bench-{name}-c{conns}-{uuid.uuid4().hex[:8]}"
+            wrk(url, max(conns, 4), 1, f"warmup-{scenario}")  # connections, pools and the scenario row
+            cpu_before = child.cpu_seconds()
+            if name == "reef":
+                with tempfile.TemporaryDirectory() as tmp:
+                    result = wrk(url, conns, duration, scenario, Path(tmp))
+                    receipts = read_receipts(Path(tmp))
+                stored = stored_ids(reef_data_dir, scenario)
+                missing = [r for r in receipts if r not in stored]
+                result.update({
+                    "records_stored": len(stored),
+                    "receipt_ids_logged": len(receipts),
+                    "receipts_missing_from_store": len(missing),
+                    "duplicate_receipts": len(receipts) - len(set(receipts)),
+                    # Requests wrk sent but never read the answer of: stored, never receipted.
+                    "records_without_receipt": len(stored - set(receipts)),
+                })
+            else:
+                result = wrk(url, conns, duration, scenario)
+            cpu = child.cpu_seconds() - cpu_before
+            result["server_cpu_ms_per_request"] = round(cpu * 1000 / result["requests"], 3) if result["requests"] else None
+            result["target"] = name
+            rows.append(result)
+    return rows
+
+
+def check(rows: list[dict]) -> list[str]:
+    """Problems with the Reef rows: a receipt without a record, a record beyond abandoned requests, a non-200."""
+    problems = []
+    for row in rows:
+        if row["target"] != "reef":
+            continue
+        c = row["connections"]
+        if row["receipts_missing_from_store"]:
+            problems.append(f"c={c}: {row['receipts_missing_from_store']} receipts are not in the store")
+        if row["receipts"] != row["receipt_ids_logged"] or row["duplicate_receipts"]:
+            problems.append(f"c={c}: receipts counted {row['receipts']} vs logged {row['receipt_ids_logged']} "
+                            f"({row['duplicate_receipts']} duplicates)")
+        if row["records_without_receipt"] > c:
+            problems.append(f"c={c}: {row['records_without_receipt']} records have no receipt (> {c} in flight)")
+        if row["bad"] or sum(row["errors"].values()):
+            problems.append(f"c={c}: {row['bad']} non-200 answers, errors {row['errors']}")
+    return problems
+
+
+def table_rows(rows: list[dict]) -> list[list]:
+    out = []
+    for r in rows:
+        out.append([r["target"], r["connections"], r["rps"], r["latency_ms"]["p50"], r["latency_ms"]["p99"],
+                    r.get("server_cpu_ms_per_request"), r["ok"], r["bad"] + sum(r["errors"].values()),
+                    r.get("receipts"), r.get("records_stored")])
+    return out
+
+
+HEADERS = ["target", "conns", "req/s", "p50 ms", "p99 ms", "cpu ms/req", "ok", "errors", "receipts", "records"]
+
+
+def run(args) -> dict:
+    machine = common.machine()  # the load average before we add ours
+    workdir = Path(tempfile.mkdtemp(prefix="reef-bench-"))
+    children = []
+    try:
+        stub = common.start_stub(workdir)
+        children.append(stub)
+        reef = common.start_reef(stub.url, workdir / "data")
+        children.append(reef)
+        targets = {"stub": stub, "reef": reef}
+        if not args.no_litellm:
+            litellm = common.start_litellm(stub.url, workdir)
+            children.append(litellm)
+            targets["litellm"] = litellm
+        connections = [int(c) for c in str(args.connections).split(",")]
+        rows = measure(targets, workdir / "data", connections, args.duration)
+        rss = {c.name: c.peak_rss_mib() for c in children}
+    finally:
+        for child in reversed(children):
+            child.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    problems = check(rows)
+    print(common.table(HEADERS, table_rows(rows)))
+    for problem in problems:
+        print("PROBLEM:", problem)
+    return {"machine": machine, "duration_s": args.duration, "runs": rows,
+            "peak_rss_mib": rss, "problems": problems}
