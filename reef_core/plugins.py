@@ -39,6 +39,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "reef_core.builtins.gate",
     "reef_core.builtins.tasks",
     "reef_core.builtins.weights",
+    "reef_core.builtins.trainers",
     "reef_core.builtins.surfaces",
 )
 

@@ -16,7 +16,7 @@ from .. import hookimpl
 from ..errors import ConfigError
 
 _REPORTED = ("batch_size", "max_staleness", "require_score", "max_held_inferences")
-_GROUPED = ("group_size", "key", "groups_per_batch", "partial_policy", "timeout_s", "min_partial_size", "slot",
+_GROUPED = ("batch_size", "group_size", "key", "groups_per_batch", "partial_policy", "timeout_s", "min_partial_size", "slot",
             "max_staleness", "require_score", "max_held_inferences")
 _NEXT_STATE = ("batch_size", "max_staleness", "session_tag", "session_ttl_s", "max_open_turns",
                "max_judge_attempts", "judge")
@@ -78,6 +78,12 @@ def make_grouped(*, scenario: str, options: Any = None, serving_version=None, ju
     opts = _options("grouped", options, _GROUPED)
     if "group_size" not in opts:
         raise ConfigError("processor 'grouped' needs the option group_size")
+    # batch_size is accepted as a cross-check: a batch is groups_per_batch complete groups.
+    batch_size = opts.pop("batch_size", None)
+    expected = int(opts["group_size"]) * int(opts.get("groups_per_batch", 1))
+    if batch_size is not None and int(batch_size) != expected:
+        raise ConfigError(f"processor 'grouped': batch_size {batch_size} must equal group_size x groups_per_batch "
+                          f"({expected})")
     return _build("grouped", GroupedProcessor, scenario=scenario, serving_version=serving_version, **opts)
 
 

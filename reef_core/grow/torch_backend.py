@@ -19,9 +19,10 @@ What a step returns (:class:`~reef_core.grow.trainer.CandidateUpdate`):
   counters and the objective's own metrics. Non-finite values become ``None`` (JSON).
 
 Candidates are gated: until :meth:`~TorchTrainer.accepted` the step is provisional, and
-:meth:`~TorchTrainer.rejected` restores the policy, the optimizer state and the objective's state to the last
-accepted snapshot. The policy is kept in ``eval`` mode throughout, so its log-probs match the serving engine's
-(no dropout noise in the importance ratio).
+:meth:`~TorchTrainer.rejected` restores the weights and the objective's state (a critic) to the last accepted
+snapshot and restarts the optimizer's moments (copying AdamW state at every step would double its memory).
+The policy is kept in ``eval`` mode throughout, so its log-probs match the serving engine's (no dropout noise in
+the importance ratio).
 
 The base model is loaded on first use (:meth:`~TorchTrainer.load`, called by the first step or by reading
 ``policy``), not in the constructor: a learner may build its trainer before it knows the scenario's head.
@@ -32,7 +33,6 @@ weights are loaded from that release's files (``ctx.current_files()``) and the o
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import tempfile
@@ -208,6 +208,7 @@ class TorchTrainer(Trainer):
         self._load_lock = threading.Lock()
         self._expected_release: str | None = None
         self._first_step = True
+        self._last_update: CandidateUpdate | None = None
 
     # -- setup -------------------------------------------------------------------------------------------------
 
@@ -237,7 +238,9 @@ class TorchTrainer(Trainer):
             else:
                 model.requires_grad_(True)
             self._policy: nn.Module = model
-            self._params = [p for p in model.parameters() if p.requires_grad]
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            self._param_names = [n for n, _ in named]
+            self._params = [p for _, p in named]
             self._optimizer = torch.optim.AdamW(self._params, **self._opt_args)
             self._export_keys = self._dedup_keys(model) if not self.lora else []
             self._snapshot = self._take_snapshot()
@@ -258,7 +261,6 @@ class TorchTrainer(Trainer):
     def optimizer(self) -> torch.optim.Optimizer:
         self.load()
         return self._optimizer
-
 
     @staticmethod
     def _static_model_files(model: nn.Module, tokenizer: Any) -> dict[str, bytes]:
@@ -303,31 +305,42 @@ class TorchTrainer(Trainer):
 
     # -- snapshots (gate) --------------------------------------------------------------------------------------
 
-    def _take_snapshot(self) -> dict:
-        return {
-            "params": [p.detach().clone() for p in self._params],
-            "optimizer": copy.deepcopy(self._optimizer.state_dict()),
-            "objective": self.objective.snapshot(),
-            "steps": self.steps,
-        }
+    def _take_snapshot(self, reuse: Mapping[str, Tensor] | None = None) -> dict:
+        """The rollback point: trainable weights, the objective's state and the step counter.
+
+        ``reuse`` (an accepted full-weight payload: clones of these very weights) is kept instead of copying
+        the weights again. Optimizer moments are not copied (they would double the optimizer's memory): a
+        rejection restarts them."""
+        params = []
+        for name, p in zip(self._param_names, self._params):
+            kept = reuse.get(name) if reuse is not None else None
+            if kept is not None and kept.shape == p.shape and kept.dtype == p.dtype and kept.device == p.device:
+                params.append(kept)
+            else:
+                params.append(p.detach().clone())
+        return {"params": params, "objective": self.objective.snapshot(), "steps": self.steps}
 
     def _restore_snapshot(self, snap: dict) -> None:
         with torch.no_grad():
             for p, saved in zip(self._params, snap["params"]):
                 p.copy_(saved)
-        self._optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
+        self._optimizer = torch.optim.AdamW(self._params, **self._opt_args)
         self.objective.restore(snap["objective"])
         self.steps = snap["steps"]
 
     def accepted(self, update: CandidateUpdate, release_id: str | None) -> None:
         """Commit the in-memory policy (and the objective's state) as the new rollback point."""
         self.load()
-        self._snapshot = self._take_snapshot()
+        latest = update is not None and update is self._last_update
+        reuse = update.payload if latest and not self.lora and isinstance(update.payload, Mapping) else None
+        self._snapshot = self._take_snapshot(reuse)
         if release_id is not None:
             self._expected_release = release_id
 
     def rejected(self, update: CandidateUpdate) -> None:
-        """Restore the policy, the optimizer and the objective to the last accepted snapshot."""
+        """Restore the weights and the objective's state to the last accepted snapshot.
+
+        The optimizer's moments restart (AdamW state is not snapshotted: it would double its memory)."""
         if not self._loaded:
             return  # nothing trained yet
         self._restore_snapshot(self._snapshot)
@@ -471,20 +484,23 @@ class TorchTrainer(Trainer):
             self._params, self.max_grad_norm if self.max_grad_norm is not None else float("inf"))
         grad_norm = float(norm)
         if not math.isfinite(grad_norm):
+            # The policy was not stepped; undo what the objective's preparation changed (a critic step).
             self._optimizer.zero_grad(set_to_none=True)
-            self._restore_snapshot(self._snapshot)
-            log.warning("non-finite gradient norm (%s); step skipped, state restored", grad_norm)
+            self.objective.restore(self._snapshot["objective"])
+            log.warning("non-finite gradient norm (%s); step skipped", grad_norm)
             return None
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         metrics.update(self.objective.summarize(prepared, sums))
-        metrics.update({"loss": total, "grad_norm": grad_norm, "lr": self.lr, "step_seconds": time.monotonic() - started})
+        metrics.update({"loss": total, "grad_norm": grad_norm, "lr": self.lr,
+                        "step_seconds": time.monotonic() - started})
         payload = self._payload()
-        return CandidateUpdate(
+        self._last_update = CandidateUpdate(
             files=self._files(payload),
             payload=payload,
             metrics={k: _finite_or_none(v) for k, v in metrics.items()},
             algorithm_state={"objective": self.objective.name, "steps": self.steps,
                              "objective_state": self.objective.json_state()},
         )
+        return self._last_update

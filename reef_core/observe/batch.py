@@ -9,7 +9,9 @@ aborts the batch; the writer then retries the requests one by one (see :mod:`ree
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
+from collections import namedtuple
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +21,7 @@ import sqlalchemy as sa
 from reef_core.errors import Conflict, ReefError, ValidationFailed
 from reef_core.observe import queries as q
 from reef_core.observe.model import Record
-from reef_core.observe.schema import records
+from reef_core.observe.schema import record_sequences, records
 
 # Stay far below SQLite's bound-parameter limit and keep PostgreSQL IN lists cheap.
 IN_CHUNK = 500
@@ -38,15 +40,20 @@ class AppendRequest:
     outcome: list[Record] | BaseException | None = field(default=None, repr=False)
 
 
+def _json_value(value: Any) -> Any:
+    # Driver-level reads: SQLite hands JSON columns back as text, psycopg already decoded (lists/dicts, never str).
+    return json.loads(value) if isinstance(value, str) else value
+
+
 def row_to_record(row: Any) -> Record:
     """Build a :class:`Record` from a full ``records`` row."""
     return Record(
         record_id=row.record_id,
         scenario=row.scenario,
         kind=row.kind,
-        payload=row.payload,
-        references=list(row.references),
-        tags=dict(row.tags),
+        payload=_json_value(row.payload),
+        references=list(_json_value(row.references)),
+        tags=dict(_json_value(row.tags)),
         version=row.version,
         complete=bool(row.complete),
         request_hash=row.request_hash,
@@ -72,17 +79,105 @@ def record_to_params(record: Record, sequence: int, encoded: tuple[str, str, str
             record.complete, record.request_hash, record.content_hash, *encoded)
 
 
-def insert_records_sql(conn: sa.Connection) -> str:
-    """Driver-level INSERT for ``records``. The hot path skips SQLAlchemy's per-row parameter processing, which
-    costs about as much CPU as the insert itself and competes for the GIL with the callers' event loop."""
-    prep = conn.dialect.identifier_preparer
+@dataclass(frozen=True)
+class _DriverSql:
+    """Driver-level SQL of the writer's hot statements for one connection's dialect and schema.
+
+    ``exec_driver_sql`` skips SQLAlchemy's statement compilation, cache-key and per-row parameter processing, which
+    cost more CPU than SQLite takes to run these statements and compete for the GIL with the callers' event loop.
+    Database errors are still wrapped as ``sa.exc.DBAPIError`` (the writer's retry logic relies on that).
+    """
+
+    insert_records: str
+    select_by_ids: str  # "{marks}" is replaced by one placeholder per id
+    reserve_sequence: str
+    mark: str
+
+
+_SQL_CACHE: dict[tuple[str, str | None], _DriverSql] = {}
+
+
+def _driver_sql(conn: sa.Connection) -> _DriverSql:
     schema = (conn.get_execution_options().get("schema_translate_map") or {}).get(None)
-    name = prep.quote(records.name)
-    if schema is not None:
-        name = f"{prep.quote_schema(schema)}.{name}"
-    columns = ", ".join(prep.quote(column.name) for column in records.columns)
+    key = (conn.dialect.name, schema)
+    found = _SQL_CACHE.get(key)
+    if found is not None:
+        return found
+    prep = conn.dialect.identifier_preparer
+
+    def table(t: sa.Table) -> str:
+        name = prep.quote(t.name)
+        return f"{prep.quote_schema(schema)}.{name}" if schema is not None else name
+
     mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
-    return f"INSERT INTO {name} ({columns}) VALUES ({', '.join([mark] * len(records.columns))})"
+    columns = ", ".join(prep.quote(column.name) for column in records.columns)
+    seq = table(record_sequences)
+    found = _DriverSql(
+        insert_records=f"INSERT INTO {table(records)} ({columns}) VALUES ({', '.join([mark] * len(records.columns))})",
+        select_by_ids=f"SELECT {columns} FROM {table(records)} WHERE {prep.quote('record_id')} IN ({{marks}})",
+        # Same upsert as queries.reserve_sequences: the counter row's lock keeps concurrent writers apart.
+        reserve_sequence=(f"INSERT INTO {seq} (scenario, last_sequence) VALUES ({mark}, {mark}) "
+                          f"ON CONFLICT (scenario) DO UPDATE SET last_sequence = {seq}.last_sequence + "
+                          f"excluded.last_sequence RETURNING last_sequence"),
+        mark=mark,
+    )
+    _SQL_CACHE[key] = found
+    return found
+
+
+_RecordRow = namedtuple("_RecordRow", [column.name for column in records.columns])
+
+
+def _sqlite_cursor_call(conn: sa.Connection, method: str, sql: str, params: Any):
+    """Run ``cursor.<method>(sql, params)`` on SQLite's own cursor inside the connection's transaction.
+
+    Even ``exec_driver_sql`` builds a result object and column metadata per statement, which costs more than SQLite
+    takes to run it. Driver errors are wrapped as SQLAlchemy's ``DBAPIError`` subclasses, as ``exec_driver_sql``
+    would, so the writer's rollback-and-retry logic sees the same exceptions.
+    """
+    cursor = conn.connection.driver_connection.cursor()
+    try:
+        getattr(cursor, method)(sql, params)
+        return cursor
+    except sqlite3.Error as exc:
+        cursor.close()
+        raise sa.exc.DBAPIError.instance(sql, params, exc, sqlite3.Error) from exc
+
+
+def _select_rows(conn: sa.Connection, sql: str, params: tuple) -> list:
+    if conn.dialect.name == "sqlite":
+        cursor = _sqlite_cursor_call(conn, "execute", sql, params)
+        try:
+            return [_RecordRow._make(row) for row in cursor.fetchall()]
+        finally:
+            cursor.close()
+    return list(conn.exec_driver_sql(sql, params))
+
+
+def _scalar(conn: sa.Connection, sql: str, params: tuple) -> Any:
+    if conn.dialect.name == "sqlite":
+        cursor = _sqlite_cursor_call(conn, "execute", sql, params)
+        try:
+            rows = cursor.fetchall()
+        finally:
+            cursor.close()
+        if len(rows) != 1:
+            raise sa.exc.NoResultFound("expected exactly one row") if not rows else sa.exc.MultipleResultsFound(
+                "expected exactly one row")
+        return rows[0][0]
+    return conn.exec_driver_sql(sql, params).scalar_one()
+
+
+def _insert_many(conn: sa.Connection, sql: str, rows: list[tuple]) -> None:
+    if conn.dialect.name == "sqlite":
+        _sqlite_cursor_call(conn, "executemany", sql, rows).close()
+    else:
+        conn.exec_driver_sql(sql, rows)
+
+
+def insert_records_sql(conn: sa.Connection) -> str:
+    """Driver-level INSERT for ``records`` (see :class:`_DriverSql`)."""
+    return _driver_sql(conn).insert_records
 
 
 def _chunks(items: Sequence, size: int = IN_CHUNK) -> Iterable[Sequence]:
@@ -93,8 +188,10 @@ def _chunks(items: Sequence, size: int = IN_CHUNK) -> Iterable[Sequence]:
 def fetch_records(conn: sa.Connection, ids: Iterable[str]) -> dict[str, Record]:
     """Stored records among ``ids``, by id."""
     found: dict[str, Record] = {}
+    sql = _driver_sql(conn)
     for chunk in _chunks(sorted(set(ids))):
-        for row in conn.execute(q.RECORDS_BY_ID, {"ids": list(chunk)}):
+        text = sql.select_by_ids.replace("{marks}", ", ".join([sql.mark] * len(chunk)))
+        for row in _select_rows(conn, text, tuple(chunk)):
             found[row.record_id] = row_to_record(row)
     return found
 
@@ -200,7 +297,7 @@ def apply_appends(conn: sa.Connection, dialect: str, batch: list[AppendRequest])
     assigned = _assign_sequences(conn, dialect, list(new.values()))
     if new:
         rows = [record_to_params(r, assigned[r.record_id], encoded[r.record_id]) for r in new.values()]
-        conn.exec_driver_sql(insert_records_sql(conn), rows)
+        _insert_many(conn, insert_records_sql(conn), rows)
     if new_keys:
         now = time.time()
         conn.execute(q.INSERT_KEY, [
@@ -224,10 +321,10 @@ def _assign_sequences(conn: sa.Connection, dialect: str, fresh: list[Record]) ->
     for record in fresh:
         per_scenario.setdefault(record.scenario, []).append(record)
     assigned: dict[str, int] = {}
+    reserve = _driver_sql(conn).reserve_sequence if per_scenario else ""
     for scenario, group in per_scenario.items():
         count = len(group)
-        params = {"scenario": scenario, "last_sequence": count}
-        last = int(conn.execute(q.reserve_sequences(dialect), params).scalar_one())
+        last = int(_scalar(conn, reserve, (scenario, count)))
         for offset, record in enumerate(group):
             assigned[record.record_id] = last - count + 1 + offset
     return assigned

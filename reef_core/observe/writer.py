@@ -18,8 +18,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,7 @@ class Writer:
         self._batch_size = batch_size
         self._max_pending = max_pending
         self._retry_attempts = retry_attempts
+        self._conn: sa.Connection | None = None  # SQLite: the writer thread's own connection, held across batches
         self._queue: deque[_Call | _Append] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -178,7 +180,47 @@ class Writer:
         finally:
             self._wake_at = 1
 
+    @contextmanager
+    def _transaction(self) -> Iterator[sa.Connection]:
+        """One write transaction (committed on success, rolled back on error).
+
+        On SQLite the thread keeps one connection: checking it out of the pool and resetting it on return cost CPU
+        per batch, and there is a single writer thread per store anyway (other processes still queue on the
+        database lock through ``BEGIN IMMEDIATE``). PostgreSQL checks a connection out per transaction so a dropped
+        connection is replaced by the pool (pre-ping) instead of failing every later batch.
+        """
+        if self._dialect != "sqlite":
+            with self._engine.begin() as conn:
+                yield conn
+            return
+        if self._conn is None or self._conn.closed or self._conn.invalidated:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            self._conn = self._engine.connect()
+        try:
+            with self._conn.begin():
+                yield self._conn
+        except BaseException:
+            # After any failure start the next transaction on a fresh connection, as per-batch checkouts did.
+            self._release_connection()
+            raise
+
+    def _release_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001 - closing after a failure must not hide the failure
+                log.debug("closing the writer connection failed", exc_info=True)
+
     def _run(self) -> None:
+        try:
+            self._loop_forever()
+        finally:
+            self._release_connection()
+
+    def _loop_forever(self) -> None:
         while True:
             items = self._take()
             if items is None:
@@ -212,7 +254,7 @@ class Writer:
         if not item.future.set_running_or_notify_cancel():
             return
         try:
-            with self._engine.begin() as conn:
+            with self._transaction() as conn:
                 result = item.fn(conn)
         except sa.exc.DBAPIError as exc:
             self._bump(failed_requests=1)
@@ -230,7 +272,7 @@ class Writer:
             return
         self._bump(batches=1)
         try:
-            with self._engine.begin() as conn:
+            with self._transaction() as conn:
                 rows = apply_appends(conn, self._dialect, [item.request for item in live])
         except sa.exc.DBAPIError as exc:
             log.warning("record batch of %d requests failed (%s); retrying one by one", len(live), exc)
@@ -248,7 +290,7 @@ class Writer:
         error: sa.exc.DBAPIError | None = None
         for _ in range(self._retry_attempts):  # a second try absorbs a race with another process's insert
             try:
-                with self._engine.begin() as conn:
+                with self._transaction() as conn:
                     rows = apply_appends(conn, self._dialect, [item.request])
             except sa.exc.DBAPIError as exc:
                 error = exc

@@ -43,6 +43,7 @@ class Deployment:
         self._scenario_lock = asyncio.Lock()
         self._report_schemas: dict[str, Any] = {}
         self._surfaces: dict[str, Any] = {}
+        self._surface_by_recipe: dict[str, Any] = {}  # recipe name -> its surface (or None); config is fixed
         self._learners: dict[str, Any] = {}
         self._learners_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -134,7 +135,14 @@ class Deployment:
         return self._surfaces[name]
 
     def surface_for(self, scenario: Scenario):
-        return self.surface(self.recipe(scenario).config.get("surface"))
+        """The surface of the scenario's recipe (looked up once per recipe: OmegaConf reads cost per request)."""
+        try:
+            return self._surface_by_recipe[scenario.recipe]
+        except KeyError:
+            pass
+        found = self.surface(self.recipe(scenario).config.get("surface"))
+        self._surface_by_recipe[scenario.recipe] = found
+        return found
 
     def learner(self, scenario: Scenario):
         """The scenario's learner (created, recovered and started on first use)."""
@@ -158,7 +166,8 @@ class Deployment:
         if learner is not None:
             if version is not None:
                 learner.served(version)
-            learner.wake()
+            if learner.processor is not None:  # without one the learner has nothing to ingest: spare the wake-up
+                learner.wake()
 
     def load_base_model(self):
         """The deployment's base model, as the local engine loaded it (``(model, tokenizer)``)."""

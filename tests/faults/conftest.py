@@ -10,28 +10,19 @@ import httpx
 import pytest
 
 from reef_core.testing.fake_upstream import FakeUpstreamControl
+from reef_core.testing.fixtures import ReefProcess
 
 #: engine.timeout_s of the shared server: small, so a stalled provider turns into a 504 quickly, yet well above
 #: what a healthy call takes on a loaded 2-core CI box.
 TIMEOUT_S = 2.0
 
 
-def _root_conftest(config):
-    """tests/conftest.py as pytest loaded it (for ReefProcess, which a module-scoped fixture cannot get through
-    the function-scoped ``reef_server`` factory)."""
-    for plugin in config.pluginmanager.get_plugins():
-        if getattr(plugin, "ReefProcess", None) is not None:
-            return plugin
-    raise RuntimeError("tests/conftest.py (ReefProcess) is not loaded")
-
-
 @pytest.fixture(scope="module")
 def fault_server(request, tmp_path_factory, fake_upstream_url):
     """A `reef serve` on the upstream engine (SQLite records) with engine.timeout_s=2, shared by the module."""
-    conftest = _root_conftest(request.config)
     data_dir = tmp_path_factory.mktemp("faults") / "data"
     clean_env = {var: "" for var in ("REEF_TOKEN", "REEF_ADMIN_TOKEN", "REEF_UPSTREAM_URL", "REEF_UPSTREAM_API_KEY")}
-    proc = conftest.ReefProcess(data_dir, ["engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}",
+    proc = ReefProcess(data_dir, ["engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}",
                                            f"engine.timeout_s={TIMEOUT_S}"], env=clean_env)
     proc.start()
     yield proc

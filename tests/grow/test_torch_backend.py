@@ -64,7 +64,8 @@ def rows(tok, n=4, seed=0):
     gen = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
-        prompt = tok(f"<|im_start|>user\nsay {i}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        text = f"<|im_start|>user\nsay {i}<|im_end|>\n<|im_start|>assistant\n"
+        prompt = tok(text, add_special_tokens=False)["input_ids"]
         ids, lps = list(prompt), []
         with torch.no_grad():
             for _ in range(3 + i % 3):
@@ -297,15 +298,17 @@ def test_rejected_restores_the_last_accepted_state_and_accepted_commits(tok):
     trainer.accepted(first, "rel-1")
     committed = weights(trainer.policy)
     assert any(not torch.equal(start[k], committed[k]) for k in start)
-    trainer.step(TokenBatch.from_rows(rows(tok, seed=3)))
+    # the accepted payload itself is the rollback point (no second copy of the weights)
+    assert any(saved is first.payload["model.norm.weight"] for saved in trainer._snapshot["params"])
+    second = trainer.step(TokenBatch.from_rows(rows(tok, seed=3)))
+    assert any(not torch.equal(committed[k], v) for k, v in weights(trainer.policy).items())
+    trainer.rejected(second)
+    assert all(torch.equal(committed[k], v) for k, v in weights(trainer.policy).items())
+    assert trainer.steps == 1 and not trainer.optimizer.state  # the optimizer's moments restart
+    # the rollback point survives the rejected step: rejecting again changes nothing
+    trainer.step(TokenBatch.from_rows(rows(tok, seed=4)))
     trainer.rejected(None)
     assert all(torch.equal(committed[k], v) for k, v in weights(trainer.policy).items())
-    assert trainer.steps == 1
-    # the optimizer state is rolled back too: replaying the same step reproduces the same weights
-    again = trainer.step(TokenBatch.from_rows(rows(tok, seed=3)))
-    trainer.rejected(again)
-    again2 = trainer.step(TokenBatch.from_rows(rows(tok, seed=3)))
-    assert all(torch.equal(again.payload[k], again2.payload[k]) for k in again.payload)
 
 
 def _batch(samples):

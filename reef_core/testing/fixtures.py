@@ -1,0 +1,165 @@
+"""Pytest fixtures shared by Reef's test suites (core and recipe packages).
+
+Loaded by the repository's root ``conftest.py`` (``pytest_plugins``); recipe packages outside this
+repository may load it the same way. Everything here is real: processes, sockets,
+SQLite/PostgreSQL, git. The upstream provider is FakeUpstream, a protocol-faithful fake.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REEF = [sys.executable, "-m", "reef_core.cli"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_model_cache(tmp_path_factory):
+    # Servers started by tests share built/converted models (SmolLM2 takes a minute to convert).
+    os.environ.setdefault("REEF_MODEL_CACHE", str(tmp_path_factory.getbasetemp() / "models"))
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(monkeypatch):
+    # A developer's own tokens or upstream must never leak into a test.
+    for var in ("REEF_TOKEN", "REEF_ADMIN_TOKEN", "REEF_UPSTREAM_URL", "REEF_UPSTREAM_API_KEY",
+                "REEF_LOAD_PLUGINS", "REEF_DISABLE_PLUGINS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    yield
+
+
+# ---------------------------------------------------------------------------------------------
+# A real `reef serve` process on a free loopback port.
+# ---------------------------------------------------------------------------------------------
+
+import signal
+import socket
+import subprocess
+import time
+import uuid
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ReefProcess:
+    """``reef serve`` with the given overrides, as a child process; restartable on the same data."""
+
+    def __init__(self, data_dir: Path, overrides: list[str], env: dict | None = None):
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.overrides = [f"storage.data_dir={data_dir}", f"server.port={self.port}", *overrides]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.log_path = data_dir.parent / f"reef-{self.port}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 120) -> "ReefProcess":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([*REEF, "serve", *self.overrides], stdout=log, stderr=subprocess.STDOUT,
+                                     env=self.env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"reef serve exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"reef serve did not become healthy:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:] if self.log_path.exists() else ""
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def restart(self) -> "ReefProcess":
+        self.stop()
+        return self.start()
+
+
+def _server_factory(base: Path):
+    started: list[ReefProcess] = []
+
+    def start(*overrides: str, env: dict | None = None, data_dir: Path | None = None,
+              timeout: float = 120) -> ReefProcess:
+        proc = ReefProcess(data_dir or base / f"data-{len(started)}", list(overrides), env)
+        started.append(proc)
+        return proc.start(timeout)
+
+    return start, started
+
+
+@pytest.fixture
+def reef_server(tmp_path):
+    """Factory: ``reef_server(*overrides, env=None)`` starts a server; all are stopped at teardown."""
+    start, started = _server_factory(tmp_path)
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def module_reef_server(tmp_path_factory):
+    """Like ``reef_server`` but shared by a module's tests (they must use distinct scenarios)."""
+    start, started = _server_factory(tmp_path_factory.mktemp("reef"))
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def fake_upstream_url():
+    """A protocol-faithful fake OpenAI/Anthropic upstream in its own process."""
+    from reef_core.testing.fake_upstream import serve_fake_upstream
+
+    with serve_fake_upstream(mode="process") as url:
+        yield url
+
+
+def _postgres_available() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 5432), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store_overrides(request):
+    """Record-store overrides: SQLite in the data dir, or a fresh schema in the PostgreSQL test database."""
+    if request.param == "sqlite":
+        return []
+    if not _postgres_available():
+        if os.environ.get("CI"):
+            pytest.fail("PostgreSQL is not reachable at 127.0.0.1:5432 (CI must start it)")
+        pytest.skip("PostgreSQL is not reachable at 127.0.0.1:5432")
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    return ["storage.records_url=postgresql+psycopg://postgres@127.0.0.1:5432/test",
+            f"storage.records_schema={schema}"]
