@@ -28,10 +28,18 @@ def _run(cmd, **kwargs):
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory):
+    import shutil
+
     out = tmp_path_factory.mktemp("wheels")
+    sources = tmp_path_factory.mktemp("sources")
+    # Build from clean copies: a stale build/ directory would leak deleted files into the wheels.
+    skip = shutil.ignore_patterns("build", "dist", "*.egg-info", ".venv", "__pycache__", "plugins", "tests",
+                                  "bench", ".git")
     for project in (ROOT, ROOT / "plugins" / "reef-sao", ROOT / "plugins" / "reef-gepa"):
+        copy = sources / project.name
+        shutil.copytree(project, copy, ignore=skip)
         _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-              str(project)])
+              str(copy)])
     return {p.name.split("-")[0]: p for p in out.glob("*.whl")}
 
 
@@ -74,3 +82,41 @@ def test_wheels_install_and_plugins_appear(wheels, fresh_venv):
             "s = RecordStore.open(None, pathlib.Path('d')); s.close(); print(reef_core.__file__)")
     where = _run([str(fresh_venv / "bin" / "python"), "-c", code], cwd=fresh_venv).stdout
     assert str(fresh_venv) in where
+
+
+def test_wheel_installed_sao_serves_and_learns(wheels, fresh_venv, tmp_path):
+    """`pip install reef-core reef-sao` from wheels, then `reef serve +recipe=sao` serves and publishes versions
+    (the tiny-model profile: SmolLM2 needs minutes per step on CPU)."""
+    import httpx
+
+    from reef_core.testing.fixtures import ReefProcess
+
+    pip = [str(fresh_venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index"]
+    _run([*pip, str(wheels["reef_core"]), str(wheels["reef_sao"])])
+    server = ReefProcess(tmp_path / "data", ["+recipe=sao", "+sao_profile=tiny", "engine.seed=0"])
+    server.command = [str(fresh_venv / "bin" / "reef")]
+    server.start()
+    try:
+        from reef_sao.tasks import score, task_stream
+
+        for task in task_stream(40, seed=0):
+            chat = httpx.post(f"{server.url}/v1/chat/completions", headers={"x-reef-scenario": "wheel"},
+                              json={"model": "tiny", "messages": task.messages()}, timeout=60)
+            assert chat.status_code == 200, chat.text
+            text = chat.json()["choices"][0]["message"]["content"] or ""
+            report = httpx.post(f"{server.url}/reef/report", headers={"x-reef-scenario": "wheel"},
+                                json={"score": score(task, text),
+                                      "references": [chat.headers["x-reef-agent-record-id"]]})
+            assert report.status_code == 200, report.text
+        deadline = __import__("time").monotonic() + 120
+        while __import__("time").monotonic() < deadline:
+            releases = httpx.get(f"{server.url}/reef/scenarios/wheel/releases").json()["releases"]
+            if any(r["operation"] == "training" for r in releases):
+                break
+            __import__("time").sleep(0.2)
+        assert any(r["operation"] == "training" for r in releases), server.log()
+        status = httpx.get(f"{server.url}/reef/status").json()
+        assert "site-packages" not in str(ROOT)  # sanity: the test ran from the source checkout
+        assert status["scenarios"]["wheel"]["counters"]["selected"] >= 1
+    finally:
+        server.stop()

@@ -60,6 +60,8 @@ class ReefProcess:
         self.port = free_port()
         self.overrides = [f"storage.data_dir={data_dir}", f"server.port={self.port}", *overrides]
         self.env = {**os.environ, **(env or {})}
+        #: The command that runs ``reef`` (a wheel-installed console script in packaging tests).
+        self.command = list(REEF)
         self.proc: subprocess.Popen | None = None
         self.log_path = data_dir.parent / f"reef-{self.port}.log"
 
@@ -70,7 +72,7 @@ class ReefProcess:
     def start(self, timeout: float = 120) -> "ReefProcess":
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([*REEF, "serve", *self.overrides], stdout=log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen([*self.command, "serve", *self.overrides], stdout=log, stderr=subprocess.STDOUT,
                                      env=self.env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
