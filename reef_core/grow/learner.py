@@ -274,8 +274,10 @@ class ScenarioLearner:
                 self.surface.activate(self.name, release_id, payload=update.payload,
                                       files=self._files(release_id) if durable else None)
             version = self.serving_version()
+            # Publish latency: selected -> the engine serves the new version (the next request runs on it).
+            publish_ms = round((time.perf_counter() - accepted_at) * 1000, 3)
             self._pending_latency[version or release_id] = accepted_at
-            self._remember(release_id, {"serving_version": version, "step": step})
+            self._remember(release_id, {"serving_version": version, "step": step, "publish_latency_ms": publish_ms})
             self.trainer.accepted(update, release_id)
             self.processor.acknowledge(batch.batch_id)
             crash_point("before_mark_consumed")
@@ -306,7 +308,8 @@ class ScenarioLearner:
         latency_ms = (time.perf_counter() - started) * 1000
         release_id = next((rid for rid, m in self.release_metrics.items() if m.get("serving_version") == version),
                           self.current_release_id() or version)
-        self._remember(release_id, {"publish_latency_ms": round(latency_ms, 3)})
+        # First response: selected -> the first stored record produced by the new version (includes its generation).
+        self._remember(release_id, {"first_response_ms": round(latency_ms, 3)})
 
     def _remember(self, release_id: str, metrics: dict) -> None:
         """Metrics known only after publication (serving version, publish latency), kept beside the chain."""

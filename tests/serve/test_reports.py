@@ -100,3 +100,15 @@ def test_typed_report_schema_of_a_third_party_recipe(reef_server, fake_upstream_
     assert good.status_code == 200
     scenarios = httpx.get(f"{server.url}/reef/scenarios").json()["scenarios"]
     assert scenarios[0]["recipe"] == "thumbs"
+
+
+def test_routes_bind_scenarios_to_several_recipes(reef_server, fake_upstream_url):
+    server = reef_server("engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}",
+                         "routes=[{pattern:'votes-*',recipe:thumbs}]")
+    voted = infer(server, "votes-a", "hello")
+    plain = infer(server, "notes", "hello")
+    assert report(server, "votes-a", {"feedback": "meh", "references": [voted]}).status_code == 400
+    assert report(server, "votes-a", {"feedback": "up", "references": [voted]}).status_code == 200
+    assert report(server, "notes", {"feedback": "meh", "references": [plain]}).status_code == 200
+    bound = {s["scenario"]: s["recipe"] for s in httpx.get(f"{server.url}/reef/scenarios").json()["scenarios"]}
+    assert bound == {"votes-a": "thumbs", "notes": "none"}
