@@ -45,20 +45,23 @@ async def list_releases(request: Request, scenario: str):
     return JSONResponse({"scenario": found.name, "releases": rows}, headers=_NO_STORE)
 
 
-@router.post("/reef/scenarios/{scenario}/rollback", openapi_extra=ADMIN)
-async def rollback(request: Request, scenario: str):
+async def _republish(request: Request, scenario: str, operation: str) -> dict:
     dep, found = await _scenario(request, scenario)
     release_id = await _release_id(request)
-    release = await asyncio.to_thread(dep.learner(found).republish, "rollback", release_id)
+    release = await asyncio.to_thread(dep.learner(found).republish, operation, release_id)
     return {"scenario": found.name, "release_id": release.release_id, "content_id": release.content_id}
+
+
+@router.post("/reef/scenarios/{scenario}/rollback", openapi_extra=ADMIN)
+async def rollback(request: Request, scenario: str):
+    """Serve an earlier release again, published as a new release (history is only appended)."""
+    return await _republish(request, scenario, "rollback")
 
 
 @router.post("/reef/scenarios/{scenario}/promote", openapi_extra=ADMIN)
 async def promote(request: Request, scenario: str):
-    dep, found = await _scenario(request, scenario)
-    release_id = await _release_id(request)
-    release = await asyncio.to_thread(dep.learner(found).republish, "promote", release_id)
-    return {"scenario": found.name, "release_id": release.release_id, "content_id": release.content_id}
+    """Serve a release held for review (``evaluation.publish=review``)."""
+    return await _republish(request, scenario, "promote")
 
 
 @router.delete("/reef/scenarios/{scenario}", openapi_extra=ADMIN)
