@@ -54,10 +54,12 @@ def reef_register_processors(register):
 def reef_register_trainers(register):
     """Register trainers: turn a ready batch into a candidate update.
 
-    Weight recipes register an objective-driven trainer (a loss over token-level samples with
-    rollout log-probs and masks, run by a trainer backend such as ``torch``); harness recipes
-    register a proposer that rewrites text files. The factory receives the scenario and the
-    resolved ``trainer`` and ``recipe`` config sections.
+    The factory is called as ``factory(scenario=..., recipe=<recipe section>, trainer=<trainer
+    section>, context=<reef_core.grow.trainer.TrainerSetup>)`` and returns a
+    ``reef_core.grow.trainer.Trainer``. Weight recipes usually return a
+    ``reef_core.grow.torch_backend.TorchTrainer`` running their objective (a loss over token-level
+    samples with rollout log-probs and masks); harness recipes return a trainer whose candidates
+    are new text trees.
     """
 
 
@@ -65,7 +67,9 @@ def reef_register_trainers(register):
 def reef_register_evaluators(register):
     """Register evaluators: ``evaluate(candidate) -> EvaluationResult``.
 
-    Evaluation is the first half of the gate; it must be idempotent per candidate id. Built-ins:
+    The factory is called as ``factory(tasks=<list of task dicts>, run=<callable(subject, task)>,
+    options=<dict>)``. Evaluation is the first half of the gate; it must be idempotent per
+    candidate id. Built-ins:
     ``exact_match``, ``regex``, ``json_schema``, ``python`` (a verifier named by dotted path) and
     ``replay`` (held-out recorded tasks with their reported scores).
     """
@@ -75,6 +79,7 @@ def reef_register_evaluators(register):
 def reef_register_selection_policies(register):
     """Register selection policies: ``decide(candidate, evaluation) -> Decision``.
 
+    The factory takes the policy's options as keyword arguments (``evaluation.options.policy``).
     The second half of the gate: ``select`` or ``reject`` with a reason. Exceptions reject
     (fail closed). Built-ins: ``always``, ``score_comparison``, ``paired_confidence``, ``floor``.
     """
@@ -92,8 +97,10 @@ def reef_register_artifact_stores(register):
 def reef_register_surfaces(register):
     """Register surfaces: how a published release reaches live requests.
 
-    A surface may validate a release before publication, load it into the runtime (weights),
-    rewrite requests (inject an adapter or a system prompt) and expose a text tree (harness).
+    The factory is called once per deployment as ``factory(deployment=..., options=<dict>)`` and
+    returns a ``reef_core.surfaces.base.Surface``. A surface may validate a release before
+    publication, load it into the runtime (weights), rewrite requests (inject an adapter or a
+    system prompt) and expose a text tree (harness). Built-ins: ``weights``, ``harness``.
     """
 
 
