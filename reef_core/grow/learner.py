@@ -58,8 +58,17 @@ class ScenarioLearner:
                 options=_plain(self.recipe.get("processor_options")) or {},
                 serving_version=self.serving_version)
         self._trainer: Trainer | None = None
+        #: Why this scenario does not train (records are still stored and observed), or None.
+        self.training_disabled: str | None = None
+        if self.recipe.get("trainer") and self.surface is not None and self.surface.kind == "weights":
+            # One engine, one set of weights: only one scenario per process may train them.
+            try:
+                self.surface.claim(scenario)
+            except Conflict as exc:
+                self.training_disabled = exc.message
+                log.warning("scenario %s will not train: %s", scenario, exc.message)
         # A weights trainer holds a model copy and optimizer state: build it when a batch first needs it.
-        if self.recipe.get("trainer") and (self.surface is None or self.surface.kind != "weights"):
+        elif self.recipe.get("trainer"):
             self._build_trainer()
         self.checkpoint_every = max(1, int(cfg.trainer.checkpoint_every_n_versions))
         self.publish_mode = str(cfg.evaluation.publish)
@@ -113,7 +122,7 @@ class ScenarioLearner:
 
     @property
     def has_trainer(self) -> bool:
-        return bool(self.recipe.get("trainer"))
+        return bool(self.recipe.get("trainer")) and self.training_disabled is None
 
     def stop(self, timeout: float = 30) -> None:
         self._stop.set()
@@ -396,6 +405,9 @@ class ScenarioLearner:
             "counters": dict(self.counters),
             "last_metrics": self.last_metrics,
             "last_error": self.last_error,
+            "training_disabled": self.training_disabled,
+            "last_publish": next((dict(m, release_id=rid) for rid, m in reversed(list(self.release_metrics.items()))
+                                  if "publish_latency_ms" in m), None),
         }
 
 

@@ -64,6 +64,11 @@ class WeightsSurface(Surface):
         self.release_of: dict[str, str] = {}
         self._lock = threading.Lock()
 
+    def claim(self, scenario: str) -> None:
+        """Make ``scenario`` the one whose training moves the engine's weights (first come, first served)."""
+        with self._lock:
+            self._claim(scenario)
+
     def _claim(self, scenario: str) -> None:
         if self.owner is None:
             self.owner = scenario

@@ -188,3 +188,15 @@ def test_restart_resumes_from_last_checkpoint_without_retraining(reef_server):
     after = _wait(lambda: (c := _commits(server, scenario)) and len(c) > len(rows) and c)
     new = set(after[len(rows)]["consumed_ids"])
     assert len(new) == 8 and not new & consumed
+
+
+def test_one_full_weight_training_scenario_per_process(reef_server):
+    server = reef_server("+recipe=sao", "+sao_profile=tiny")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    _chat(client, "first", [{"role": "user", "content": "hello"}])  # binds the engine's weights to "first"
+    _report_tasks(server, client, "second", reef_sao_tasks.task_stream(seed=7), 4)
+    status = _wait(lambda: (s := httpx.get(f"{server.url}/reef/scenarios/second/status").json())
+                   ["records_seen"] >= 8 and s)
+    assert "'first'" in status["training_disabled"]
+    assert status["step"] == 0 and _commits(server, "second") == []
+    assert httpx.get(f"{server.url}/reef/scenarios/first/status").json()["training_disabled"] is None
