@@ -36,6 +36,9 @@ from .trainer import CandidateUpdate, TrainContext, Trainer, TrainerSetup
 
 log = logging.getLogger("reef.learner")
 
+#: Attempts at training one batch before it is dropped as ``trainer_failed``.
+MAX_BATCH_FAILURES = 3
+
 
 def _plain(node) -> Any:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
@@ -81,6 +84,7 @@ class ScenarioLearner:
         self.last_metrics: dict = {}
         self.release_metrics: dict[str, dict] = self._load_release_metrics()
         self._pending_latency: dict[str, float] = {}
+        self._batch_failures: dict[str, int] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -198,6 +202,17 @@ class ScenarioLearner:
             self._commit_rejection(consumed, {"train_error": exc.message}, None, None)
             self.counters["skipped"] += 1
             return
+        except Exception as exc:
+            # An unexpected failure is retried on the next wake; a batch that keeps failing is dropped
+            # (and its records consumed) so one poisoned batch cannot stall the scenario for good.
+            failures = self._batch_failures.get(batch.batch_id, 0) + 1
+            self._batch_failures = {batch.batch_id: failures}
+            if failures < MAX_BATCH_FAILURES:
+                raise
+            consumed = self.processor.drop(batch.batch_id, "trainer_failed")
+            self._commit_rejection(consumed, {"train_error": f"{type(exc).__name__}: {exc}"}, None, None)
+            self.counters["skipped"] += 1
+            raise
         train_s = time.perf_counter() - started
         if update is None:
             consumed = self.processor.drop(batch.batch_id, "trainer_skipped")
