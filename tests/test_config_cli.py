@@ -89,3 +89,15 @@ def test_third_party_recipe_package():
     plugins = json.loads(reef("plugins", "--json").stdout)
     example = next(p for p in plugins["plugins"] if p["name"] == "example")
     assert example["components"] == {"report_schema": ["thumbs"]}
+
+
+def test_serve_refuses_a_weights_recipe_on_an_engine_that_cannot_swap(tmp_path):
+    result = reef("serve", "+recipe=sao", "engine.kind=upstream", "engine.upstream_url=http://127.0.0.1:9",
+                  f"storage.data_dir={tmp_path}")
+    assert result.returncode == 2
+    assert "weights surface needs an engine that can swap weights" in result.stderr
+
+
+def test_serve_refuses_a_public_bind_without_token(tmp_path):
+    result = reef("serve", "server.host=0.0.0.0", f"storage.data_dir={tmp_path}")
+    assert result.returncode == 2 and "refusing to bind 0.0.0.0" in result.stderr

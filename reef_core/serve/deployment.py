@@ -47,6 +47,10 @@ class Deployment:
         self._learners: dict[str, Any] = {}
         self._learners_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Build every recipe's surface now: an impossible pairing (a weights recipe on an engine that
+        # cannot swap weights) fails at start-up with a clear message, not on the first request.
+        for binding in self.recipes.values():
+            self.surface(binding.config.get("surface"))
 
     # -- recipes and scenarios ----------------------------------------------------------------
 
