@@ -141,6 +141,23 @@ def start_reef(stub_url: str, data_dir: Path, *overrides: str) -> Child:
                  unset=("REEF_ADMIN_TOKEN", "REEF_UPSTREAM_API_KEY", "REEF_UPSTREAM_MODEL")).start()
 
 
+def start_systems(workdir: Path, with_litellm: bool) -> tuple[list["Child"], dict[str, "Child"]]:
+    """The compared systems: the stub, Reef in front of it, and LiteLLM in front of it (optional).
+
+    Returns the started children (stop them in reverse order) and the targets by name."""
+    children: list[Child] = []
+    stub = start_stub(workdir)
+    children.append(stub)
+    reef = start_reef(stub.url, workdir / "data")
+    children.append(reef)
+    targets = {"stub": stub, "reef": reef}
+    if with_litellm:
+        litellm = start_litellm(stub.url, workdir)
+        children.append(litellm)
+        targets["litellm"] = litellm
+    return children, targets
+
+
 def litellm_available() -> bool:
     return (LITELLM_VENV / "bin" / "litellm").exists()
 

@@ -113,15 +113,8 @@ def run(args) -> dict:
     children: list[common.Child] = []
     began = time.monotonic()
     try:
-        stub = common.start_stub(workdir)
-        children.append(stub)
-        reef = common.start_reef(stub.url, workdir / "data")
-        children.append(reef)
-        targets = {"stub": stub, "reef": reef}
-        if not args.no_litellm:
-            litellm = common.start_litellm(stub.url, workdir)
-            children.append(litellm)
-            targets["litellm"] = litellm
+        started, targets = common.start_systems(workdir, not args.no_litellm)
+        children.extend(started)
         lat = latency(targets, args.rounds, args.per_round, args.warmup)
         rss_after_latency = {c.name: c.peak_rss_mib() for c in children}
         runs: list[dict] = []

@@ -140,15 +140,8 @@ def run(args) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="reef-bench-"))
     children = []
     try:
-        stub = common.start_stub(workdir)
-        children.append(stub)
-        reef = common.start_reef(stub.url, workdir / "data")
-        children.append(reef)
-        targets = {"stub": stub, "reef": reef}
-        if not args.no_litellm:
-            litellm = common.start_litellm(stub.url, workdir)
-            children.append(litellm)
-            targets["litellm"] = litellm
+        started, targets = common.start_systems(workdir, not args.no_litellm)
+        children.extend(started)
         connections = [int(c) for c in str(args.connections).split(",")]
         rows = measure(targets, workdir / "data", connections, args.duration)
         rss = {c.name: c.peak_rss_mib() for c in children}

@@ -46,6 +46,17 @@ import uuid
 import httpx
 
 
+def wait_until(predicate, timeout: float = 300.0, interval: float = 0.1):
+    """Poll ``predicate`` until it returns something truthy (and return that); fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not reached within {timeout:g} s")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

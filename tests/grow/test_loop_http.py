@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from reef_core.commit.git_store import GitArtifactStore
+from reef_core.testing.fixtures import wait_until
 
 reef_sao_tasks = pytest.importorskip("reef_sao.tasks")
 
@@ -140,16 +141,6 @@ def _report_tasks(server, client, scenario, tasks, n):
         assert response.status_code == 200
 
 
-def _wait(predicate, timeout=300):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError("condition not reached in time")
-
-
 def test_rejected_candidate_changes_nothing_that_serves(reef_server):
     # The floor policy with no evaluation tasks rejects every candidate.
     server = reef_server("+recipe=sao", "+sao_profile=tiny", "evaluation.policy=floor",
@@ -157,7 +148,7 @@ def test_rejected_candidate_changes_nothing_that_serves(reef_server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
     scenario = "gated"
     _report_tasks(server, client, scenario, reef_sao_tasks.task_stream(seed=3), 8)  # two batches of 4
-    rows = _wait(lambda: (c := _commits(server, scenario)) and len(c) >= 2 and c)
+    rows = wait_until(lambda: (c := _commits(server, scenario)) and len(c) >= 2 and c)
     assert all(row["release_id"] is None and row["decision"]["decision"] == "reject" for row in rows)
     assert "floor" in rows[0]["decision"]["reason"] or "no task scores" in rows[0]["decision"]["reason"]
     assert sum(len(row["consumed_ids"]) for row in rows) == 16  # 8 receipts + 8 reports, consumed once
@@ -172,20 +163,20 @@ def test_restart_resumes_from_last_checkpoint_without_retraining(reef_server):
     scenario = "durable"
     tasks = reef_sao_tasks.task_stream(seed=5)
     _report_tasks(server, client, scenario, tasks, 12)  # three batches of 4: live, checkpoint, live
-    rows = _wait(lambda: (c := _commits(server, scenario)) and len(c) >= 3 and c)
+    rows = wait_until(lambda: (c := _commits(server, scenario)) and len(c) >= 3 and c)
     assert [bool(r["release_id"]) for r in rows[:3]] == [False, True, False]
     checkpoint = rows[1]["release_id"]
     consumed = {i for r in rows for i in r["consumed_ids"]}
     server.kill()
     server.start()
-    status = _wait(lambda: (s := httpx.get(f"{server.url}/reef/scenarios/{scenario}/status").json())
+    status = wait_until(lambda: (s := httpx.get(f"{server.url}/reef/scenarios/{scenario}/status").json())
                    ["processor"]["records_ingested"] >= 24 and s)
     assert status["step"] == len(rows)  # the step counter survived
     assert status["current_release_id"] == checkpoint  # live versions after it were lost, by design
     assert status["current_version"].endswith(":1")  # a fresh incarnation, restored from the checkpoint
     assert status["processor"]["pending_units"] == 0  # nothing consumed came back
     _report_tasks(server, client, scenario, tasks, 4)
-    after = _wait(lambda: (c := _commits(server, scenario)) and len(c) > len(rows) and c)
+    after = wait_until(lambda: (c := _commits(server, scenario)) and len(c) > len(rows) and c)
     new = set(after[len(rows)]["consumed_ids"])
     assert len(new) == 8 and not new & consumed
 
@@ -195,7 +186,7 @@ def test_one_full_weight_training_scenario_per_process(reef_server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
     _chat(client, "first", [{"role": "user", "content": "hello"}])  # binds the engine's weights to "first"
     _report_tasks(server, client, "second", reef_sao_tasks.task_stream(seed=7), 4)
-    status = _wait(lambda: (s := httpx.get(f"{server.url}/reef/scenarios/second/status").json())
+    status = wait_until(lambda: (s := httpx.get(f"{server.url}/reef/scenarios/second/status").json())
                    ["records_seen"] >= 8 and s)
     assert "'first'" in status["training_disabled"]
     assert status["step"] == 0 and _commits(server, "second") == []

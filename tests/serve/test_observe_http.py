@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
-
-def wait_for(predicate, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("condition not reached in time")
+from reef_core.testing.fixtures import wait_until
 
 
 @pytest.fixture
@@ -48,7 +38,7 @@ def test_three_receipts_make_one_three_turn_sample(server):
     report = httpx.post(f"{server.url}/reef/report", headers={"x-reef-scenario": "agent"},
                         json={"score": 1.0, "references": receipts})
     assert report.status_code == 200
-    [sample] = wait_for(lambda: samples(server, "agent"))
+    [sample] = wait_until(lambda: samples(server, "agent"))
     assert sample["turns"] == 3 and sample["reward"] == 1.0
     assert sample["source_ids"] == receipts + [report.json()["agent_record_id"]]
     assert [m["content"] for m in sample["messages"]] == [
@@ -62,7 +52,7 @@ def test_repeated_report_for_the_same_receipt_counts_a_duplicate(server):
     for _ in range(2):
         assert httpx.post(f"{server.url}/reef/report", headers={"x-reef-scenario": "dups"},
                           json={"score": 0.5, "references": [receipt]}).status_code == 200
-    status = wait_for(lambda: (s := httpx.get(f"{server.url}/reef/scenarios/dups/status").json())
+    status = wait_until(lambda: (s := httpx.get(f"{server.url}/reef/scenarios/dups/status").json())
                       ["processor"]["records_ingested"] >= 3 and s)
     assert status["processor"]["pending_units"] == 1
     assert status["processor"]["dropped"] == {"duplicate": 1}
