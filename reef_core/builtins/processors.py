@@ -8,11 +8,11 @@ record store...) are accepted and ignored, so the host may pass more than a proc
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from .. import hookimpl
+from ..dotted import load_callable
 from ..errors import ConfigError
 
 _REPORTED = ("batch_size", "max_staleness", "require_score", "max_held_inferences")
@@ -49,22 +49,6 @@ def _build(kind: str, cls, **kwargs):
         raise ConfigError(f"processor {kind!r}: {exc}") from exc
 
 
-def resolve_judge(path: str) -> Callable:
-    """The callable named ``"package.module:attribute"`` (or ``"package.module.attribute"``)."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ConfigError(f"judge {path!r} is not 'module:attribute'")
-    try:
-        target = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"judge {path!r} cannot be imported: {exc}") from exc
-    if not callable(target):
-        raise ConfigError(f"judge {path!r} is not callable")
-    return target
-
-
 def make_per_report(*, scenario: str, options: Any = None, serving_version=None, judge=None, **_context):
     from ..observe.processors import PerReportProcessor
 
@@ -93,7 +77,7 @@ def make_next_state(*, scenario: str, options: Any = None, serving_version=None,
     opts = _options("next_state", options, _NEXT_STATE)
     named = opts.pop("judge", None)
     if judge is None and named:
-        judge = resolve_judge(str(named))
+        judge = load_callable(str(named), "judge")
     return _build("next_state", NextStateProcessor, scenario=scenario, serving_version=serving_version,
                   judge=judge, **opts)
 

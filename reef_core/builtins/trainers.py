@@ -44,7 +44,7 @@ def _section_get(section: Any, key: str, default: Any) -> Any:
 
 def make_torch_trainer(*, scenario: str, recipe: Any, trainer: Any, context: Any, **_extra):
     """Build a :class:`~reef_core.grow.torch_backend.TorchTrainer` around ``recipe.options.objective``."""
-    from .processors import resolve_judge  # "module:attribute" → callable, with clear ConfigErrors
+    from ..dotted import load_callable
     from ..grow.objective import Objective
     from ..grow.torch_backend import TorchTrainer
 
@@ -55,7 +55,7 @@ def make_torch_trainer(*, scenario: str, recipe: Any, trainer: Any, context: Any
     target = options.get("objective")
     if not target:
         raise ConfigError("trainer 'torch' needs recipe.options.objective ('module:Objective')")
-    factory = resolve_judge(str(target))
+    factory = load_callable(str(target), "objective")
     kwargs = _plain(options.get("objective_options"))
     try:
         objective = factory(**kwargs)
@@ -63,25 +63,9 @@ def make_torch_trainer(*, scenario: str, recipe: Any, trainer: Any, context: Any
         raise ConfigError(f"objective {target!r} does not accept {sorted(kwargs)}: {exc}") from exc
     if not isinstance(objective, Objective):
         raise ConfigError(f"{target!r} did not build a reef_core.grow.objective.Objective")
-    backend = _section_get(trainer, "backend", "torch")
-    if backend != "torch":
-        raise ConfigError(f"trainer 'torch' runs the torch backend; trainer.backend is {backend!r}")
-    if context is None or getattr(context, "load_base_model", None) is None:
-        raise ConfigError("trainer 'torch' needs a local base model (engine.kind=local)")
-    return TorchTrainer(
-        objective,
-        context.load_base_model,
-        lr=float(_section_get(trainer, "lr", 1e-6)),
-        lora=bool(_section_get(trainer, "lora", False)),
-        lora_rank=int(_section_get(trainer, "lora_rank", 8)),
-        lora_alpha=float(_section_get(trainer, "lora_alpha", 16)),
-        grad_accumulation=int(_section_get(trainer, "grad_accumulation", 1)),
-        max_grad_norm=options.get("max_grad_norm", 1.0),
-        weight_decay=float(options.get("weight_decay", 0.0)),
-        device=str(_section_get(trainer, "device", "cpu")),
-        seed=int(getattr(context, "seed", 0) or 0),
-        name="torch",
-    )
+    return TorchTrainer.from_config(objective, context, trainer, who="trainer 'torch'",
+                                    max_grad_norm=options.get("max_grad_norm", 1.0),
+                                    weight_decay=float(options.get("weight_decay", 0.0)), name="torch")
 
 
 @hookimpl

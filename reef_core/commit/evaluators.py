@@ -17,7 +17,6 @@ whose ``run`` or scorer raises (or scores NaN) is an infrastructure fault: its s
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import re
@@ -27,28 +26,10 @@ from typing import Any
 import jsonschema
 
 from reef_core.commit.gate import Candidate, Current, EvaluationResult
+from reef_core.dotted import load_object  # noqa: F401 - re-exported for plugins
 from reef_core.errors import ConfigError
 
 Scorer = Callable[[Any, dict], "float | None"]
-
-
-def load_object(path: str) -> Any:
-    """Import ``"pkg.mod:attr"`` (or ``"pkg.mod.attr"``)."""
-    module, sep, attr = path.partition(":")
-    if not sep:
-        module, _, attr = path.rpartition(".")
-    if not module or not attr:
-        raise ConfigError(f"expected a dotted path 'pkg.module:name', got {path!r}")
-    try:
-        obj = importlib.import_module(module)
-    except ImportError as exc:
-        raise ConfigError(f"cannot import {module!r} for {path!r}: {exc}") from exc
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ConfigError(f"{module!r} has no attribute {attr!r}") from None
-    return obj
 
 
 def _text(output: Any) -> str:

@@ -162,6 +162,27 @@ class TorchTrainer(Trainer):
 
     artifact_kind = "weights"
 
+    @classmethod
+    def from_config(cls, objective: Objective, context: Any, trainer: Any, *, who: str, **overrides) -> "TorchTrainer":
+        """Build from the deployment's ``trainer`` section (``backend``, ``lr``, ``lora``, ``lora_rank``,
+        ``lora_alpha``, ``grad_accumulation``, ``device``); ``overrides`` win. ``who`` names the recipe in errors."""
+
+        def get(key: str, default: Any) -> Any:
+            value = trainer.get(key, default) if trainer is not None and hasattr(trainer, "get") else default
+            return default if value is None else value
+
+        backend = get("backend", "torch")
+        if backend != "torch":
+            raise ConfigError(f"{who} trains with the torch backend; trainer.backend is {backend!r}")
+        if context is None or getattr(context, "load_base_model", None) is None:
+            raise ConfigError(f"{who} needs a local base model to train (engine.kind=local)")
+        settings = dict(lr=float(get("lr", 1e-6)), lora=bool(get("lora", False)), lora_rank=int(get("lora_rank", 8)),
+                        lora_alpha=float(get("lora_alpha", 16)),
+                        grad_accumulation=int(get("grad_accumulation", 1)), device=str(get("device", "cpu")),
+                        seed=int(getattr(context, "seed", 0) or 0))
+        settings.update(overrides)
+        return cls(objective, context.load_base_model, **settings)
+
     def __init__(
         self,
         objective: Objective,

@@ -149,31 +149,18 @@ def _get(section: Any, key: str, default: Any = None) -> Any:
 def make_sao_trainer(*, scenario: str, recipe: Any, trainer: Any, context: TrainerSetup, **_extra) -> TorchTrainer:
     """Build the SAO (or, with ``advantage: grpo``, the sao-grpo-dis control) trainer for one scenario."""
     opts = SAOOptions.from_options(_get(recipe, "options", {}), _get(recipe, "processor_options", {}))
-    backend = _get(trainer, "backend", "torch")
-    if backend != "torch":
-        raise ConfigError(f"sao trains with the torch backend; trainer.backend is {backend!r}")
     grad_accumulation = int(_get(trainer, "grad_accumulation", 1))
     if grad_accumulation < 1 or opts.batch_size % grad_accumulation:
         raise ConfigError(f"sao: batch_size {opts.batch_size} must be a multiple of trainer.grad_accumulation "
                           f"{grad_accumulation} (equal micro-batches; one optimizer step per batch)")
     critic_lr = opts.critic_lr if opts.critic_lr is not None else float(_get(trainer, "critic_lr", 5e-6))
     objective = opts.objective(critic_lr=float(critic_lr))
-    if context is None or context.load_base_model is None:
-        raise ConfigError("sao needs a local base model to train (TrainerSetup.load_base_model); "
-                          "serve it with engine.kind=local")
-    return TorchTrainer(
-        objective,
-        context.load_base_model,
-        lr=float(_get(trainer, "lr", 1e-6)),
-        lora=bool(_get(trainer, "lora", False)),
-        lora_rank=int(_get(trainer, "lora_rank", 8)),
-        lora_alpha=float(_get(trainer, "lora_alpha", 16)),
+    return TorchTrainer.from_config(
+        objective, context, trainer, who="sao",
         grad_accumulation=grad_accumulation,
         max_grad_norm=opts.max_grad_norm,
         weight_decay=opts.weight_decay,
-        device=str(_get(trainer, "device", "cpu")),
         export_objective_state=opts.save_critic and opts.advantage == "gae",
         lag_metric_prefix="sao/",
-        seed=int(getattr(context, "seed", 0) or 0),
         name="sao" if opts.advantage == "gae" else "sao-grpo-dis",
     )
