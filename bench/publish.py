@@ -5,7 +5,7 @@ reply with the recipe's verifier and reports the score quoting the receipt; ever
 step, the gate (policy ``always``) selects it and the new weights are published while serving continues. A
 bystander client keeps chatting, so a request is always waiting for the new version.
 
-Reef measures publish latency itself (reef_core/grow/learner.py): from the moment the candidate is selected to
+Reef measures publish latency itself (reef_core/loop/learner.py): from the moment the candidate is selected to
 the first stored record served by the new version, which covers the git commit of a durable release (every
 ``--checkpoint-every``-th version), the weight swap into the engine, and the wait for the next request to finish
 on the new weights. ``train_s`` is the trainer's step time. Both are read from the releases route; versions that

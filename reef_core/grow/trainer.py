@@ -3,7 +3,7 @@
 A recipe's trainer component (registered through ``reef_register_trainers``) is built per
 scenario by ``factory(scenario=..., recipe=<recipe section>, trainer=<trainer section>,
 context=<TrainerSetup>)`` and returns a :class:`Trainer`. The learner
-(``reef_core.grow.learner``) calls :meth:`Trainer.train` on its own thread, off the request
+(``reef_core.loop.learner``) calls :meth:`Trainer.train` on its own thread, off the request
 path, then sends the returned :class:`CandidateUpdate` through the evaluation gate. Only a
 selected candidate is published and activated; a rejected one changes nothing.
 

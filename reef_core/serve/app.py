@@ -16,7 +16,7 @@ from ..errors import ReefError
 from .auth import AuthMiddleware, TokenSet
 from .errors import dialect_for_path, error_body
 from .inference import InferenceCall
-from . import reads
+from . import harness, reads, releases, reports
 
 log = logging.getLogger("reef.serve")
 
@@ -63,8 +63,7 @@ def create_app(deployment) -> FastAPI:
     async def count_tokens(request: Request):
         return await InferenceCall(deployment, request, *INFERENCE_ROUTES["/v1/messages/count_tokens"]).run()
 
-    app.include_router(reads.router)
-    for router in deployment.extra_routers():
+    for router in (reads.router, reports.router, releases.router, harness.router):
         app.include_router(router)
 
     _install_error_handlers(app)

@@ -223,9 +223,7 @@ class InferenceCall:
                                 status_code=result.status, headers=relay_headers)
         record = self._record(response=result.body, tokens=result.tokens, version=result.version,
                               engine_ms=engine_ms, complete=True)
-        stored = await self.dep.store.append(record, self.idempotency_key)
-        self.dep.pm.notify("reef_record_stored", record=stored)
-        self.dep.records_stored(stored.scenario, stored.version)
+        stored = await self.dep.record_stored(record, self.idempotency_key)
         body = result.body if self.route == "count_tokens" else translate_response(
             result.body, self.engine_dialect, self.client_dialect)
         overhead = (time.perf_counter() - self.started) * 1000 - engine_ms
@@ -272,9 +270,7 @@ class InferenceCall:
             # The provider answered without a stream: relay it as one.
             record = self._record(response=result.body, tokens=result.tokens, version=result.version,
                                   engine_ms=0.0, complete=True, stream=True)
-            stored = await self.dep.store.append(record, self.idempotency_key)
-            self.dep.pm.notify("reef_record_stored", record=stored)
-            self.dep.records_stored(stored.scenario)
+            stored = await self.dep.record_stored(record, self.idempotency_key)
             body = translate_response(result.body, self.engine_dialect, self.client_dialect)
             return StreamingResponse(synthetic_stream(self.client_dialect, body, stored.record_id),
                                      media_type="text/event-stream")
@@ -338,13 +334,10 @@ class InferenceCall:
                               engine_ms=(time.perf_counter() - started) * 1000,
                               complete=error is None, error=error, stream=True)
         try:
-            stored = await self.dep.store.append(record, self.idempotency_key)
+            return await self.dep.record_stored(record, self.idempotency_key)
         except Exception:  # noqa: BLE001 - the client still gets a clean error event
             log.exception("could not store stream record %s", record.record_id)
             return None
-        self.dep.pm.notify("reef_record_stored", record=stored)
-        self.dep.records_stored(stored.scenario, stored.version)
-        return stored
 
 
 def _is_terminal(dialect: str, event: StreamEvent) -> bool:

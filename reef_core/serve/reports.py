@@ -91,9 +91,6 @@ async def post_report(request: Request):
         version=None,
         created_at=time.time(),
     )
-    stored = await dep.store.append(record, check_references=True)
-    dep.pm.notify("reef_record_stored", record=stored)
-    dep.pm.notify("reef_report_accepted", record=stored, references=list(stored.references))
-    dep.records_stored(scenario.name)
+    stored = await dep.record_stored(record, check_references=True)
     return JSONResponse({"agent_record_id": stored.record_id, "scenario": scenario.name, "request_type": "report"},
                         headers={RECEIPT_HEADER: stored.record_id})

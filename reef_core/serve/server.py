@@ -13,25 +13,6 @@ from .auth import TokenSet, is_loopback
 log = logging.getLogger("reef.serve")
 
 
-def build_deployment(cfg: DictConfig, plugin_manager=None):
-    from ..observe.records import RecordStore
-    from ..plugins import get_plugin_manager
-    from .deployment import Deployment
-
-    pm = plugin_manager or get_plugin_manager()
-    data_dir = Path(cfg.storage.data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    engine = pm.create("engine", cfg.engine.kind, config=cfg.engine, data_dir=data_dir)
-    artifacts = pm.create("artifact_store", cfg.storage.artifact_store, config=cfg.storage, data_dir=data_dir)
-    options = {"schema": cfg.storage.records_schema} if cfg.storage.records_schema else {}
-    store = RecordStore.open(cfg.storage.records_url, data_dir, **options)
-    try:
-        return Deployment(cfg, pm, store, engine, artifacts)
-    except BaseException:
-        store.close()
-        raise
-
-
 def check_bind(cfg: DictConfig) -> None:
     if not is_loopback(str(cfg.server.host)) and not TokenSet.from_config(cfg.server).enabled:
         raise ConfigError(
@@ -42,6 +23,8 @@ def check_bind(cfg: DictConfig) -> None:
 
 def serve(cfg: DictConfig) -> int:
     import uvicorn
+
+    from ..loop.assemble import build_deployment
 
     from .app import create_app
 

@@ -11,7 +11,7 @@ from reef_core.config import compose_config
 from reef_core.grow.trainer import Trainer
 from reef_core.plugins import PluginManager
 from reef_core.serve.app import create_app
-from reef_core.serve.server import build_deployment
+from reef_core.loop.assemble import build_deployment
 from reef_core.testing.fake_upstream import serve_asgi
 
 

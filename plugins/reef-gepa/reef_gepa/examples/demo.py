@@ -36,7 +36,7 @@ def serve_reef(task_url: str, reflection_url: str, data_dir: Path, *extra: str) 
     from reef_core.config import compose_config
     from reef_core.plugins import get_plugin_manager
     from reef_core.serve.app import create_app
-    from reef_core.serve.server import build_deployment
+    from reef_core.loop.assemble import build_deployment
     from reef_core.testing.fake_upstream import serve_asgi
 
     pm = get_plugin_manager()

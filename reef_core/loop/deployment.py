@@ -1,7 +1,7 @@
 """The running deployment: config, plugins, record store, engine, artifacts and learners.
 
 One object owns what a ``reef serve`` process holds, so the HTTP layer stays thin and the
-learning loop (``reef_core.grow.learner``) reaches the same state.
+learning loop (``reef_core.loop.learner``) reaches the same state.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class Deployment:
 
     def learner(self, scenario: Scenario):
         """The scenario's learner (created, recovered and started on first use)."""
-        from ..grow.learner import ScenarioLearner
+        from .learner import ScenarioLearner
 
         with self._learners_lock:
             found = self._learners.get(scenario.name)
@@ -164,14 +164,21 @@ class Deployment:
                 self._learners[scenario.name] = found
             return found
 
-    def records_stored(self, scenario: str, version: str | None = None) -> None:
-        """A record of ``scenario`` is durable: wake its learner (never waits for training)."""
-        learner = self._learners.get(scenario)
+    async def record_stored(self, record, idempotency_key: str | None = None, *,
+                            check_references: bool = False):
+        """Store ``record`` durably, tell the plugins, and wake the scenario's learner (never waits for
+        training). The one path every record takes into the loop; returns the stored record."""
+        stored = await self.store.append(record, idempotency_key, check_references=check_references)
+        self.pm.notify("reef_record_stored", record=stored)
+        if stored.kind == "report":
+            self.pm.notify("reef_report_accepted", record=stored, references=list(stored.references))
+        learner = self._learners.get(stored.scenario)
         if learner is not None:
-            if version is not None:
-                learner.served(version)
+            if stored.version is not None:
+                learner.served(stored.version)
             if learner.processor is not None:  # without one the learner has nothing to ingest: spare the wake-up
                 learner.wake()
+        return stored
 
     def load_base_model(self):
         """The deployment's base model, as the local engine loaded it (``(model, tokenizer)``)."""
@@ -225,19 +232,6 @@ class Deployment:
             await self.engine.close()
         finally:
             self.store.close()
-
-    def extra_routers(self) -> list:
-        """Routers of the later loop stages (reports, releases, harness), mounted by the app."""
-        from . import releases, reports
-
-        routers = [reports.router, releases.router]
-        try:
-            from . import harness
-        except ImportError:
-            harness = None
-        if harness is not None:
-            routers.append(harness.router)
-        return routers
 
     # -- serving version -----------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ from ..commit.crashpoints import crash_point
 from ..commit.gate import Candidate, Decision, EvaluationResult, run_gate
 from ..commit.release import Release
 from ..errors import Conflict, NotFound, ReefError
-from .trainer import CandidateUpdate, TrainContext, Trainer, TrainerSetup
+from ..grow.trainer import CandidateUpdate, TrainContext, Trainer, TrainerSetup
 
 log = logging.getLogger("reef.learner")
 
