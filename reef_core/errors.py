@@ -18,6 +18,11 @@ class ReefError(Exception):
         self.message = message
         self.details = details
 
+    @property
+    def param(self) -> str | None:
+        """The request field the error is about (``ValidationFailed(..., param="max_tokens")``), if any."""
+        return self.details.get("param")
+
 
 class ConfigError(ReefError):
     """The configuration is invalid (bad value, unknown recipe, missing component)."""

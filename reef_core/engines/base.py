@@ -35,7 +35,7 @@ from reef_core.errors import ReefError
 Dialect = Literal["openai", "anthropic"]
 
 #: Provider statuses relayed to the client unchanged (upstream-reef §1.8).
-RELAYED_STATUSES = frozenset({400, 401, 403, 404, 408, 409, 422, 429})
+RELAYED_STATUSES = frozenset({400, 401, 403, 404, 408, 409, 413, 422, 429})
 
 #: Name of the event carrying a stream's :class:`TokenData` (never sent to clients).
 TOKENS_EVENT = "reef.tokens"

@@ -81,10 +81,11 @@ def _num(body: dict, key: str, default, kind, lo=None, hi=None):
         return default
     try:
         value = kind(value)
-    except (TypeError, ValueError) as exc:
-        raise ValidationFailed(f"{key} must be a number") from exc
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ValidationFailed(f"{key} out of range [{lo}, {hi}]")
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValidationFailed(f"{key} must be a number", param=key) from exc
+    # Written so that NaN fails too.
+    if not ((lo is None or value >= lo) and (hi is None or value <= hi)):
+        raise ValidationFailed(f"{key} out of range [{lo}, {hi}]", param=key)
     return value
 
 
@@ -332,12 +333,16 @@ class LocalEngine(Engine):
         max_new = body.get("max_completion_tokens") or body.get("max_tokens")
         max_new = _num({"max_tokens": max_new}, "max_tokens", self.max_new_tokens, int, 1, None)
         stop = body.get("stop")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not all(isinstance(s, str) for s in stops):
-            raise ValidationFailed("stop must be a string or a list of strings")
+        stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else [] if stop is None else None
+        if stops is None or not all(isinstance(s, str) for s in stops):
+            raise ValidationFailed("stop must be a string or a list of strings", param="stop")
         seed = body.get("seed")
-        if seed is not None and not isinstance(seed, int):
-            raise ValidationFailed("seed must be an integer")
+        # torch seeds are 64-bit; a larger one would fail inside generation, as if the engine had.
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**63):
+            raise ValidationFailed("seed must be a 64-bit integer", param="seed")
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ValidationFailed("tools must be a list of tool objects", param="tools")
         return _Params(
             max_new=max_new,
             temperature=_num(body, "temperature", self.temperature, float, 0.0, 2.0),

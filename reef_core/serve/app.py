@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse
 from .. import __version__
 from ..errors import ReefError
 from .auth import AuthMiddleware, TokenSet
-from .errors import dialect_for_path, error_body
+from .errors import dialect_for_path, error_body, new_error_id
 from .inference import InferenceCall
 from . import harness, reads, releases, reports
 
@@ -96,7 +96,23 @@ class ReefApp(FastAPI):
                 and scope["path"] in INFERENCE_ROUTES):
             scope["app"] = self
             return await self.reef_inference(scope, receive, send)
-        return await super().__call__(scope, receive, send)
+        if scope["type"] != "http":
+            return await super().__call__(scope, receive, send)
+        answered = False
+
+        async def tracked_send(message) -> None:
+            nonlocal answered
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                answered = True
+
+        try:
+            await super().__call__(scope, receive, tracked_send)
+        except Exception:
+            # Starlette re-raises an unexpected error after its handler answered the 500 (already logged with
+            # its id); raised further, the server would close the connection. Keep it open once answered.
+            if not answered:
+                raise
 
 
 def _inference_endpoint(app: FastAPI, deployment):
@@ -106,17 +122,25 @@ def _inference_endpoint(app: FastAPI, deployment):
         try:
             response = await InferenceCall(deployment, request, client_dialect, route).run()
         except ReefError as exc:
-            response = _error_response(scope["path"], exc.status, exc.message, exc.code)
+            response = _error_response(scope["path"], exc.status, exc.message, exc.code, exc.param)
         except Exception:  # same answer as the app-wide handler of unexpected errors
-            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
-            response = _error_response(scope["path"], 500, "internal error", "internal_error")
+            response = _internal_error(scope["method"], scope["path"])
         await response(scope, receive, send)
 
     return endpoint
 
 
-def _error_response(path: str, status: int, message: str, code: str | None) -> JSONResponse:
-    return JSONResponse(error_body(dialect_for_path(path), status, message, code), status_code=status)
+def _error_response(path: str, status: int, message: str, code: str | None,
+                    param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(dialect_for_path(path), status, message, code, param), status_code=status)
+
+
+def _internal_error(method: str, path: str) -> JSONResponse:
+    """A 500 in the route's dialect for an unexpected exception (being handled), logged under an id the
+    client also gets, so a report of the failure leads to its traceback."""
+    error_id = new_error_id()
+    log.exception("unhandled error %s on %s %s", error_id, method, path)
+    return _error_response(path, 500, f"internal error (id {error_id})", "internal_error")
 
 
 def iter_routes(routes):
@@ -130,18 +154,20 @@ def iter_routes(routes):
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    def respond(request: Request, status: int, message: str, code: str | None) -> JSONResponse:
-        return _error_response(request.url.path, status, message, code)
+    def respond(request: Request, status: int, message: str, code: str | None,
+                param: str | None = None) -> JSONResponse:
+        return _error_response(request.url.path, status, message, code, param)
 
     @app.exception_handler(ReefError)
     async def reef_error(request: Request, exc: ReefError):
-        return respond(request, exc.status, exc.message, exc.code)
+        return respond(request, exc.status, exc.message, exc.code, exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path"))
-        return respond(request, 400, f"{where}: {first.get('msg', 'invalid request')}".strip(": "), "invalid_request")
+        return respond(request, 400, f"{where}: {first.get('msg', 'invalid request')}".strip(": "), "invalid_request",
+                       where or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -149,5 +175,4 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return respond(request, 500, "internal error", "internal_error")
+        return _internal_error(request.method, request.url.path)

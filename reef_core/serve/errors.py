@@ -2,12 +2,14 @@
 
 OpenAI routes answer ``{"error": {"message", "type", "code", "param"}}``, Anthropic routes
 ``{"type": "error", "error": {"type", "message"}}`` and Reef's own routes
-``{"error": {"code", "message"}}``. The status code is always the honest one.
+``{"error": {"code", "message"}}``. The status code is always the honest one. A client error about
+one field names it: in OpenAI's ``param``, and in every dialect's message (``"max_tokens: ..."``).
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Literal
 
 Dialect = Literal["openai", "anthropic", "reef"]
@@ -31,14 +33,21 @@ def dialect_for_path(path: str) -> Dialect:
     return "reef"
 
 
-def error_body(dialect: Dialect, status: int, message: str, code: str | None = None) -> dict:
+def error_body(dialect: Dialect, status: int, message: str, code: str | None = None,
+               param: str | None = None) -> dict:
     if dialect == "anthropic":
         return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
     if dialect == "openai":
         kind = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-        return {"error": {"message": message, "type": kind, "code": code, "param": None}}
+        return {"error": {"message": message, "type": kind, "code": code, "param": param}}
     return {"error": {"code": code or str(status), "message": message}}
 
 
-def error_bytes(dialect: Dialect, status: int, message: str, code: str | None = None) -> bytes:
-    return json.dumps(error_body(dialect, status, message, code)).encode()
+def error_bytes(dialect: Dialect, status: int, message: str, code: str | None = None,
+                param: str | None = None) -> bytes:
+    return json.dumps(error_body(dialect, status, message, code, param)).encode()
+
+
+def new_error_id() -> str:
+    """Id of one unexpected failure: in the client's 500 body (or stream error event) and in the log line."""
+    return f"err_{uuid.uuid4().hex[:16]}"

@@ -29,7 +29,9 @@ from ..engines.translate import stream_translator, translate_error, translate_re
 from ..errors import Conflict, PayloadTooLarge, ReefError, ValidationFailed
 from ..observe.model import Record, canonical_json
 from .aggregate import accumulator_for, synthetic_stream
-from .errors import error_body
+from .errors import error_body, new_error_id
+from .jsonbody import parse_json_object
+from .schema import validate_request
 
 log = logging.getLogger("reef.serve")
 
@@ -54,14 +56,7 @@ async def read_json_body(request: Request, limit: int) -> dict:
         if size > limit:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes")
         chunks.append(chunk)
-    raw = b"".join(chunks)
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise ValidationFailed("request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise ValidationFailed("request body must be a JSON object")
-    return body
+    return parse_json_object(b"".join(chunks))
 
 
 def scenario_name(request: Request) -> str:
@@ -144,6 +139,7 @@ class InferenceCall:
         dep, request = self.dep, self.request
         max_body_bytes, max_new_tokens = _limits(dep)
         body = await read_json_body(request, max_body_bytes)
+        validate_request(self.client_dialect, self.route, body)
         self.scenario = await dep.scenario(scenario_name(request))
         self.tags = tags_of(request)
         self.client_record_id = client_record_id(request)
@@ -216,11 +212,7 @@ class InferenceCall:
             result = await engine.complete(req)
         engine_ms = (time.perf_counter() - started) * 1000
         if result.status >= 400:
-            # A relayed provider error: the client sees the provider's status and message, in its
-            # own dialect; nothing is recorded.
-            relay_headers = {k: v for k, v in result.headers.items() if k.lower() == "retry-after"}
-            return JSONResponse(translate_error(result.body, result.status, self.client_dialect),
-                                status_code=result.status, headers=relay_headers)
+            return self._relay_error(result)
         record = self._record(response=result.body, tokens=result.tokens, version=result.version,
                               engine_ms=engine_ms, complete=True)
         stored = await self.dep.record_stored(record, self.idempotency_key)
@@ -229,6 +221,13 @@ class InferenceCall:
         overhead = (time.perf_counter() - self.started) * 1000 - engine_ms
         return JSONResponse(body, headers={RECEIPT_HEADER: stored.record_id, **self.extra_headers,
                                            "x-reef-overhead-ms": f"{overhead:.2f}"})
+
+    def _relay_error(self, result: EngineResponse) -> Response:
+        """A relayed provider error, plain or in place of a stream: the client sees the provider's status,
+        message and ``retry-after`` in its own dialect; nothing is recorded."""
+        relay_headers = {k: v for k, v in result.headers.items() if k.lower() == "retry-after"}
+        return JSONResponse(translate_error(result.body, result.status, self.client_dialect),
+                            status_code=result.status, headers=relay_headers)
 
     def _record(self, *, response: Any, tokens: TokenData | None, version: str | None, engine_ms: float,
                 complete: bool, error: str | None = None, stream: bool = False) -> Record:
@@ -265,8 +264,7 @@ class InferenceCall:
         except DirectResponse as direct:
             result: EngineResponse = direct.response
             if result.status >= 400:
-                return JSONResponse(translate_error(result.body, result.status, self.client_dialect),
-                                    status_code=result.status)
+                return self._relay_error(result)
             # The provider answered without a stream: relay it as one.
             record = self._record(response=result.body, tokens=result.tokens, version=result.version,
                                   engine_ms=0.0, complete=True, stream=True)
@@ -317,7 +315,11 @@ class InferenceCall:
                 error = "stream ended before its terminal event"
         except ReefError as exc:
             error = exc.message
-        except BaseException as exc:  # client went away (cancelled) or the engine failed
+        except Exception:  # noqa: BLE001 - headers are out: end the stream with an error event, never drop it
+            error_id = new_error_id()
+            log.exception("unhandled error %s in a stream of %s", error_id, self.route)
+            error = f"internal error (id {error_id})"
+        except BaseException as exc:  # client went away (cancelled)
             error = f"stream interrupted: {type(exc).__name__}"
             await self._store_stream(accumulator, tokens, started, error)
             raise

@@ -11,6 +11,8 @@ from ..errors import NotFound
 from ..observe.model import Record
 
 router = APIRouter()
+#: Bound of sequence and step query parameters: the stores hold them as signed 64-bit integers.
+MAX_SEQUENCE = 2**63 - 1
 _NO_STORE = {"cache-control": "no-store"}
 
 
@@ -46,7 +48,7 @@ async def _existing_scenario(request: Request, name: str):
 
 
 @router.get("/reef/scenarios/{scenario}/records")
-async def list_records(request: Request, scenario: str, after_sequence: int = Query(0, ge=0),
+async def list_records(request: Request, scenario: str, after_sequence: int = Query(0, ge=0, le=MAX_SEQUENCE),
                        limit: int = Query(50, ge=1, le=100)):
     await _existing_scenario(request, scenario)
     rows = await asyncio.to_thread(request.app.state.reef.store.page, scenario, after_sequence, limit)

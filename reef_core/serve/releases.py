@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse
 
 from ..errors import NotFound, ValidationFailed
 from .inference import read_json_body
+from .reads import MAX_SEQUENCE
 
 ADMIN = {"x-reef-scope": "admin"}
 router = APIRouter()
@@ -72,7 +73,7 @@ async def delete_scenario(request: Request, scenario: str):
 
 
 @router.get("/reef/scenarios/{scenario}/commits")
-async def list_commits(request: Request, scenario: str, after_step: int = Query(0, ge=0),
+async def list_commits(request: Request, scenario: str, after_step: int = Query(0, ge=0, le=MAX_SEQUENCE),
                        limit: int = Query(50, ge=1, le=100), record_id: list[str] = Query(default=[])):
     dep, found = await _scenario(request, scenario)
     if len(record_id) > 100:

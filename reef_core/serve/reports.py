@@ -29,6 +29,14 @@ MAX_METADATA_BYTES = 64 * 1024
 MAX_REPORT_BYTES = 1024 * 1024
 
 
+def _finite(number: int | float) -> bool:
+    """Whether ``number`` is finite as a float (processors compute with scores as floats; 10**400 is not)."""
+    try:
+        return math.isfinite(number)
+    except OverflowError:
+        return False
+
+
 def validate_report(body: dict) -> dict:
     """Check the generic report rules; return the normalised report."""
     unknown = sorted(set(body) - REPORT_FIELDS)
@@ -37,8 +45,8 @@ def validate_report(body: dict) -> dict:
     report: dict = {}
     if "score" in body and body["score"] is not None:
         score = body["score"]
-        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
-            raise ValidationFailed("score must be a finite number")
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not _finite(score):
+            raise ValidationFailed("score must be a finite number", param="score")
         report["score"] = score
     if "feedback" in body and body["feedback"] is not None:
         feedback = body["feedback"]

@@ -171,7 +171,10 @@ def inject_system(dialect: str, body: dict, text: str, mode: str = "extend") -> 
         return out
     if dialect != "openai":
         raise ValidationFailed(f"cannot inject a system prompt into a {dialect!r} request")
-    messages = list(body.get("messages") or [])
+    messages = body.get("messages") or []
+    if not isinstance(messages, list):
+        raise ValidationFailed("messages must be a list", param="messages")
+    messages = list(messages)
     if messages and isinstance(messages[0], dict) and messages[0].get("role") in ("system", "developer"):
         first = dict(messages[0])
         first["content"] = copy.deepcopy(_merged(first.get("content"), text, mode))

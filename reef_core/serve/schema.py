@@ -1,0 +1,242 @@
+"""Request-body schemas of the two inference dialects, checked before a body is used.
+
+:func:`validate_request` checks an OpenAI Chat Completions or an Anthropic Messages /
+count_tokens body against its dialect's schema: types, value ranges and integer bounds of every
+field Reef, its translators or its engines read. The first violation raises
+:class:`ValidationFailed` whose ``param`` names the field (``messages[0].content[1]``), so the
+client gets a 400 in its own dialect instead of a failure deep in translation or generation.
+
+Fields the schemas do not know pass through untouched: providers accept extensions, and a
+relay must not refuse what its provider would take. Requiredness follows what Reef needs
+(``messages``), not every provider rule (an absent Anthropic ``max_tokens`` gets a default).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..errors import ValidationFailed
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+_OPENAI_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+_ANTHROPIC_ROLES = frozenset({"user", "assistant"})
+_OPENAI_TOOL_CHOICES = frozenset({"none", "auto", "required"})
+
+
+def _fail(param: str, problem: str):
+    raise ValidationFailed(f"{param}: {problem}", param=param)
+
+
+def _kind(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
+
+
+# -- field checks: each returns nothing and raises on the first problem --------------------------------------
+
+def _integer(body: dict, key: str, lo: int = INT64_MIN, hi: int = INT64_MAX) -> None:
+    value = body.get(key)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(key, f"must be an integer, not {_kind(value)}")
+    if not lo <= value <= hi:
+        _fail(key, f"must be between {lo} and {hi}")
+
+
+def _number(body: dict, key: str, lo: float, hi: float) -> None:
+    value = body.get(key)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(key, f"must be a number, not {_kind(value)}")
+    try:
+        as_float = float(value)
+    except OverflowError:
+        as_float = math.inf
+    if not (math.isfinite(as_float) and lo <= as_float <= hi):
+        _fail(key, f"must be a number between {lo:g} and {hi:g}")
+
+
+def _typed(body: dict, key: str, kind: type, name: str) -> None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, kind):
+        _fail(key, f"must be {name}, not {_kind(value)}")
+
+
+def _string_list(value: Any, param: str, allow_string: bool) -> None:
+    if value is None or (allow_string and isinstance(value, str)):
+        return
+    if not isinstance(value, list):
+        _fail(param, "must be a string or an array of strings" if allow_string else "must be an array of strings")
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            _fail(f"{param}[{i}]", f"must be a string, not {_kind(item)}")
+
+
+def _parts(content: Any, param: str, what: str) -> None:
+    """Content: a string, or an array of objects each with a string ``type``."""
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        _fail(param, f"must be a string or an array of {what}, not {_kind(content)}")
+    for j, part in enumerate(content):
+        where = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            _fail(where, f"must be an object, not {_kind(part)}")
+        if not isinstance(part.get("type"), str):
+            _fail(f"{where}.type", "must be a string")
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            _fail(f"{where}.text", "must be a string")
+
+
+def _messages(body: dict, roles: frozenset, each) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        _fail("messages", f"must be an array of messages, not {_kind(messages)}")
+    if not messages:
+        _fail("messages", "must contain at least one message")
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            _fail(where, f"must be an object, not {_kind(message)}")
+        role = message.get("role")
+        if role not in roles:
+            _fail(f"{where}.role", f"must be one of {', '.join(sorted(roles))}")
+        each(message, where)
+
+
+def _object_list(body: dict, key: str) -> list:
+    value = body.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        _fail(key, f"must be an array, not {_kind(value)}")
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            _fail(f"{key}[{i}]", f"must be an object, not {_kind(item)}")
+    return value
+
+
+# -- OpenAI Chat Completions ---------------------------------------------------------------------------------
+
+def _openai_message(message: dict, where: str) -> None:
+    content = message.get("content")
+    if content is not None:
+        _parts(content, f"{where}.content", "content parts")
+    for key in ("name", "tool_call_id"):
+        if message.get(key) is not None and not isinstance(message[key], str):
+            _fail(f"{where}.{key}", "must be a string")
+    calls = message.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        _fail(f"{where}.tool_calls", f"must be an array, not {_kind(calls)}")
+    for k, call in enumerate(calls):
+        at = f"{where}.tool_calls[{k}]"
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            _fail(f"{at}.function", "must be an object")
+        fn = call["function"]
+        if not isinstance(fn.get("name"), str):
+            _fail(f"{at}.function.name", "must be a string")
+        if fn.get("arguments") is not None and not isinstance(fn["arguments"], str):
+            _fail(f"{at}.function.arguments", "must be a string of JSON")
+
+
+def validate_openai_chat(body: dict) -> None:
+    _typed(body, "model", str, "a string")
+    _messages(body, _OPENAI_ROLES, _openai_message)
+    for key in ("max_tokens", "max_completion_tokens"):
+        _integer(body, key, 1)
+    _integer(body, "n", 1, 128)
+    _integer(body, "seed")
+    _integer(body, "top_logprobs", 0, 20)
+    _number(body, "temperature", 0, 2)
+    _number(body, "top_p", 0, 1)
+    for key in ("presence_penalty", "frequency_penalty"):
+        _number(body, key, -2, 2)
+    for key in ("stream", "logprobs", "parallel_tool_calls", "store"):
+        _typed(body, key, bool, "a boolean")
+    for key in ("stream_options", "response_format", "logit_bias", "metadata", "audio"):
+        _typed(body, key, dict, "an object")
+    _typed(body, "user", str, "a string")
+    _string_list(body.get("stop"), "stop", allow_string=True)
+    _string_list(body.get("modalities"), "modalities", allow_string=False)
+    for j, tool in enumerate(_object_list(body, "tools")):
+        if not isinstance(tool.get("type"), str):
+            _fail(f"tools[{j}].type", "must be a string")
+        if tool["type"] == "function":
+            fn = tool.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                _fail(f"tools[{j}].function.name", "must be a string")
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                _fail(f"tools[{j}].function.parameters", "must be an object")
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in _OPENAI_TOOL_CHOICES and not isinstance(choice, dict):
+        _fail("tool_choice", "must be 'none', 'auto', 'required' or an object")
+
+
+# -- Anthropic Messages and count_tokens ---------------------------------------------------------------------
+
+def _anthropic_message(message: dict, where: str) -> None:
+    content = message.get("content")
+    if content is None:
+        _fail(f"{where}.content", "is required")
+    _parts(content, f"{where}.content", "content blocks")
+    for j, block in enumerate(content if isinstance(content, list) else ()):
+        at = f"{where}.content[{j}]"
+        if block["type"] == "tool_result" and block.get("content") is not None:
+            _parts(block["content"], f"{at}.content", "content blocks")
+        if block["type"] == "tool_use" and block.get("input") is not None and not isinstance(block["input"], dict):
+            _fail(f"{at}.input", "must be an object")
+
+
+def _anthropic_common(body: dict) -> None:
+    """The fields Messages and count_tokens share: model, messages, system, tools, tool_choice."""
+    _typed(body, "model", str, "a string")
+    _messages(body, _ANTHROPIC_ROLES, _anthropic_message)
+    system = body.get("system")
+    if system is not None:
+        _parts(system, "system", "text blocks")
+    for j, tool in enumerate(_object_list(body, "tools")):
+        if not isinstance(tool.get("name"), str):
+            _fail(f"tools[{j}].name", "must be a string")
+        if tool.get("input_schema") is not None and not isinstance(tool["input_schema"], dict):
+            _fail(f"tools[{j}].input_schema", "must be an object")
+    choice = body.get("tool_choice")
+    if choice is not None:
+        if not isinstance(choice, dict) or not isinstance(choice.get("type"), str):
+            _fail("tool_choice", "must be an object with a string type")
+        if choice["type"] == "tool" and not isinstance(choice.get("name"), str):
+            _fail("tool_choice.name", "must be a string")
+    _typed(body, "thinking", dict, "an object")
+
+
+def validate_anthropic_messages(body: dict) -> None:
+    _anthropic_common(body)
+    _integer(body, "max_tokens", 1)
+    _integer(body, "top_k", 0)
+    _number(body, "temperature", 0, 1)
+    _number(body, "top_p", 0, 1)
+    _typed(body, "stream", bool, "a boolean")
+    _string_list(body.get("stop_sequences"), "stop_sequences", allow_string=False)
+    metadata = body.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            _fail("metadata", f"must be an object, not {_kind(metadata)}")
+        if metadata.get("user_id") is not None and not isinstance(metadata["user_id"], str):
+            _fail("metadata.user_id", "must be a string")
+
+
+_VALIDATORS = {
+    ("openai", "chat"): validate_openai_chat,
+    ("anthropic", "messages"): validate_anthropic_messages,
+    ("anthropic", "count_tokens"): _anthropic_common,
+}
+
+
+def validate_request(dialect: str, route: str, body: dict) -> None:
+    """Check an inference body of ``dialect``'s ``route``; raise :class:`ValidationFailed` naming the field."""
+    _VALIDATORS[(dialect, route)](body)
