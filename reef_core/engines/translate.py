@@ -510,7 +510,8 @@ _ANTHROPIC_ERROR_TYPES = {
     529: "overloaded_error",
 }
 _OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                       404: "not_found_error", 408: "timeout", 409: "conflict", 422: "invalid_request_error",
+                       404: "not_found_error", 408: "timeout", 409: "conflict", 413: "invalid_request_error",
+                       422: "invalid_request_error",
                        429: "rate_limit_error"}
 
 

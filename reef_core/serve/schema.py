@@ -193,8 +193,7 @@ def _anthropic_message(message: dict, where: str) -> None:
             _fail(f"{at}.input", "must be an object")
 
 
-def _anthropic_common(body: dict) -> None:
-    """The fields Messages and count_tokens share: model, messages, system, tools, tool_choice."""
+def validate_anthropic_messages(body: dict) -> None:
     _typed(body, "model", str, "a string")
     _messages(body, _ANTHROPIC_ROLES, _anthropic_message)
     system = body.get("system")
@@ -212,10 +211,6 @@ def _anthropic_common(body: dict) -> None:
         if choice["type"] == "tool" and not isinstance(choice.get("name"), str):
             _fail("tool_choice.name", "must be a string")
     _typed(body, "thinking", dict, "an object")
-
-
-def validate_anthropic_messages(body: dict) -> None:
-    _anthropic_common(body)
     _integer(body, "max_tokens", 1)
     _integer(body, "top_k", 0)
     _number(body, "temperature", 0, 1)
@@ -233,7 +228,8 @@ def validate_anthropic_messages(body: dict) -> None:
 _VALIDATORS = {
     ("openai", "chat"): validate_openai_chat,
     ("anthropic", "messages"): validate_anthropic_messages,
-    ("anthropic", "count_tokens"): _anthropic_common,
+    # count_tokens bodies go through the same translation, so every field it reads is checked alike.
+    ("anthropic", "count_tokens"): validate_anthropic_messages,
 }
 
 
