@@ -203,7 +203,8 @@ def test_errors_in_each_dialect(reef_server, fake_upstream_url, upstream, sc):
     server = reef_server("engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}",
                          "server.max_body_bytes=2000", "engine.timeout_s=1")
     url = server.url
-    missing = httpx.post(f"{url}/v1/chat/completions", json={"model": "m", "messages": []})
+    missing = httpx.post(f"{url}/v1/chat/completions",
+                         json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
     assert missing.status_code == 400 and "x-reef-scenario" in missing.json()["error"]["message"]
     not_json = httpx.post(f"{url}/v1/messages", content=b"{nope", headers={"x-reef-scenario": sc})
     assert not_json.status_code == 400
