@@ -90,6 +90,12 @@ def _parts(content: Any, param: str, what: str) -> None:
             _fail(f"{where}.type", "must be a string")
         if part["type"] == "text" and not isinstance(part.get("text"), str):
             _fail(f"{where}.text", "must be a string")
+        if part["type"] == "image_url" and not (isinstance(part.get("image_url"), dict)
+                                                and isinstance(part["image_url"].get("url"), str)):
+            _fail(f"{where}.image_url.url", "must be a string")
+        if part["type"] == "image" and not (isinstance(part.get("source"), dict)
+                                            and isinstance(part["source"].get("type"), str)):
+            _fail(f"{where}.source.type", "must be a string")
 
 
 def _messages(body: dict, roles: frozenset, each) -> None:
@@ -103,7 +109,7 @@ def _messages(body: dict, roles: frozenset, each) -> None:
         if not isinstance(message, dict):
             _fail(where, f"must be an object, not {_kind(message)}")
         role = message.get("role")
-        if role not in roles:
+        if not isinstance(role, str) or role not in roles:
             _fail(f"{where}.role", f"must be one of {', '.join(sorted(roles))}")
         each(message, where)
 
@@ -174,7 +180,8 @@ def validate_openai_chat(body: dict) -> None:
             if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
                 _fail(f"tools[{j}].function.parameters", "must be an object")
     choice = body.get("tool_choice")
-    if choice is not None and choice not in _OPENAI_TOOL_CHOICES and not isinstance(choice, dict):
+    if choice is not None and not (isinstance(choice, str) and choice in _OPENAI_TOOL_CHOICES
+                                   or isinstance(choice, dict)):
         _fail("tool_choice", "must be 'none', 'auto', 'required' or an object")
 
 
