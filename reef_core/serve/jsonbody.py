@@ -21,6 +21,9 @@ def _refuse_constant(name: str):
     raise ValidationFailed(f"request body is not valid JSON ({name} is not a JSON value)")
 
 
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
 def nesting_depth(value, limit: int) -> int:
     """Depth of nested lists and dicts in ``value`` (a scalar is 0); counting stops past ``limit``."""
     if not isinstance(value, (dict, list)):
@@ -42,7 +45,8 @@ def nesting_depth(value, limit: int) -> int:
 def parse_json_object(raw: bytes, max_depth: int = MAX_DEPTH) -> dict:
     """``raw`` as a JSON object, or :class:`ValidationFailed` saying why not."""
     try:
-        body = json.loads(raw, parse_constant=_refuse_constant)
+        # What json.loads does with bytes, with one decoder built once (loads builds one per call given options).
+        body = _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
     except RecursionError:
         raise ValidationFailed(f"request body is nested deeper than {max_depth} levels") from None
     except (ValueError, UnicodeDecodeError):
