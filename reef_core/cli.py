@@ -84,12 +84,10 @@ def cmd_serve(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from omegaconf import OmegaConf
-
-    from .config import compose_config, redacted
+    from .config import as_yaml, compose_config, redacted
 
     cfg = compose_config(args.overrides)
-    print(OmegaConf.to_yaml(OmegaConf.create(redacted(cfg))), end="")
+    print(as_yaml(redacted(cfg)), end="")
     return EXIT_OK
 
 

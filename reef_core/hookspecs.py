@@ -41,7 +41,7 @@ def reef_register_processors(register):
     """Register processors: turn a scenario's record stream into training batches.
 
     A processor factory is called as ``factory(scenario=..., options=..., serving_version=...,
-    judge=None)`` (``options`` from ``recipe.options``; ``serving_version()`` returns the version
+    judge=None)`` (``options``: ``recipe.processor_options`` as a plain dict; ``serving_version()`` returns the version
     now serving the scenario; ``judge`` scores next-state pairs) and returns an object
     implementing ``reef_core.observe.processor.Processor``: it ingests every stored
     record of its scenario in order (inference and report), never blocks the request path, and
@@ -54,8 +54,9 @@ def reef_register_processors(register):
 def reef_register_trainers(register):
     """Register trainers: turn a ready batch into a candidate update.
 
-    The factory is called as ``factory(scenario=..., recipe=<recipe section>, trainer=<trainer
-    section>, context=<reef_core.grow.trainer.TrainerSetup>)`` and returns a
+    The factory is called as ``factory(scenario=..., recipe=<RecipeConfig>, trainer=<TrainerConfig>,
+    context=<reef_core.grow.trainer.TrainerSetup>)`` (the dataclasses of ``reef_core.config.schema``;
+    ``recipe.options`` is a plain dict the trainer validates) and returns a
     ``reef_core.grow.trainer.Trainer``. Weight recipes usually return a
     ``reef_core.grow.torch_backend.TorchTrainer`` running their objective (a loss over token-level
     samples with rollout log-probs and masks); harness recipes return a trainer whose candidates
@@ -128,7 +129,8 @@ def reef_register_report_schemas(register):
 def reef_register_tasks(register):
     """Register offline tasks run by ``reef sweep`` jobs (``task=<name>`` in config).
 
-    The factory is called as ``factory(cfg=<resolved DictConfig>, output_dir=<Path>)`` and returns
+    The factory is called as ``factory(cfg=<ReefConfig>, output_dir=<Path>)`` (the composed config as
+    plain dataclasses, see ``reef_core.config.schema``) and returns
     a JSON-serialisable summary. The built-in ``dry_run`` validates the job's config and writes it.
     """
 
@@ -151,7 +153,7 @@ def reef_config_searchpath():
 
 @hookspec
 def reef_startup(config):
-    """Called once when ``reef serve`` has composed its config, before the server binds."""
+    """Called once when ``reef serve`` has composed its config (a ``ReefConfig``), before the server binds."""
 
 
 @hookspec

@@ -13,7 +13,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from .config.compose import CONFIG_NAME, CONFIG_MODULE, searchpath_override
+from .config.compose import CONFIG_NAME, CONFIG_MODULE, searchpath_override, to_plain
 from .config.schema import register_schema
 
 
@@ -22,7 +22,8 @@ def _job(cfg) -> None:
     from .plugins import get_plugin_manager
 
     output_dir = Path(HydraConfig.get().runtime.output_dir)
-    summary = get_plugin_manager().create("task", cfg.task, cfg=cfg, output_dir=output_dir)
+    plain = to_plain(cfg)  # tasks get the same typed, plain config as ``reef serve``
+    summary = get_plugin_manager().create("task", plain.task, cfg=plain, output_dir=output_dir)
     print(json.dumps({"output_dir": str(output_dir), **(summary or {})}))
 
 

@@ -1,7 +1,7 @@
 """Built-in processors (registered through hooks): ``per_report``, ``grouped`` and ``next_state``.
 
 Every factory is called as ``factory(*, scenario, options, serving_version, judge=None, **context)`` and returns a
-``reef_core.observe.processor.Processor``. ``options`` come from the recipe config (``recipe.options``); keys may be
+``reef_core.observe.processor.Processor``. ``options`` come from the recipe config (``recipe.processor_options``, a dict); keys may be
 snake_case or kebab-case (``max-staleness``), unknown keys are a :class:`ConfigError`. Extra context keywords (a
 record store...) are accepted and ignored, so the host may pass more than a processor needs.
 """
@@ -27,14 +27,9 @@ def _options(kind: str, options: Any, allowed: tuple[str, ...]) -> dict:
     if options is None:
         return {}
     if not isinstance(options, Mapping):
-        try:  # an OmegaConf DictConfig
-            from omegaconf import OmegaConf
-
-            options = OmegaConf.to_container(options, resolve=True)
-        except Exception as exc:  # noqa: BLE001
-            raise ConfigError(f"processor {kind!r}: options must be a mapping") from exc
+        raise ConfigError(f"processor {kind!r}: options must be a mapping")
     out = {}
-    for key, value in dict(options).items():
+    for key, value in options.items():
         name = str(key).replace("-", "_")
         if name not in allowed:
             raise ConfigError(f"processor {kind!r} has no option {key!r} (known: {', '.join(sorted(allowed))})")

@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from .. import hookimpl
 
 
-def dry_run(cfg, output_dir: Path) -> dict:
+def dry_run(cfg, output_dir: Path) -> dict:  # cfg: the job's ReefConfig
     """Compose and validate the job's config (components resolvable), then write it resolved."""
     from ..plugins import get_plugin_manager
 
@@ -25,7 +23,9 @@ def dry_run(cfg, output_dir: Path) -> dict:
             pm.get(kind, name)  # raises UnknownComponent with the available names
             checks[kind] = name
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    from ..config import as_yaml
+
+    (output_dir / "resolved.yaml").write_text(as_yaml(cfg))
     summary = {"task": "dry_run", "recipe": recipe.name, "seed": cfg.seed, "components": checks}
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

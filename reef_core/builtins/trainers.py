@@ -20,35 +20,27 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import hookimpl
+from ..config.schema import RecipeConfig, TrainerConfig
 from ..errors import ConfigError
 
 _OPTIONS = ("objective", "objective_options", "max_grad_norm", "weight_decay")
 
 
-def _plain(section: Any) -> dict:
-    if section is None:
+def _mapping(value: Any, what: str) -> Mapping:
+    if value is None:
         return {}
-    if isinstance(section, Mapping):
-        return dict(section)
-    from omegaconf import OmegaConf
-
-    return dict(OmegaConf.to_container(section, resolve=True))
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"trainer 'torch': {what} must be a mapping")
+    return value
 
 
-def _section_get(section: Any, key: str, default: Any) -> Any:
-    if section is None:
-        return default
-    value = section.get(key, default) if isinstance(section, Mapping) or hasattr(section, "get") else default
-    return default if value is None else value
-
-
-def make_torch_trainer(*, scenario: str, recipe: Any, trainer: Any, context: Any, **_extra):
+def make_torch_trainer(*, scenario: str, recipe: RecipeConfig, trainer: TrainerConfig, context: Any, **_extra):
     """Build a :class:`~reef_core.grow.torch_backend.TorchTrainer` around ``recipe.options.objective``."""
     from ..dotted import load_callable
     from ..grow.objective import Objective
     from ..grow.torch_backend import TorchTrainer
 
-    options = {str(k).replace("-", "_"): v for k, v in _plain(_section_get(recipe, "options", {})).items()}
+    options = {str(k).replace("-", "_"): v for k, v in _mapping(recipe.options, "recipe.options").items()}
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise ConfigError(f"trainer 'torch' has no option(s) {', '.join(unknown)} (known: {', '.join(_OPTIONS)})")
@@ -56,16 +48,16 @@ def make_torch_trainer(*, scenario: str, recipe: Any, trainer: Any, context: Any
     if not target:
         raise ConfigError("trainer 'torch' needs recipe.options.objective ('module:Objective')")
     factory = load_callable(str(target), "objective")
-    kwargs = _plain(options.get("objective_options"))
+    kwargs = dict(_mapping(options.get("objective_options"), "recipe.options.objective_options"))
     try:
         objective = factory(**kwargs)
     except TypeError as exc:
         raise ConfigError(f"objective {target!r} does not accept {sorted(kwargs)}: {exc}") from exc
     if not isinstance(objective, Objective):
         raise ConfigError(f"{target!r} did not build a reef_core.grow.objective.Objective")
-    return TorchTrainer.from_config(objective, context, trainer, who="trainer 'torch'",
-                                    max_grad_norm=options.get("max_grad_norm", 1.0),
-                                    weight_decay=float(options.get("weight_decay", 0.0)), name="torch")
+    # Unset optimizer knobs keep TorchTrainer's own defaults (their one source).
+    optimizer = {key: options[key] for key in ("max_grad_norm", "weight_decay") if key in options}
+    return TorchTrainer.from_config(objective, context, trainer, who="trainer 'torch'", name="torch", **optimizer)
 
 
 @hookimpl

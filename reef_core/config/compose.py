@@ -1,12 +1,14 @@
 """Compose the deployment config from Hydra overrides (``+recipe=sao server.port=8900``).
 
 Recipe packages contribute their config directories through the ``reef_config_searchpath``
-hook, so ``+recipe=<name>`` finds a recipe however its package was installed.
+hook, so ``+recipe=<name>`` finds a recipe however its package was installed. Composition ends
+in plain objects (:func:`to_plain`): the rest of Reef reads a :class:`ReefConfig` dataclass tree
+whose free-form option sections are ordinary dicts and lists, never an OmegaConf node.
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 from typing import Any, Iterable
 
 from hydra import compose, initialize_config_module
@@ -16,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ..errors import ConfigError
-from .schema import SECRET_KEYS, register_schema
+from .schema import SECRET_KEYS, ReefConfig, register_schema
 
 CONFIG_MODULE = "reef_core.conf"
 CONFIG_NAME = "config"
@@ -27,8 +29,8 @@ def searchpath_override(plugin_manager) -> list[str]:
     return [f"hydra.searchpath=[{','.join(paths)}]"] if paths else []
 
 
-def compose_config(overrides: Iterable[str] = (), plugin_manager=None) -> DictConfig:
-    """Return the resolved, validated config; raise ConfigError naming what is wrong."""
+def compose_config(overrides: Iterable[str] = (), plugin_manager=None) -> ReefConfig:
+    """Return the resolved, validated config as plain objects; raise ConfigError naming what is wrong."""
     from ..plugins import get_plugin_manager
 
     pm = plugin_manager or get_plugin_manager()
@@ -41,12 +43,23 @@ def compose_config(overrides: Iterable[str] = (), plugin_manager=None) -> DictCo
                 cfg = compose(config_name=CONFIG_NAME, overrides=overrides + searchpath_override(pm))
             except (MissingConfigException, ConfigCompositionException) as exc:
                 raise _explain(exc, overrides, pm) from None
-            OmegaConf.resolve(cfg)
-            return cfg
+            return to_plain(cfg)
     except HydraException as exc:
         raise ConfigError(f"invalid configuration: {exc}") from None
     except OmegaConfBaseException as exc:
         raise ConfigError(_omegaconf_message(exc)) from None
+
+
+def to_plain(cfg: DictConfig) -> ReefConfig:
+    """The composed tree as a :class:`ReefConfig` of dataclasses, dicts and lists (interpolations and
+    environment fills resolved); raise ConfigError naming a bad field."""
+    try:
+        plain = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_omegaconf_message(exc)) from None
+    if not isinstance(plain, ReefConfig):  # composed without the schema: nothing downstream could trust it
+        raise ConfigError("invalid configuration: the composed config is not typed by reef_schema")
+    return plain
 
 
 def available_recipes(plugin_manager=None) -> list[str]:
@@ -69,16 +82,15 @@ def recipe_descriptions(plugin_manager=None) -> dict[str, str]:
     for name in available_recipes(plugin_manager):
         try:
             cfg = compose_config([f"+recipe={name}"], plugin_manager)
-            out[name] = str(cfg.recipe.description or "").strip().splitlines()[0] if cfg.recipe.description else ""
+            out[name] = cfg.recipe.description.strip().splitlines()[0] if cfg.recipe.description.strip() else ""
         except ConfigError as exc:
             out[name] = f"(invalid config: {exc.message})"
     return out
 
 
-def redacted(cfg: DictConfig) -> dict[str, Any]:
-    """A plain copy of the config with secret values replaced by ``***``."""
-    data = OmegaConf.to_container(cfg, resolve=True)
-    data = copy.deepcopy(data)
+def redacted(cfg: ReefConfig) -> dict[str, Any]:
+    """A dict copy of the config with secret values replaced by ``***``."""
+    data = dataclasses.asdict(cfg)
 
     def scrub(node):
         if isinstance(node, dict):
@@ -93,6 +105,12 @@ def redacted(cfg: DictConfig) -> dict[str, Any]:
 
     scrub(data)
     return data
+
+
+def as_yaml(cfg: ReefConfig | dict[str, Any]) -> str:
+    """YAML text of a config (or of :func:`redacted`'s dict), in the schema's key order."""
+    data = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg
+    return OmegaConf.to_yaml(OmegaConf.create(data))
 
 
 def _explain(exc: Exception, overrides: list[str], pm) -> ConfigError:

@@ -4,14 +4,21 @@ The primary config (``reef_core/conf/config.yaml``) puts ``reef_schema`` first i
 list, so every composed config is validated against these types: ``server.port=abc`` fails
 with the field named. Recipe packages contribute ``recipe/<name>.yaml`` files that fill the
 ``recipe`` section (and may adjust any other section's defaults).
+
+Each knob has one default. Typed sections default here; a recipe's free-form ``options`` are
+validated by the recipe's own option dataclass, and its config file names a knob without restating
+the default as ``key: ${reef.default:pkg.module:Options}`` (the value of the same-named field), so
+``recipe.options.key=...`` stays an ordinary override and ``reef config`` shows the value in force.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 #: Keys whose values are secrets: ``reef config`` prints them redacted, logs never show them.
 SECRET_KEYS = frozenset({"tokens", "admin_tokens", "upstream_api_key"})
@@ -138,5 +145,26 @@ class ReefConfig:
     task: str = "dry_run"
 
 
+def option_default(target: str, *, _node_: Any) -> Any:
+    """Resolver ``reef.default``: the default of the field named like the key it fills, in the option
+    dataclass ``target`` (``"pkg.module:Options"``)."""
+    from ..dotted import load_object
+    from ..errors import ConfigError
+
+    options = load_object(target)
+    key = str(_node_._key())
+    found = {f.name: f for f in dataclasses.fields(options)} if dataclasses.is_dataclass(options) else {}
+    if key not in found:
+        raise ConfigError(f"{target!r} has no option field {key!r} to take a default from")
+    spec = found[key]
+    if spec.default is not dataclasses.MISSING:
+        return spec.default
+    if spec.default_factory is not dataclasses.MISSING:
+        return spec.default_factory()
+    raise ConfigError(f"{target}.{key} has no default; the recipe must set it")
+
+
 def register_schema() -> None:
     ConfigStore.instance().store(name="reef_schema", node=ReefConfig)
+    if not OmegaConf.has_resolver("reef.default"):
+        OmegaConf.register_new_resolver("reef.default", option_default)

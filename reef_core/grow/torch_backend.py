@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from reef_core.config.schema import TrainerConfig
 from reef_core.errors import ConfigError
 from reef_core.grow.objective import Objective
 from reef_core.grow.token_batch import TokenBatch
@@ -163,22 +164,16 @@ class TorchTrainer(Trainer):
     artifact_kind = "weights"
 
     @classmethod
-    def from_config(cls, objective: Objective, context: Any, trainer: Any, *, who: str, **overrides) -> "TorchTrainer":
+    def from_config(cls, objective: Objective, context: Any, trainer: TrainerConfig, *, who: str,
+                    **overrides) -> "TorchTrainer":
         """Build from the deployment's ``trainer`` section (``backend``, ``lr``, ``lora``, ``lora_rank``,
         ``lora_alpha``, ``grad_accumulation``, ``device``); ``overrides`` win. ``who`` names the recipe in errors."""
-
-        def get(key: str, default: Any) -> Any:
-            value = trainer.get(key, default) if trainer is not None and hasattr(trainer, "get") else default
-            return default if value is None else value
-
-        backend = get("backend", "torch")
-        if backend != "torch":
-            raise ConfigError(f"{who} trains with the torch backend; trainer.backend is {backend!r}")
+        if trainer.backend != "torch":
+            raise ConfigError(f"{who} trains with the torch backend; trainer.backend is {trainer.backend!r}")
         if context is None or getattr(context, "load_base_model", None) is None:
             raise ConfigError(f"{who} needs a local base model to train (engine.kind=local)")
-        settings = dict(lr=float(get("lr", 1e-6)), lora=bool(get("lora", False)), lora_rank=int(get("lora_rank", 8)),
-                        lora_alpha=float(get("lora_alpha", 16)),
-                        grad_accumulation=int(get("grad_accumulation", 1)), device=str(get("device", "cpu")),
+        settings = dict(lr=trainer.lr, lora=trainer.lora, lora_rank=trainer.lora_rank, lora_alpha=trainer.lora_alpha,
+                        grad_accumulation=trainer.grad_accumulation, device=trainer.device,
                         seed=int(getattr(context, "seed", 0) or 0))
         settings.update(overrides)
         return cls(objective, context.load_base_model, **settings)
@@ -188,17 +183,18 @@ class TorchTrainer(Trainer):
         objective: Objective,
         load_base_model: Callable[[], tuple[Any, Any]],
         *,
-        lr: float = 1e-6,
+        # The knobs of the ``trainer`` config section default to that section's values (their one source).
+        lr: float = TrainerConfig.lr,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
-        lora: bool = False,
-        lora_rank: int = 8,
-        lora_alpha: float = 16,
+        lora: bool = TrainerConfig.lora,
+        lora_rank: int = TrainerConfig.lora_rank,
+        lora_alpha: float = TrainerConfig.lora_alpha,
         lora_dropout: float = 0.0,
         lora_target_modules: str | list[str] = "all-linear",
-        grad_accumulation: int = 1,
+        grad_accumulation: int = TrainerConfig.grad_accumulation,
         max_grad_norm: float | None = 1.0,
-        device: str = "cpu",
+        device: str = TrainerConfig.device,
         export_objective_state: bool = False,
         lag_metric_prefix: str = "",
         seed: int = 0,

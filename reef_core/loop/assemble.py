@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig
+from ..config.schema import ReefConfig
 
 
-def build_deployment(cfg: DictConfig, plugin_manager=None):
+def build_deployment(cfg: ReefConfig, plugin_manager=None):
     from ..observe.records import RecordStore
     from ..plugins import get_plugin_manager
     from .deployment import Deployment

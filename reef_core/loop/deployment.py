@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
+from ..config.schema import RecipeConfig, ReefConfig
 from ..errors import ConfigError, NotFound
 from ..observe.records import RecordStore, Scenario
 
@@ -27,11 +26,11 @@ class RecipeBinding:
     """A recipe section as composed from its package's config group."""
 
     name: str
-    config: Any  # the ``recipe`` DictConfig (processor, trainer, surface, report_schema, options)
+    config: RecipeConfig  # processor, trainer, surface, report_schema and their options
 
 
 class Deployment:
-    def __init__(self, cfg: DictConfig, plugin_manager, store: RecordStore, engine, artifacts):
+    def __init__(self, cfg: ReefConfig, plugin_manager, store: RecordStore, engine, artifacts):
         self.cfg = cfg
         self.pm = plugin_manager
         self.store = store
@@ -43,14 +42,13 @@ class Deployment:
         self._scenario_lock = asyncio.Lock()
         self._report_schemas: dict[str, Any] = {}
         self._surfaces: dict[str, Any] = {}
-        self._surface_by_recipe: dict[str, Any] = {}  # recipe name -> its surface (or None); config is fixed
         self._learners: dict[str, Any] = {}
         self._learners_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         # Build every recipe's surface now: an impossible pairing (a weights recipe on an engine that
         # cannot swap weights) fails at start-up with a clear message, not on the first request.
         for binding in self.recipes.values():
-            self.surface(binding.config.get("surface"))
+            self.surface(binding.config.surface)
 
     # -- recipes and scenarios ----------------------------------------------------------------
 
@@ -69,7 +67,7 @@ class Deployment:
             # Fail at start-up, naming the available components, rather than on first use.
             for kind, key in (("report_schema", "report_schema"), ("processor", "processor"),
                               ("trainer", "trainer"), ("surface", "surface")):
-                name = binding.config.get(key)
+                name = getattr(binding.config, key)
                 if name:
                     self.pm.get(kind, name)
         return recipes
@@ -115,7 +113,7 @@ class Deployment:
 
     def report_schema(self, scenario: Scenario):
         """The recipe's report validator for this scenario, or None."""
-        name = self.recipe(scenario).config.get("report_schema")
+        name = self.recipe(scenario).config.report_schema
         if not name:
             return None
         if name not in self._report_schemas:
@@ -131,22 +129,14 @@ class Deployment:
         if name not in self._surfaces:
             options = {}
             for binding in self.recipes.values():
-                if binding.config.get("surface") == name and binding.config.get("surface_options"):
-                    from omegaconf import OmegaConf
-
-                    options = OmegaConf.to_container(binding.config.surface_options, resolve=True)
+                if binding.config.surface == name and binding.config.surface_options:
+                    options = dict(binding.config.surface_options)
             self._surfaces[name] = self.pm.create("surface", name, deployment=self, options=options)
         return self._surfaces[name]
 
     def surface_for(self, scenario: Scenario):
-        """The surface of the scenario's recipe (looked up once per recipe: OmegaConf reads cost per request)."""
-        try:
-            return self._surface_by_recipe[scenario.recipe]
-        except KeyError:
-            pass
-        found = self.surface(self.recipe(scenario).config.get("surface"))
-        self._surface_by_recipe[scenario.recipe] = found
-        return found
+        """The surface of the scenario's recipe."""
+        return self.surface(self.recipe(scenario).config.surface)
 
     def learner(self, scenario: Scenario):
         """The scenario's learner (created, recovered and started on first use)."""
@@ -186,7 +176,7 @@ class Deployment:
         from ..grow.models import load_model, resolve_model
 
         engine_cfg = self.cfg.engine
-        return load_model(resolve_model(str(engine_cfg.model), self.data_dir, model_cache_dir(engine_cfg)))
+        return load_model(resolve_model(engine_cfg.model, self.data_dir, model_cache_dir(engine_cfg)))
 
     def run_async(self, coroutine, timeout: float | None = 600):
         """Run a coroutine on the server's event loop from a worker thread and wait for it."""

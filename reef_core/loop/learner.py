@@ -22,9 +22,6 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
-
-from omegaconf import DictConfig, OmegaConf
 
 from ..commit.commitlog import CommitLog
 from ..commit.committer import Committer
@@ -40,10 +37,6 @@ log = logging.getLogger("reef.learner")
 MAX_BATCH_FAILURES = 3
 
 
-def _plain(node) -> Any:
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
-
-
 class ScenarioLearner:
     def __init__(self, deployment, scenario: str, recipe):
         self.dep = deployment
@@ -53,17 +46,17 @@ class ScenarioLearner:
         self.lock = threading.RLock()  # one writer of this scenario's head: steps, rollback, promote
         self.log = CommitLog.for_scenario(deployment.data_dir / "commits", scenario)
         self.committer = Committer(deployment.artifacts, self.log, scenario)
-        self.surface = deployment.surface(self.recipe.get("surface"))
+        self.surface = deployment.surface(self.recipe.surface)
         self.processor = None
-        if self.recipe.get("processor"):
+        if self.recipe.processor:
             self.processor = deployment.pm.create(
                 "processor", self.recipe.processor, scenario=scenario,
-                options=_plain(self.recipe.get("processor_options")) or {},
+                options=dict(self.recipe.processor_options),
                 serving_version=self.serving_version)
         self._trainer: Trainer | None = None
         #: Why this scenario does not train (records are still stored and observed), or None.
         self.training_disabled: str | None = None
-        if self.recipe.get("trainer") and self.surface is not None and self.surface.kind == "weights":
+        if self.recipe.trainer and self.surface is not None and self.surface.kind == "weights":
             # One engine, one set of weights: only one scenario per process may train them.
             try:
                 self.surface.claim(scenario)
@@ -71,10 +64,10 @@ class ScenarioLearner:
                 self.training_disabled = exc.message
                 log.warning("scenario %s will not train: %s", scenario, exc.message)
         # A weights trainer holds a model copy and optimizer state: build it when a batch first needs it.
-        elif self.recipe.get("trainer"):
+        elif self.recipe.trainer:
             self._build_trainer()
-        self.checkpoint_every = max(1, int(cfg.trainer.checkpoint_every_n_versions))
-        self.publish_mode = str(cfg.evaluation.publish)
+        self.checkpoint_every = max(1, cfg.trainer.checkpoint_every_n_versions)
+        self.publish_mode = cfg.evaluation.publish
         self.head: Release | None = None
         self.live_release_id: str | None = None
         self.versions_since_checkpoint = 0
@@ -114,7 +107,7 @@ class ScenarioLearner:
         if self._trainer is None:
             cfg = self.dep.cfg
             setup = TrainerSetup(data_dir=self.dep.data_dir, engine=self.dep.engine,
-                                 load_base_model=self._load_start_model, seed=int(cfg.seed),
+                                 load_base_model=self._load_start_model, seed=cfg.seed,
                                  run_async=self.dep.run_async)
             self._trainer = self.dep.pm.create("trainer", self.recipe.trainer, scenario=self.name,
                                                recipe=self.recipe, trainer=cfg.trainer, context=setup)
@@ -122,11 +115,11 @@ class ScenarioLearner:
 
     @property
     def trainer(self) -> Trainer | None:
-        return self._build_trainer() if self.recipe.get("trainer") else None
+        return self._build_trainer() if self.recipe.trainer else None
 
     @property
     def has_trainer(self) -> bool:
-        return bool(self.recipe.get("trainer")) and self.training_disabled is None
+        return bool(self.recipe.trainer) and self.training_disabled is None
 
     def stop(self, timeout: float = 30) -> None:
         self._stop.set()
@@ -238,24 +231,24 @@ class ScenarioLearner:
     def _gate(self, candidate: Candidate, update: CandidateUpdate) -> Decision:
         cfg = self.dep.cfg.evaluation
         pm = self.dep.pm
-        options = _plain(cfg.options) or {}
+        options = cfg.options
         policy_options = options.get("policy", {}) if isinstance(options.get("policy"), dict) else {}
         evaluator_options = options.get("evaluator", {}) if isinstance(options.get("evaluator"), dict) else {}
         try:
-            if ":" in str(cfg.policy):  # a custom policy by dotted path ("package.module:Policy")
+            if ":" in cfg.policy:  # a custom policy by dotted path ("package.module:Policy")
                 from ..commit.policies import make_policy
 
-                policy = make_policy(str(cfg.policy), **policy_options)
+                policy = make_policy(cfg.policy, **policy_options)
             else:
-                policy = pm.create("selection_policy", str(cfg.policy), **policy_options)
+                policy = pm.create("selection_policy", cfg.policy, **policy_options)
             if cfg.evaluator:
-                evaluator = pm.create("evaluator", str(cfg.evaluator), tasks=update.eval_tasks,
+                evaluator = pm.create("evaluator", cfg.evaluator, tasks=update.eval_tasks,
                                       run=self.trainer.run_task, options=evaluator_options)
             else:
                 evaluator = _NoEvaluation()
         except Exception as exc:  # noqa: BLE001 - a broken gate rejects (fail closed)
             empty = EvaluationResult(evaluator="none", version="0", metrics={}, scores=[])
-            return Decision(decision="reject", policy=str(cfg.policy), reason=f"gate setup failed: {exc}",
+            return Decision(decision="reject", policy=cfg.policy, reason=f"gate setup failed: {exc}",
                             evaluation=empty, metrics={})
         return run_gate(evaluator, policy, candidate)
 
@@ -409,14 +402,14 @@ class ScenarioLearner:
     def status(self) -> dict:
         return {
             "scenario": self.name,
-            "recipe": self.recipe.get("name"),
+            "recipe": self.recipe.name,
             "step": self.log.last_step(),
             "current_release_id": self.current_release_id(),
             "current_version": self.serving_version(),
             "versions_since_checkpoint": self.versions_since_checkpoint,
             "records_seen": self.last_sequence,
             "processor": self.processor.status() if self.processor is not None else None,
-            "trainer": self.recipe.get("trainer"),
+            "trainer": self.recipe.trainer,
             "counters": dict(self.counters),
             "last_metrics": self.last_metrics,
             "last_error": self.last_error,

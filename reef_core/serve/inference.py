@@ -18,7 +18,6 @@ import json
 import logging
 import time
 import uuid
-import weakref
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
@@ -106,24 +105,6 @@ def _retry_count(request: Request) -> int:
         return 0
 
 
-_LIMITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _limits(dep) -> tuple[int, int]:
-    """``(server.max_body_bytes, engine.max_new_tokens)``, read from the config tree once per deployment: each
-    OmegaConf lookup costs tens of microseconds, and neither value changes while serving."""
-    try:
-        return _LIMITS[dep]
-    except (KeyError, TypeError):
-        pass
-    limits = (int(dep.cfg.server.max_body_bytes), int(dep.cfg.engine.max_new_tokens))
-    try:
-        _LIMITS[dep] = limits
-    except TypeError:  # a deployment stub that cannot be weakly referenced: read the config each time
-        pass
-    return limits
-
-
 class InferenceCall:
     """One inference request through its whole life."""
 
@@ -137,8 +118,7 @@ class InferenceCall:
 
     async def run(self) -> Response:
         dep, request = self.dep, self.request
-        max_body_bytes, max_new_tokens = _limits(dep)
-        body = await read_json_body(request, max_body_bytes)
+        body = await read_json_body(request, dep.cfg.server.max_body_bytes)
         validate_request(self.client_dialect, self.route, body)
         self.scenario = await dep.scenario(scenario_name(request))
         self.tags = tags_of(request)
@@ -164,7 +144,8 @@ class InferenceCall:
         if surface is not None and self.route != "count_tokens":
             body, self.release_id = surface.prepare_request(self.scenario.name, self.client_dialect, body)
             self.extra_headers = surface.response_headers(self.scenario.name, self.release_id)
-        upstream_body = translate_request(body, self.client_dialect, self.engine_dialect, max_new_tokens)
+        upstream_body = translate_request(body, self.client_dialect, self.engine_dialect,
+                                          self.dep.cfg.engine.max_new_tokens)
         self.version = dep.serving_version(self.scenario)
         self.engine_request = EngineRequest(dialect=self.engine_dialect, route=engine_route, body=upstream_body,
                                             headers=_forward_headers(request), version=self.version)

@@ -5,23 +5,22 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from omegaconf import DictConfig
-
+from ..config.schema import ReefConfig
 from ..errors import ConfigError
 from .auth import TokenSet, is_loopback
 
 log = logging.getLogger("reef.serve")
 
 
-def check_bind(cfg: DictConfig) -> None:
-    if not is_loopback(str(cfg.server.host)) and not TokenSet.from_config(cfg.server).enabled:
+def check_bind(cfg: ReefConfig) -> None:
+    if not is_loopback(cfg.server.host) and not TokenSet.from_config(cfg.server).enabled:
         raise ConfigError(
             f"refusing to bind {cfg.server.host}: no token is configured, so anyone on the network could use "
             "this server; set server.tokens (or REEF_TOKEN), or bind 127.0.0.1"
         )
 
 
-def serve(cfg: DictConfig) -> int:
+def serve(cfg: ReefConfig) -> int:
     import uvicorn
 
     from ..loop.assemble import build_deployment
@@ -35,8 +34,8 @@ def serve(cfg: DictConfig) -> int:
     deployment = build_deployment(cfg)
     deployment.pm.notify("reef_startup", config=cfg)
     app = create_app(deployment)
-    config = uvicorn.Config(app, host=str(cfg.server.host), port=int(cfg.server.port),
-                            log_level=str(cfg.server.log_level), access_log=False,
+    config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port,
+                            log_level=cfg.server.log_level, access_log=False,
                             timeout_graceful_shutdown=30)
     server = uvicorn.Server(config)
     server.run()

@@ -1,5 +1,8 @@
 """The GEPA recipe's knobs (``recipe.options``), with defaults from the paper and gepa 0.1.4.
 
+:class:`GepaOptions` is the one place these defaults live; ``conf/recipe/gepa.yaml`` states only the demo's
+choices and the values other sections interpolate.
+
 Keys may be snake_case or kebab-case. Unknown keys are a :class:`ConfigError`, so a misspelled knob
 never silently leaves a default in place.
 """
@@ -59,18 +62,15 @@ class GepaOptions:
     output_cache_size: int = 20000
 
     @classmethod
-    def from_config(cls, options: Any) -> "GepaOptions":
-        from omegaconf import DictConfig, OmegaConf
-
+    def from_config(cls, options: Mapping[str, Any] | None) -> "GepaOptions":
+        """Parse ``recipe.options`` (a plain mapping); unknown keys are a :class:`ConfigError`."""
         if options is None:
             options = {}
-        if isinstance(options, DictConfig):
-            options = OmegaConf.to_container(options, resolve=True)
         if not isinstance(options, Mapping):
             raise ConfigError("gepa: recipe.options must be a mapping")
         known = {f.name for f in fields(cls)}
         values = {}
-        for key, value in dict(options).items():
+        for key, value in options.items():
             name = str(key).replace("-", "_")
             if name not in known:
                 raise ConfigError(f"gepa has no option {key!r} (known: {', '.join(sorted(known))})")

@@ -395,9 +395,8 @@ class GepaTrainer(Trainer):
 
 
 def make_trainer(*, scenario: str, recipe: Any = None, trainer: Any = None, context: TrainerSetup, **_ignored):
-    """The ``gepa`` trainer factory (``reef_register_trainers``)."""
-    options = recipe.get("options") if recipe is not None else None
-    return GepaTrainer(scenario, GepaOptions.from_config(options), context)
+    """The ``gepa`` trainer factory (``reef_register_trainers``); ``recipe`` is the RecipeConfig."""
+    return GepaTrainer(scenario, GepaOptions.from_config(recipe.options if recipe is not None else None), context)
 
 
 __all__ = ["GepaTrainer", "TrafficSampler", "make_trainer", "task_key", "Episode"]

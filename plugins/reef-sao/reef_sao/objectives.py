@@ -27,10 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from reef_core.config.schema import TrainerConfig
 from reef_core.errors import ConfigError, ValidationFailed
 from reef_core.grow.losses import dis_weight, explained_variance, length_adaptive_lambda, skip_observation_gae
 from reef_core.grow.objective import Objective, Prepared, ValueModel, sequence_logprobs, token_sum
 from reef_core.grow.token_batch import TokenBatch
+
+from reef_sao.options import SAOOptions
 
 
 def _pad_to(x: Tensor, width: int) -> Tensor:
@@ -121,10 +124,15 @@ class SAOObjective(DISObjective):
 
     name = "sao"
 
-    def __init__(self, *, eps_clip: float, eps_clip_high: float | None, critic_steps_per_actor: int = 2,
-                 num_critic_only_steps: int = 0, length_adaptive_lambda: bool = True, lambda_alpha: float = 1.5,
-                 lam: float = 1.0, critic_lambda: float = 1.0, gamma: float = 1.0, critic_lr: float = 5e-6,
-                 critic_weight_decay: float = 0.0, critic_max_grad_norm: float | None = 1.0):
+    # Defaults are read from SAOOptions (and the trainer section for critic_lr), the knobs' one source.
+    def __init__(self, *, eps_clip: float, eps_clip_high: float | None,
+                 critic_steps_per_actor: int = SAOOptions.critic_steps_per_actor,
+                 num_critic_only_steps: int = SAOOptions.num_critic_only_steps,
+                 length_adaptive_lambda: bool = SAOOptions.length_adaptive_lambda,
+                 lambda_alpha: float = SAOOptions.lambda_alpha, lam: float = SAOOptions.lam,
+                 critic_lambda: float = SAOOptions.critic_lambda, gamma: float = SAOOptions.gamma,
+                 critic_lr: float = TrainerConfig.critic_lr, critic_weight_decay: float = 0.0,
+                 critic_max_grad_norm: float | None = SAOOptions.critic_max_grad_norm):
         super().__init__(eps_clip=eps_clip, eps_clip_high=eps_clip_high)
         if isinstance(critic_steps_per_actor, bool) or not isinstance(critic_steps_per_actor, int) \
                 or critic_steps_per_actor < 1:
@@ -273,8 +281,8 @@ class GRPODISObjective(DISObjective):
 
     name = "sao-grpo-dis"
 
-    def __init__(self, *, eps_clip: float, eps_clip_high: float | None, group_size: int = 4,
-                 normalize_std: bool = False):
+    def __init__(self, *, eps_clip: float, eps_clip_high: float | None, group_size: int = SAOOptions.group_size,
+                 normalize_std: bool = SAOOptions.normalize_std):
         super().__init__(eps_clip=eps_clip, eps_clip_high=eps_clip_high)
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
             raise ConfigError(f"sao-grpo-dis: group_size must be an integer >= 2, got {group_size!r}")
