@@ -8,9 +8,9 @@ import anthropic
 import httpx
 import openai
 import pytest
-from omegaconf import OmegaConf
 
 from reef_core.config import compose_config
+from reef_core.config.schema import ServerConfig
 from reef_core.errors import ConfigError
 from reef_core.serve.app import ADMIN, create_app, iter_routes
 from reef_core.serve.auth import TokenSet, is_loopback
@@ -79,7 +79,7 @@ def test_sdks_authenticate_with_bearer_and_x_api_key(server):
 
 
 def test_tokens_from_environment(monkeypatch):
-    cfg = OmegaConf.create({"tokens": [], "admin_tokens": []})
+    cfg = ServerConfig()
     assert not TokenSet.from_config(cfg).enabled
     monkeypatch.setenv("REEF_TOKEN", "env-token")
     monkeypatch.setenv("REEF_ADMIN_TOKEN", "env-admin")
@@ -89,7 +89,7 @@ def test_tokens_from_environment(monkeypatch):
     assert tokens.scope_of("") is None
     monkeypatch.setenv("REEF_TOKEN", "")
     monkeypatch.setenv("REEF_ADMIN_TOKEN", "")
-    assert TokenSet.from_config(OmegaConf.create({"tokens": [""], "admin_tokens": []})).enabled is False
+    assert TokenSet.from_config(ServerConfig(tokens=[""])).enabled is False
 
 
 def test_refuses_non_loopback_bind_without_token():

@@ -12,7 +12,6 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from omegaconf import OmegaConf
 
 from reef_core.commit.git_store import GitArtifactStore
 from reef_core.config.schema import ReefConfig
@@ -59,7 +58,7 @@ class HarnessRouteDeployment:
     """Deployment-like stub: exactly what ``create_app`` and the harness routes use."""
 
     def __init__(self, tmp_path):
-        self.cfg = OmegaConf.structured(ReefConfig)
+        self.cfg = ReefConfig()
         self.artifacts = RecordingStore(GitArtifactStore(tmp_path / "artifacts.git", tmp_path / "work"))
         self.engine = SimpleNamespace(model_ids=lambda: ["m"])
         self.store = _Scenarios({name: Scenario(name, recipe, 0.0) for name, recipe in

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from reef_core.config.schema import RecipeConfig, TrainerConfig
 from reef_core.grow.models import build_tiny_model, build_tiny_tokenizer
 from reef_core.grow.trainer import TrainContext, TrainerSetup
 from reef_core.observe.model import Record
@@ -63,8 +64,9 @@ def run_stream(*, recipe: dict, trainer_section: dict, processor: str, processor
     tok = build_tiny_tokenizer()
     pm = PluginManager()
     setup = TrainerSetup(data_dir=None, load_base_model=lambda: build_tiny_model(seed=seed, tokenizer=tok), seed=seed)
-    trainer = pm.create("trainer", "sao", scenario="demo", recipe={**recipe, "processor_options": processor_options},
-                        trainer=trainer_section, context=setup)
+    trainer = pm.create("trainer", "sao", scenario="demo",
+                        recipe=RecipeConfig(options=recipe["options"], processor_options=processor_options),
+                        trainer=TrainerConfig(**trainer_section), context=setup)
     serving = {"version": "base", "seq": 0}
     proc = pm.create("processor", processor, scenario="demo", options=processor_options,
                      serving_version=lambda: serving["version"])

@@ -245,10 +245,11 @@ def test_a_reported_rollout_without_log_probs_is_refused_by_the_sao_trainer(tok)
     from reef_core.grow.trainer import TrainContext, TrainerSetup
     from reef_core.observe.model import Record
     from reef_core.observe.processors import PerReportProcessor
+    from reef_core.config.schema import RecipeConfig, TrainerConfig
     from reef_sao.trainer import make_sao_trainer
 
-    trainer = make_sao_trainer(scenario="s", recipe={"options": {"batch_size": 1, "eps_clip_high": 5.0}},
-                               trainer={"lr": 1e-3}, context=TrainerSetup(
+    trainer = make_sao_trainer(scenario="s", recipe=RecipeConfig(options={"batch_size": 1, "eps_clip_high": 5.0}),
+                               trainer=TrainerConfig(lr=1e-3), context=TrainerSetup(
                                    data_dir=None, load_base_model=lambda: build_tiny_model(seed=0, tokenizer=tok)))
     proc = PerReportProcessor("s", batch_size=1)
     inference = Record(record_id="inf", scenario="s", kind="inference", sequence=1, version="base", payload={

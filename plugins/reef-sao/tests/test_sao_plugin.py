@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-from omegaconf import OmegaConf
 
 from reef_core.config import available_recipes, compose_config
+from reef_core.config.schema import RecipeConfig, TrainerConfig
 from reef_core.errors import ConfigError, ValidationFailed
 from reef_core.grow.models import build_tiny_model, build_tiny_tokenizer
 from reef_core.grow.trainer import TrainerSetup
@@ -33,7 +35,7 @@ def test_sao_plugin_loads_and_registers_components(pm):
 def test_sao_recipe_composes_with_the_paper_knobs(pm):
     assert "sao" in set(available_recipes(pm))
     cfg = compose_config(["+recipe=sao"], pm)
-    recipe = OmegaConf.to_container(cfg.recipe, resolve=True)
+    recipe = dataclasses.asdict(cfg.recipe)
     assert (recipe["name"], recipe["processor"], recipe["trainer"], recipe["surface"], recipe["report_schema"]) == (
         "sao", "per_report", "sao", "weights", "sao")
     opts = recipe["options"]
@@ -48,16 +50,16 @@ def test_sao_recipe_composes_with_the_paper_knobs(pm):
 def test_batch_size_follows_the_environment(pm, monkeypatch):
     monkeypatch.setenv("REEF_SAO_BATCH_SIZE", "128")
     cfg = compose_config(["+recipe=sao"], pm)
-    assert cfg.recipe.options.batch_size == 128 and cfg.recipe.processor_options.batch_size == 128
+    assert cfg.recipe.options["batch_size"] == 128 and cfg.recipe.processor_options["batch_size"] == 128
 
 
 def test_tiny_profile_and_grpo_control_compose(pm):
     cfg = compose_config(["+recipe=sao", "+sao_profile=tiny"], pm)
     assert cfg.engine.model == "tiny" and cfg.engine.max_new_tokens == 8
-    assert cfg.recipe.options.batch_size == 4 and cfg.recipe.processor_options.batch_size == 4
+    assert cfg.recipe.options["batch_size"] == 4 and cfg.recipe.processor_options["batch_size"] == 4
     assert cfg.trainer.grad_accumulation == 1
     grpo = compose_config(["+recipe=sao", "+sao_arm=grpo", "+sao_profile=tiny_grpo"], pm)
-    opts = OmegaConf.to_container(grpo.recipe, resolve=True)
+    opts = dataclasses.asdict(grpo.recipe)
     assert opts["processor"] == "grouped" and opts["options"]["advantage"] == "grpo"
     SAOOptions.from_options(opts["options"], opts["processor_options"])
     # the processors accept the composed processor options as they are
@@ -95,19 +97,19 @@ def test_kebab_case_options_and_processor_consistency():
 def test_trainer_factory_builds_both_arms_and_checks_the_backend(pm, tmp_path):
     tok = build_tiny_tokenizer()
     setup = TrainerSetup(data_dir=tmp_path, load_base_model=lambda: build_tiny_model(seed=0, tokenizer=tok))
-    trainer_section = {"backend": "torch", "lr": 1e-3, "critic_lr": 2e-3, "grad_accumulation": 2, "device": "cpu"}
-    recipe = {"options": {"batch_size": 4, "eps_clip": 0.3, "eps_clip_high": 5.0}}
+    trainer_section = TrainerConfig(backend="torch", lr=1e-3, critic_lr=2e-3, grad_accumulation=2, device="cpu")
+    recipe = RecipeConfig(options={"batch_size": 4, "eps_clip": 0.3, "eps_clip_high": 5.0})
     sao = pm.create("trainer", "sao", scenario="s", recipe=recipe, trainer=trainer_section, context=setup)
     assert isinstance(sao.objective, SAOObjective) and sao.objective.critic_lr == 2e-3
     assert sao.grad_accumulation == 2 and sao.artifact_kind == "weights"
-    grpo = pm.create("trainer", "sao", scenario="s", recipe={"options": {**recipe["options"], "advantage": "grpo"}},
+    grpo = pm.create("trainer", "sao", scenario="s", recipe=RecipeConfig(options={**recipe.options, "advantage": "grpo"}),
                      trainer=trainer_section, context=setup)
     assert isinstance(grpo.objective, GRPODISObjective)
     with pytest.raises(ConfigError, match="torch backend"):
-        pm.create("trainer", "sao", scenario="s", recipe=recipe, trainer={**trainer_section, "backend": "jax"},
+        pm.create("trainer", "sao", scenario="s", recipe=recipe, trainer=dataclasses.replace(trainer_section, backend="jax"),
                   context=setup)
     with pytest.raises(ConfigError, match="multiple of trainer.grad_accumulation"):
-        pm.create("trainer", "sao", scenario="s", recipe=recipe, trainer={**trainer_section, "grad_accumulation": 3},
+        pm.create("trainer", "sao", scenario="s", recipe=recipe, trainer=dataclasses.replace(trainer_section, grad_accumulation=3),
                   context=setup)
     # The built-in `torch` trainer runs any objective named by dotted path.
     import reef_core.builtins.trainers as builtin
@@ -115,11 +117,11 @@ def test_trainer_factory_builds_both_arms_and_checks_the_backend(pm, tmp_path):
     with_builtin = PluginManager(load_entry_points=False, extra_plugins=(builtin,))
     plain = with_builtin.create(
         "trainer", "torch", scenario="s", trainer=trainer_section, context=setup,
-        recipe={"options": {"objective": "reef_sao.objectives:GRPODISObjective",
-                            "objective_options": {"eps_clip": 0.3, "eps_clip_high": 5.0}}})
+        recipe=RecipeConfig(options={"objective": "reef_sao.objectives:GRPODISObjective",
+                                     "objective_options": {"eps_clip": 0.3, "eps_clip_high": 5.0}}))
     assert isinstance(plain.objective, GRPODISObjective)
     with pytest.raises(ConfigError, match="objective"):
-        with_builtin.create("trainer", "torch", scenario="s", recipe={"options": {}}, trainer=trainer_section,
+        with_builtin.create("trainer", "torch", scenario="s", recipe=RecipeConfig(), trainer=trainer_section,
                             context=setup)
 
 
@@ -150,3 +152,51 @@ def test_task_stream_is_deterministic_and_the_verifier_is_exact():
     assert score(task, "") == 0.0 and score(task, "aeiou") == 1.0 and score(task, "a e") == pytest.approx(2 / 3)
     assert score(task, "xyz") == 0.0
     assert task.messages() == [{"role": "user", "content": "reply"}]
+
+
+# -- one default per knob: SAOOptions (and the trainer section) -----------------------------------------------------
+
+def test_recipe_files_read_sao_defaults_instead_of_restating_them():
+    from pathlib import Path
+
+    import yaml
+
+    defaults = {f.name: f.default for f in dataclasses.fields(SAOOptions)}
+    conf = Path(__file__).resolve().parents[1] / "reef_sao" / "conf"
+    for path in sorted(conf.glob("**/*.yaml")):
+        options = ((yaml.safe_load(path.read_text()) or {}).get("recipe") or {}).get("options") or {}
+        restated = {k: v for k, v in options.items() if k in defaults and v == defaults[k]}
+        assert not restated, f"{path.name} restates SAOOptions defaults {restated}"
+
+
+def test_composed_options_carry_the_dataclass_defaults(pm):
+    options = compose_config(["+recipe=sao"], pm).recipe.options
+    defaults = SAOOptions()
+    for knob in ("advantage", "eps_clip", "critic_steps_per_actor", "num_critic_only_steps", "length_adaptive_lambda",
+                 "lambda_alpha", "critic_lambda", "gamma", "save_critic"):
+        assert options[knob] == getattr(defaults, knob), knob
+    assert options["critic_lr"] == TrainerConfig().critic_lr  # SAO's critic_lr is the trainer section's
+
+
+def test_objective_defaults_are_read_from_sao_options():
+    """SAOObjective/GRPODISObjective default to SAOOptions' values (the same objects, not restated literals)."""
+    import inspect
+
+    fields = {f.name: f.default for f in dataclasses.fields(SAOOptions)}
+    sao = inspect.signature(SAOObjective.__init__).parameters
+    for knob in ("critic_steps_per_actor", "num_critic_only_steps", "length_adaptive_lambda", "lambda_alpha", "lam",
+                 "critic_lambda", "gamma", "critic_max_grad_norm"):
+        assert sao[knob].default is fields[knob], knob
+    trainer_defaults = {f.name: f.default for f in dataclasses.fields(TrainerConfig)}
+    assert sao["critic_lr"].default is trainer_defaults["critic_lr"]
+    grpo = inspect.signature(GRPODISObjective.__init__).parameters
+    assert grpo["group_size"].default is fields["group_size"] and grpo["normalize_std"].default is fields["normalize_std"]
+
+
+def test_sao_trainer_reads_the_trainer_section_without_fallbacks(pm, tmp_path):
+    tok = build_tiny_tokenizer()
+    setup = TrainerSetup(data_dir=tmp_path, load_base_model=lambda: build_tiny_model(seed=0, tokenizer=tok))
+    section = TrainerConfig(lr=3e-3, critic_lr=7e-3, grad_accumulation=2)
+    sao = pm.create("trainer", "sao", scenario="s", recipe=RecipeConfig(options={"batch_size": 4, "eps_clip_high": 5.0}),
+                    trainer=section, context=setup)
+    assert (sao.lr, sao.objective.critic_lr, sao.grad_accumulation) == (3e-3, 7e-3, 2)
