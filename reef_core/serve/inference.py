@@ -145,7 +145,7 @@ class InferenceCall:
             body, self.release_id = surface.prepare_request(self.scenario.name, self.client_dialect, body)
             self.extra_headers = surface.response_headers(self.scenario.name, self.release_id)
         upstream_body = translate_request(body, self.client_dialect, self.engine_dialect,
-                                          self.dep.cfg.engine.max_new_tokens)
+                                          dep.cfg.engine.max_new_tokens)
         self.version = dep.serving_version(self.scenario)
         self.engine_request = EngineRequest(dialect=self.engine_dialect, route=engine_route, body=upstream_body,
                                             headers=_forward_headers(request), version=self.version)
