@@ -1,0 +1,318 @@
+"""The fuzz runner: drives every route's strategy against a live ``reef serve`` and checks the invariants.
+
+Invariants (each violation is a :class:`Failure`, grouped by cause, smallest example kept):
+
+* ``5xx``: no response has a status >= 500 (the cause is read from the server's log: exception and frame);
+* ``dropped``: no connection ends before a complete response, or closes after one without saying so;
+* ``scenario created by a refused request``: after every batch, the scenarios listed by the admin
+  ``GET /reef/scenarios`` are those set-up created plus those named by requests that were answered < 400;
+* ``rss``: the server's resident memory grows by less than ``rss_limit_mib`` over the run (after warm-up).
+
+Failures do not stop the run: it goes through all its cases and reports every distinct failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings
+
+from .cases import Case
+from .strategies import WEIGHTS, Pools, route_strategies
+from .wire import Dropped, Reply, Wire
+
+FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Failed|Interrupt|Warning)[\w.]*)(?::\s?(.*))?$")
+
+
+@dataclass
+class Failure:
+    invariant: str
+    op: str
+    status: int | str | None
+    cause: str
+    example: Case | None
+    detail: str = ""
+    count: int = 1
+
+    def key(self) -> tuple:
+        return self.invariant, self.op, self.status, self.cause
+
+
+@dataclass
+class Target:
+    """A live server: where it listens, its process id and log, the tokens and the scenario pools."""
+
+    host: str
+    port: int
+    pid: int
+    log_path: Path
+    pools: Pools
+
+
+@dataclass
+class FuzzResult:
+    cases: int = 0
+    by_route: Counter = field(default_factory=Counter)
+    statuses: dict = field(default_factory=lambda: defaultdict(Counter))
+    failures: dict = field(default_factory=dict)
+    rss_start_mib: float = 0.0
+    rss_end_mib: float = 0.0
+    wall_s: float = 0.0
+    scenarios: int = 0
+
+    @property
+    def rss_growth_mib(self) -> float:
+        return self.rss_end_mib - self.rss_start_mib
+
+    def add(self, failure: Failure) -> None:
+        known = self.failures.get(failure.key())
+        if known is None:
+            self.failures[failure.key()] = failure
+            return
+        known.count += 1
+        if failure.example is not None and (known.example is None or failure.example.size() < known.example.size()):
+            known.example = failure.example
+
+    def report(self) -> str:
+        lines = [f"{self.cases} cases in {self.wall_s:.1f} s over {len(self.by_route)} routes; "
+                 f"RSS {self.rss_start_mib:.0f} -> {self.rss_end_mib:.0f} MiB ({self.rss_growth_mib:+.0f}); "
+                 f"{self.scenarios} scenarios at the end; {len(self.failures)} distinct failure(s)"]
+        for route in sorted(self.statuses):
+            counts = ", ".join(f"{s}: {n}" for s, n in sorted(self.statuses[route].items(), key=lambda kv: str(kv[0])))
+            lines.append(f"  {route}: {counts}")
+        for failure in sorted(self.failures.values(), key=lambda f: (f.invariant, f.op, str(f.status))):
+            lines.append(f"\n[{failure.invariant}] {failure.op} -> {failure.status} x{failure.count}: {failure.cause}")
+            if failure.detail:
+                lines.append(f"  detail: {failure.detail}")
+            if failure.example is not None:
+                lines.append(f"  note: {failure.example.note}")
+                lines.append("  " + failure.example.describe().replace("\n", "\n  "))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"cases": self.cases, "wall_s": round(self.wall_s, 1), "by_route": dict(self.by_route),
+                "statuses": {r: {str(s): n for s, n in c.items()} for r, c in self.statuses.items()},
+                "rss_start_mib": round(self.rss_start_mib, 1), "rss_end_mib": round(self.rss_end_mib, 1),
+                "scenarios": self.scenarios,
+                "failures": [{"invariant": f.invariant, "route": f.op, "status": f.status, "cause": f.cause,
+                              "detail": f.detail, "count": f.count, "note": f.example.note if f.example else None,
+                              "example": f.example.describe() if f.example else None}
+                             for f in self.failures.values()]}
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of ``pid`` and its child processes, in MiB."""
+    total, frontier = 0, [pid]
+    while frontier:
+        current = frontier.pop()
+        try:
+            status = Path(f"/proc/{current}/status").read_text()
+            total += int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
+            frontier += [int(c) for c in Path(f"/proc/{current}/task/{current}/children").read_text().split()]
+        except (OSError, AttributeError):
+            continue
+    return total / 1024
+
+
+class Runner:
+    """Runs cases one at a time on one kept-alive connection and checks the per-case invariants."""
+
+    def __init__(self, target: Target, result: FuzzResult, batch: int = 50):
+        self.target, self.result, self.batch = target, result, batch
+        self.wire = Wire(target.host, target.port)
+        self.admin = Wire(target.host, target.port)
+        self.log_offset = target.log_path.stat().st_size if target.log_path.exists() else 0
+        #: scenario names explained by a request answered < 400, and the refused cases that named each name
+        self.allowed: set[str] = set()
+        self.refused: dict[str, Case] = {}
+        self.refused_status: dict[str, int | str] = {}
+        self.since_check = 0
+        self.previous: tuple[Case, int] | None = None
+        self.allowed.update(self.scenarios())  # set-up's scenarios
+
+    # -- per case --------------------------------------------------------------------------------
+
+    def execute(self, case: Case) -> Reply | None:
+        result = self.result
+        if self.wire.closed_after_reply() and self.previous is not None:
+            result.add(Failure("dropped", self.previous[0].op, self.previous[1], "kept-alive connection closed after "
+                               "the response without `connection: close`", self.previous[0]))
+        result.cases += 1
+        result.by_route[case.op] += 1
+        host = f"{self.target.host}:{self.target.port}"
+        try:
+            reply = self.wire.request(case.to_bytes(host))
+        except Dropped as exc:
+            result.statuses[case.op]["dropped"] += 1
+            cause, detail = self._logged_cause(wait=True)
+            result.add(Failure("dropped", case.op, "dropped", f"{_generic(str(exc))}; server log: {cause}", case,
+                               detail))
+            self._remember(case, "dropped")
+            self.previous = None
+            return None
+        result.statuses[case.op][reply.status] += 1
+        if reply.status >= 500:
+            cause, detail = self._logged_cause()
+            if cause == "nothing logged":
+                cause = f"nothing logged; answered {_generic(reply.body[:100].decode('utf-8', 'replace'))}"
+            result.add(Failure("5xx", case.op, reply.status, cause, case, detail))
+        else:
+            self.log_offset = self._log_size()
+        self._remember(case, reply.status)
+        self._learn(case, reply)
+        self.previous = (case, reply.status)
+        self.since_check += 1
+        if self.since_check >= self.batch:
+            self.check_scenarios()
+        return reply
+
+    def _remember(self, case: Case, status: int | str) -> None:
+        for raw in case.names:
+            for name in _decodings(raw):
+                if isinstance(status, int) and status < 400:
+                    self.allowed.add(name)
+                elif name not in self.refused or case.size() < self.refused[name].size():
+                    self.refused[name], self.refused_status[name] = case, status
+
+    def _learn(self, case: Case, reply: Reply) -> None:
+        """Receipts handed out become references and record ids for later cases."""
+        pools = self.target.pools
+        receipt = reply.header("x-reef-agent-record-id")
+        if receipt is None and case.stream and reply.status == 200:
+            found = re.search(rb'"agent_record_id"\s*:\s*"([^"]+)"', reply.body)
+            receipt = found.group(1).decode() if found else None
+        if receipt and case.names and case.route.startswith("/v1/"):
+            name = case.names[0].decode("latin-1")
+            receipts = pools.receipts.setdefault(name, [])
+            if len(receipts) < 200:
+                receipts.append(receipt)
+
+    # -- server log ------------------------------------------------------------------------------
+
+    def _log_size(self) -> int:
+        try:
+            return self.target.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def _logged_cause(self, wait: bool = False) -> tuple[str, str]:
+        """The last exception the server logged since the previous case: type, message and innermost Reef frame."""
+        deadline = time.monotonic() + (1.0 if wait else 0.2)
+        while True:  # the traceback is written before the response, except around a dropped connection
+            size = self._log_size()
+            if size > self.log_offset or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        with open(self.target.log_path, "rb") as handle:
+            handle.seek(self.log_offset)
+            text = handle.read(size - self.log_offset).decode("utf-8", "replace")
+        self.log_offset = size
+        return summarize_traceback(text)
+
+    # -- batch invariants ------------------------------------------------------------------------
+
+    def scenarios(self) -> list[str]:
+        token = self.target.pools.admin_token
+        raw = (f"GET /reef/scenarios HTTP/1.1\r\nhost: {self.target.host}\r\n"
+               f"authorization: Bearer {token}\r\n\r\n").encode()
+        reply = self.admin.request(raw)
+        assert reply.status == 200, (reply.status, reply.body[:300])
+        return [row["scenario"] for row in json.loads(reply.body)["scenarios"]]
+
+    def check_scenarios(self) -> None:
+        self.since_check = 0
+        names = self.scenarios()
+        self.result.scenarios = len(names)
+        for name in names:
+            if name in self.allowed:
+                continue
+            self.allowed.add(name)  # report each once
+            case = self.refused.get(name)
+            status = self.refused_status.get(name)
+            refused_by = "a 4xx" if isinstance(status, int) and status < 500 else "a failed request (5xx or dropped)"
+            self.result.add(Failure(f"scenario created by {refused_by}", case.op if case else "?", status,
+                                    "a scenario exists that only refused requests named" if case else
+                                    "a scenario exists that no request of the run named",
+                                    case, f"scenario {name[:80]!r}"))
+
+
+def _decodings(raw: bytes) -> set[str]:
+    """The names a server could make of header/path bytes (stripped, as latin-1 or UTF-8)."""
+    names = {raw.decode("latin-1").strip()}
+    try:
+        names.add(raw.decode("utf-8").strip())
+    except UnicodeDecodeError:
+        pass
+    return names
+
+
+def _generic(message: str) -> str:
+    return re.sub(r"\d+", "N", message)
+
+
+def summarize_traceback(text: str) -> tuple[str, str]:
+    """(``ExcType at file:line in func``, its message) of the last traceback in ``text``."""
+    lines = text.splitlines()
+    for index in range(len(lines) - 1, -1, -1):
+        found = EXCEPTION.match(lines[index].strip())
+        if not found:
+            continue
+        frames = [m for m in FRAME.finditer("\n".join(lines[:index]))]
+        ours = [m for m in frames if "reef" in m.group(1) and "site-packages" not in m.group(1)]
+        frame = (ours or frames or [None])[-1]
+        where = f" at {Path(frame.group(1)).name}:{frame.group(2)} in {frame.group(3)}" if frame else ""
+        return f"{found.group(1)}{where}", (found.group(2) or "")[:200]
+    tail = [line for line in lines if line.strip()]
+    return ("nothing logged", "") if not tail else ("logged: " + _generic(tail[-1][:100]), tail[-1][:200])
+
+
+def fuzz(target: Target, cases: int, *, seed: int | None = 0, rss_warmup: int = 100, batch: int = 50,
+         routes: list[str] | None = None, progress=None) -> FuzzResult:
+    """Run about ``cases`` cases spread over the routes (by ``WEIGHTS``); return what was observed.
+
+    ``seed``: a fixed seed gives the same cases on every run (the suite); ``None`` draws new ones."""
+    result = FuzzResult()
+    runner = Runner(target, result, batch)
+    strategies = route_strategies(target.pools)
+    names = routes or list(strategies)
+    total_weight = sum(WEIGHTS.get(name, 1) for name in names)
+    started = time.monotonic()
+    result.rss_start_mib = rss_mib(target.pid)
+    warm = False
+    # Interleave routes in rounds, so that state built by one (receipts, deletions) feeds the others.
+    rounds = max(1, cases // 400)
+    for round_index in range(rounds):
+        for name in names:
+            share = max(1, round(cases * WEIGHTS.get(name, 1) / total_weight / rounds))
+            _run_route(runner, strategies[name], share, None if seed is None else seed * 1000 + round_index)
+            if not warm and result.cases >= rss_warmup:
+                result.rss_start_mib, warm = rss_mib(target.pid), True
+            if progress is not None:
+                progress(result)
+    runner.check_scenarios()
+    result.rss_end_mib = rss_mib(target.pid)
+    result.wall_s = time.monotonic() - started
+    runner.wire.close()
+    runner.admin.close()
+    return result
+
+
+def _run_route(runner: Runner, strategy, examples: int, fixed_seed: int | None) -> None:
+    config = settings(max_examples=examples, deadline=None, database=None, derandomize=False,
+                      phases=[Phase.generate], suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+
+    @config
+    @given(strategy)
+    def one(case: Case) -> None:
+        runner.execute(case)
+
+    if fixed_seed is not None:
+        one = hypothesis_seed(fixed_seed)(one)
+    one()

@@ -1,0 +1,445 @@
+"""Hypothesis strategies: one per route of the app, each mixing valid requests with hostile ones.
+
+Every strategy draws a :class:`~reef_core.testing.fuzz.cases.Case`. Valid requests use the
+deployment's live state (:class:`Pools`: scenarios that exist, receipts handed out, release ids),
+read at draw time so later cases can quote what earlier ones created. Mutations: a field of a
+valid body replaced by a value of the wrong type, a huge integer (``2**70``, ``10**400`` as raw
+JSON), deep nesting, odd unicode; a field removed or an unknown one added; a body that is no
+JSON at all; odd bytes in headers and path parameters (control characters, non-UTF-8, ``/``,
+long names); query integers beyond 64 bits; a wrong or missing token.
+
+``ROUTES`` maps each ``METHOD /path`` of the app's OpenAPI document to its strategy; the runner
+fails when the app has a route without one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import strategies as st
+
+from .cases import Case, Raw, dump, encode_header, path_segment
+
+MODEL = "fake-model"
+
+
+@dataclass
+class Pools:
+    """Live state the strategies quote. Mutated by the runner as responses come back."""
+
+    inference_token: str
+    admin_token: str
+    #: scenarios of the plain (none) recipe and of the harness (gepa) recipe, created at set-up
+    plain: list[str]
+    harness: list[str]
+    #: scenarios that exist only to be deleted by the admin DELETE strategy
+    deletable: list[str] = field(default_factory=list)
+    receipts: dict[str, list[str]] = field(default_factory=dict)  # scenario -> receipts
+    releases: dict[str, list[str]] = field(default_factory=dict)  # scenario -> release ids
+
+    def receipt_list(self, scenario: str) -> list[str]:
+        return self.receipts.get(scenario) or [r for rs in self.receipts.values() for r in rs] or ["0" * 32]
+
+
+# ------------------------------------------------------------------------------------------------
+# Odd values
+# ------------------------------------------------------------------------------------------------
+
+HUGE = [2**63, 2**64, -(2**63) - 1, 2**70, 10**30]
+RAW_NUMBERS = [Raw("1" + "0" * 400), Raw("-" + "9" * 400), Raw("1e400"), Raw("-1e400"), Raw("NaN"),
+               Raw("Infinity"), Raw("1e-400"), Raw("0." + "0" * 500 + "1")]
+
+
+def deep(depth: int, kind: str = "[") -> Raw:
+    if kind == "[":
+        return Raw("[" * depth + "]" * depth)
+    return Raw('{"a":' * depth + "1" + "}" * depth)
+
+
+odd_text = st.one_of(
+    st.text(max_size=30),  # any unicode, surrogates excluded
+    st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=0x1F), max_size=10),  # control characters
+    st.sampled_from(["", " ", "\x00", "\t", "a\nb", "é", "😀", "\u202e", "\ufeff", "../x", "a/b", "%2F", "..",
+                     "\uffff", "x" * 300]),
+)
+
+wild_value = st.one_of(
+    st.none(), st.booleans(), st.integers(-10, 10), st.sampled_from(HUGE), st.sampled_from(RAW_NUMBERS),
+    st.floats(allow_nan=False, allow_infinity=False), odd_text,
+    st.lists(st.one_of(st.integers(), st.text(max_size=5)), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
+    st.sampled_from([deep(64), deep(1000), deep(100_000), deep(5000, "{")]),
+    st.integers(1, 3).map(lambda mib: "x" * (mib * 256 * 1024)),  # long strings (256 KiB .. 768 KiB)
+)
+
+GARBAGE = [b"", b"{", b"}", b"null", b"[]", b"1", b'"x"', b"\xff\xfe\x00", b"{'a': 1}", b'{"a":1,}',
+           b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 20_000, b"\x00" * 64, "{\"é\": 1}".encode("utf-16")]
+
+
+def _paths(value, prefix=()):
+    """Every (path into ``value``) of a JSON tree, for picking a field to mutate."""
+    yield prefix
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _paths(item, (*prefix, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _paths(item, (*prefix, index))
+
+
+def _replace(value, path, new):
+    if not path:
+        return new
+    head, rest = path[0], path[1:]
+    if isinstance(value, dict):
+        return {**value, head: _replace(value[head], rest, new)}
+    copy = list(value)
+    copy[head] = _replace(value[head], rest, new)
+    return copy
+
+
+_DELETE = object()
+
+
+def _delete(value, path):
+    head, rest = path[0], path[1:]
+    if rest:
+        return _replace(value, (head,), _delete(value[head], rest))
+    if isinstance(value, dict):
+        return {k: v for k, v in value.items() if k != head}
+    return [v for i, v in enumerate(value) if i != head]
+
+
+@st.composite
+def mutated_body(draw, valid):
+    """``(body bytes, note)``: the valid body drawn from ``valid``, or a mutation of it."""
+    body = draw(valid)
+    mode = draw(st.sampled_from(["valid"] * 4 + ["replace"] * 4 + ["delete", "extra", "garbage"]))
+    if mode == "valid":
+        return dump(body).encode(), "valid"
+    if mode == "garbage":
+        raw = draw(st.sampled_from(GARBAGE))
+        return raw, f"garbage body {raw[:12]!r}"
+    paths = list(_paths(body))
+    if mode == "replace":
+        path = draw(st.sampled_from(paths))
+        new = draw(wild_value)
+        return dump(_replace(body, path, new)).encode(), f"{_where(path)} = {new!r:.40}"
+    if mode == "delete" and len(paths) > 1:
+        path = draw(st.sampled_from(paths[1:]))
+        return dump(_delete(body, path)).encode(), f"missing {_where(path)}"
+    key = draw(st.sampled_from(["extra", "stream", "__proto__", "model", "x" * 100]))
+    return dump({**body, key: draw(wild_value)}).encode(), f"extra field {key[:20]!r}"
+
+
+def _where(path) -> str:
+    return ".".join(str(p) for p in path) or "<body>"
+
+
+# ------------------------------------------------------------------------------------------------
+# Headers, tokens, scenario names
+# ------------------------------------------------------------------------------------------------
+
+def odd_name():
+    return st.one_of(
+        odd_text,
+        st.integers(150, 260).map(lambda n: "n" * n),  # around the 200-character limit and 255-byte file names
+        st.integers(60, 120).map(lambda n: "é" * n),  # short in characters, long in bytes
+        st.sampled_from(["h-\t", "h-" + "n" * 190, "fz/x", "fz\x00", " fz ", "FZ-A", "fz-a\r\nx-evil: 1",
+                         "h-é", "h-😀"]),
+        st.binary(min_size=1, max_size=20),  # raw header bytes, often not UTF-8
+    )
+
+
+def scenario_names(pools: Pools, harness: bool = False):
+    """Mostly an existing scenario, sometimes a new valid one (a small set, so they repeat), sometimes odd."""
+    existing = st.sampled_from(pools.harness if harness else pools.plain + pools.harness)
+    fresh = st.integers(0, 7).map(lambda i: f"fz-new{i}")
+    return st.one_of(existing, existing, existing, fresh, odd_name())
+
+
+@st.composite
+def auth_header(draw, pools: Pools, admin: bool = False):
+    """The right token for the route, or (rarely) a wrong, missing or mis-scoped one."""
+    token = pools.admin_token if admin else pools.inference_token
+    mode = draw(st.sampled_from(["ok"] * 12 + ["x-api-key", "none", "wrong", "swap", "odd"]))
+    if mode == "ok":
+        return [(b"authorization", b"Bearer " + token.encode())], "valid"
+    if mode == "x-api-key":
+        return [(b"x-api-key", token.encode())], "valid"
+    if mode == "none":
+        return [], "no token"
+    if mode == "wrong":
+        return [(b"authorization", b"Bearer wrong-token")], "wrong token"
+    if mode == "swap":
+        other = pools.inference_token if admin else pools.admin_token
+        return [(b"authorization", b"Bearer " + other.encode())], "other scope token"
+    return [(b"authorization", encode_header(draw(odd_text)))], "odd authorization"
+
+
+@st.composite
+def extra_headers(draw):
+    """Zero or more of the optional Reef headers, with valid or odd values."""
+    headers, notes = [], []
+    receipt_values = st.one_of(st.uuids().map(lambda u: u.hex), odd_text, st.binary(max_size=20))
+    for name, values in [
+        (b"x-reef-tag-fuzz", st.one_of(st.just("v"), odd_text, st.binary(max_size=20))),
+        (b"x-reef-agent-record-id", receipt_values),
+        (b"idempotency-key", st.one_of(st.uuids().map(str), odd_text, st.binary(max_size=20))),
+        (b"x-stainless-retry-count", st.sampled_from(["0", "1", "-1", "abc", str(2**70)])),
+    ]:
+        if draw(st.integers(0, 5)) == 0:
+            value = draw(values)
+            headers.append((name, encode_header(value)))
+            notes.append(f"{name.decode()}={value!r:.30}")
+    if draw(st.integers(0, 9)) == 0:  # an odd tag name, or many tags
+        count = draw(st.sampled_from([1, 40]))
+        tag = draw(st.text(alphabet="abcXYZ-_0é", min_size=1, max_size=8))
+        headers += [(encode_header(f"x-reef-tag-{tag}{i}"), b"v") for i in range(count)]
+        notes.append(f"{count} x x-reef-tag-{tag!r}")
+    return headers, notes
+
+
+@st.composite
+def request_case(draw, pools: Pools, method: str, route: str, target: str, *, scenario_header: bool = False,
+                 harness: bool = False, body=None, admin: bool = False, names=(), stream: bool = False,
+                 note: str = "valid"):
+    """Assemble a case: token, scenario header, optional headers and the body."""
+    headers, auth_note = draw(auth_header(pools, admin))
+    notes = [note] if note != "valid" else []
+    if auth_note != "valid":
+        notes.append(auth_note)
+    names = list(names)
+    if scenario_header:
+        present = draw(st.integers(0, 19))
+        if present:
+            name = draw(scenario_names(pools, harness))
+            raw = encode_header(name)
+            headers.append((b"x-reef-scenario", raw))
+            names.append(raw)
+            if name not in pools.plain and name not in pools.harness and not str(name).startswith("fz-new"):
+                notes.append(f"scenario {name!r:.40}")
+        else:
+            notes.append("no x-reef-scenario")
+    more, more_notes = draw(extra_headers())
+    headers += more
+    notes += more_notes
+    if body is not None:
+        data, body_note = body
+        ctype = draw(st.sampled_from([b"application/json"] * 6 + [b"text/plain", None]))
+        if ctype is not None:
+            headers.append((b"content-type", ctype))
+        if body_note != "valid":
+            notes.append(body_note)
+    else:
+        data = None
+    return Case(method, route, target, headers, data, names, "; ".join(notes) or "valid", stream)
+
+
+# ------------------------------------------------------------------------------------------------
+# Bodies of the POST routes
+# ------------------------------------------------------------------------------------------------
+
+short_text = st.text(max_size=40)
+words = st.text(alphabet="abcdefghij klmnop", min_size=1, max_size=30)
+
+
+def openai_chat():
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
+                                     "content": st.one_of(words, short_text)})
+    tool = st.just({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}})
+    return st.fixed_dictionaries(
+        {"model": st.just(MODEL), "messages": st.lists(message, min_size=1, max_size=3)},
+        optional={"max_tokens": st.integers(1, 64), "temperature": st.floats(0, 2), "stream": st.booleans(),
+                  "stream_options": st.just({"include_usage": True}), "stop": st.one_of(words, st.lists(words, max_size=2)),
+                  "seed": st.integers(0, 2**31), "tools": st.lists(tool, max_size=1), "tool_choice": st.just("auto"),
+                  "metadata": st.just({"k": "v"}), "user": words, "top_p": st.floats(0, 1)})
+
+
+def anthropic_messages(count_tokens: bool = False):
+    block = st.fixed_dictionaries({"type": st.just("text"), "text": words})
+    message = st.fixed_dictionaries({"role": st.just("user"),
+                                     "content": st.one_of(words, st.lists(block, min_size=1, max_size=2))})
+    tool = st.just({"name": "f", "description": "d", "input_schema": {"type": "object"}})
+    optional = {"system": st.one_of(words, st.lists(block, min_size=1, max_size=1)), "tools": st.lists(tool, max_size=1)}
+    required = {"model": st.just(MODEL), "messages": st.lists(message, min_size=1, max_size=2)}
+    if not count_tokens:
+        required["max_tokens"] = st.integers(1, 64)
+        optional.update({"stream": st.booleans(), "stop_sequences": st.lists(words, max_size=2),
+                         "temperature": st.floats(0, 1), "metadata": st.just({"user_id": "u"}),
+                         "top_k": st.integers(1, 50), "top_p": st.floats(0, 1)})
+    return st.fixed_dictionaries(required, optional=optional)
+
+
+@st.composite
+def report_body(draw, pools: Pools, scenario: str):
+    receipts = pools.receipt_list(scenario)
+    refs = draw(st.lists(st.sampled_from(receipts), max_size=2, unique=True))
+    optional = {"score": st.one_of(st.floats(0, 1), st.integers(0, 1)), "feedback": st.one_of(words, st.just({"ok": True})),
+                "metadata": st.just({"task": "t"}), "agent_record_id": st.uuids().map(lambda u: u.hex)}
+    return draw(st.fixed_dictionaries({"references": st.just(refs)}, optional=optional))
+
+
+# ------------------------------------------------------------------------------------------------
+# One strategy per route
+# ------------------------------------------------------------------------------------------------
+
+def _inference(pools: Pools, route: str, valid):
+    @st.composite
+    def build(draw):
+        data, note = draw(mutated_body(valid))
+        stream = b'"stream":true' in data
+        return draw(request_case(pools, "POST", route, route, scenario_header=True, body=(data, note), stream=stream))
+    return build()
+
+
+@st.composite
+def _report(draw, pools: Pools):
+    case = draw(request_case(pools, "POST", "/reef/report", "/reef/report", scenario_header=True))
+    name = case.names[0].decode("latin-1") if case.names else pools.plain[0]
+    data, note = draw(mutated_body(report_body(pools, name)))
+    headers = case.headers + [(b"content-type", b"application/json")]
+    notes = [n for n in (case.note, note) if n != "valid"]
+    return Case("POST", case.route, case.target, headers, data, case.names, "; ".join(notes) or "valid")
+
+
+@st.composite
+def _path_scenario(draw, pools: Pools, pool=None):
+    """(segment, raw name bytes, note) for a ``{scenario}`` path parameter."""
+    name = draw(st.one_of(st.sampled_from(pool or pools.plain + pools.harness), st.sampled_from(pools.plain),
+                          odd_name()))
+    raw = draw(st.integers(0, 9)) == 0 and not isinstance(name, bytes)
+    if draw(st.integers(0, 14)) == 0:
+        return draw(st.sampled_from(["%zz", "%ff%fe", "%00", "%C3%28", "..", "%2e%2e"])), b"?", "odd percent-encoding"
+    data = name if isinstance(name, bytes) else name.encode("utf-8", "surrogatepass")
+    known = name in pools.plain or name in pools.harness
+    return path_segment(name, raw), data, "valid" if known else f"path scenario {name!r:.40}" + (" (raw)" if raw else "")
+
+
+def _query_int():
+    return st.one_of(st.integers(0, 100).map(str), st.sampled_from([str(2**63), str(2**64), str(2**70), "9" * 400,
+                                                                    "-1", "0", "1e3", "abc", "", " 1", "1.5", "%00"]))
+
+
+@st.composite
+def _query(draw, *names):
+    pairs = []
+    for name in names:
+        if draw(st.booleans()):
+            pairs.append(f"{name}={draw(_query_int())}")
+    return ("?" + "&".join(pairs)) if pairs else ""
+
+
+def _scenario_route(pools: Pools, method: str, route: str, suffix: str = "", query=(), admin=False, body=None,
+                    pool=None):
+    @st.composite
+    def build(draw):
+        segment, raw, note = draw(_path_scenario(pools, pool))
+        target = f"/reef/scenarios/{segment}{suffix}" + draw(_query(*query))
+        drawn = draw(mutated_body(body(draw))) if body is not None else None
+        return draw(request_case(pools, method, route, target, body=drawn, admin=admin, names=[raw], note=note))
+    return build()
+
+
+@st.composite
+def _record(draw, pools: Pools):
+    segment, raw, note = draw(_path_scenario(pools))
+    scenario = raw.decode("utf-8", "replace")
+    receipt = draw(st.one_of(st.sampled_from(pools.receipt_list(scenario)), odd_text.map(lambda t: path_segment(t)),
+                             st.sampled_from(["..", "%2F", "%00", "a%2Fb", "x" * 5000])))
+    target = f"/reef/scenarios/{segment}/records/{receipt}"
+    return draw(request_case(pools, "GET", "/reef/scenarios/{scenario}/records/{record_id}", target,
+                             names=[raw], note=note))
+
+
+@st.composite
+def _commits(draw, pools: Pools):
+    segment, raw, note = draw(_path_scenario(pools))
+    query = draw(_query("after_step", "limit"))
+    ids = draw(st.lists(st.one_of(st.uuids().map(lambda u: u.hex), odd_text.map(path_segment)), max_size=3))
+    if draw(st.integers(0, 19)) == 0:
+        ids = ["x"] * 101
+    if ids:
+        query += ("&" if query else "?") + "&".join(f"record_id={i}" for i in ids)
+    return draw(request_case(pools, "GET", "/reef/scenarios/{scenario}/commits",
+                             f"/reef/scenarios/{segment}/commits{query}", names=[raw], note=note))
+
+
+def _release_body(pools: Pools):
+    def body(draw):
+        ids = [r for rs in pools.releases.values() for r in rs] or ["0" * 40]
+        return st.fixed_dictionaries({"release_id": st.one_of(st.sampled_from(ids), odd_text)})
+    return body
+
+
+@st.composite
+def _harness(draw, pools: Pools, route: str, target: str):
+    query = ""
+    if draw(st.booleans()):
+        ids = [r for rs in pools.releases.values() for r in rs] or ["0" * 40]
+        key = draw(st.sampled_from(["release_id", "version", "path"]))
+        value = draw(st.one_of(st.sampled_from(ids), st.just("system_prompt.md"), odd_text.map(path_segment)))
+        query = f"?{key}={value}"
+    return draw(request_case(pools, "GET", route, target + query, scenario_header=True, harness=True))
+
+
+@st.composite
+def _harness_file(draw, pools: Pools):
+    path = draw(st.one_of(st.just("system_prompt.md"), st.sampled_from(["../x", "%2e%2e/x", "a//b", "%00", ".git/HEAD",
+                                                                          "x" * 600]), odd_text.map(path_segment)))
+    return draw(_harness(pools, "/reef/harness/files/{path}", f"/reef/harness/files/{path}"))
+
+
+@st.composite
+def _plain_get(draw, pools: Pools, route: str):
+    headers = []
+    if route == "/v1/models" and draw(st.booleans()):
+        headers = [(b"anthropic-version", b"2023-06-01")]
+    case = draw(request_case(pools, "GET", route, route))
+    case.headers += headers
+    return case
+
+
+def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
+    """``METHOD /openapi/path`` -> strategy of cases for that route."""
+    plain = ["/reef/scenarios/{scenario}/releases", "/reef/scenarios/{scenario}/status",
+             "/reef/scenarios/{scenario}/samples"]
+    routes = {
+        "GET /healthz": _plain_get(pools, "/healthz"),
+        "GET /v1/models": _plain_get(pools, "/v1/models"),
+        "GET /reef/scenarios": _plain_get(pools, "/reef/scenarios"),
+        "GET /reef/status": _plain_get(pools, "/reef/status"),
+        "POST /v1/chat/completions": _inference(pools, "/v1/chat/completions", openai_chat()),
+        "POST /v1/messages": _inference(pools, "/v1/messages", anthropic_messages()),
+        "POST /v1/messages/count_tokens": _inference(pools, "/v1/messages/count_tokens", anthropic_messages(True)),
+        "POST /reef/report": _report(pools),
+        "GET /reef/scenarios/{scenario}/records": _scenario_route(pools, "GET", "/reef/scenarios/{scenario}/records",
+                                                                  "/records", ("after_sequence", "limit")),
+        "GET /reef/scenarios/{scenario}/records/{record_id}": _record(pools),
+        "GET /reef/scenarios/{scenario}/commits": _commits(pools),
+        "POST /reef/scenarios/{scenario}/rollback": _scenario_route(
+            pools, "POST", "/reef/scenarios/{scenario}/rollback", "/rollback", admin=True, body=_release_body(pools),
+            pool=pools.harness),
+        "POST /reef/scenarios/{scenario}/promote": _scenario_route(
+            pools, "POST", "/reef/scenarios/{scenario}/promote", "/promote", admin=True, body=_release_body(pools),
+            pool=pools.harness),
+        "DELETE /reef/scenarios/{scenario}": _scenario_route(pools, "DELETE", "/reef/scenarios/{scenario}", admin=True,
+                                                             pool=pools.deletable or None),
+        "GET /reef/harness": _harness(pools, "/reef/harness", "/reef/harness"),
+        "GET /reef/harness/files/{path}": _harness_file(pools),
+        "GET /reef/harness/releases": _harness(pools, "/reef/harness/releases", "/reef/harness/releases"),
+    }
+    for route in plain:
+        routes[f"GET {route}"] = _scenario_route(pools, "GET", route, route.rsplit("}", 1)[1],
+                                                 ("limit",) if route.endswith("samples") else ())
+    return routes
+
+
+#: Share of the cases each route gets (inference and reports carry most of the risk).
+WEIGHTS = {
+    "POST /v1/chat/completions": 6, "POST /v1/messages": 6, "POST /v1/messages/count_tokens": 3,
+    "POST /reef/report": 5, "GET /reef/scenarios/{scenario}/records": 2,
+    "GET /reef/scenarios/{scenario}/records/{record_id}": 2, "GET /reef/scenarios/{scenario}/commits": 2,
+    "POST /reef/scenarios/{scenario}/rollback": 2, "POST /reef/scenarios/{scenario}/promote": 2,
+    "DELETE /reef/scenarios/{scenario}": 1,
+}
