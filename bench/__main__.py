@@ -14,6 +14,7 @@ BENCHMARKS = {
     "throughput": "bench.throughput",
     "store": "bench.store",
     "publish": "bench.publish",
+    "fuzz": "bench.fuzz",
 }
 
 

@@ -127,7 +127,6 @@ class Runner:
     def __init__(self, target: Target, result: FuzzResult, batch: int = 50):
         self.target, self.result, self.batch = target, result, batch
         self.wire = Wire(target.host, target.port)
-        self.admin = Wire(target.host, target.port)
         self.log_offset = target.log_path.stat().st_size if target.log_path.exists() else 0
         #: scenario names explained by a request answered < 400, and the refused cases that named each name
         self.allowed: set[str] = set()
@@ -178,7 +177,7 @@ class Runner:
             for name in _decodings(raw):
                 if isinstance(status, int) and status < 400:
                     self.allowed.add(name)
-                elif name not in self.refused or case.size() < self.refused[name].size():
+                elif name not in self.refused or _likelier_creator(case, self.refused[name]):
                     self.refused[name], self.refused_status[name] = case, status
 
     def _learn(self, case: Case, reply: Reply) -> None:
@@ -222,7 +221,11 @@ class Runner:
         token = self.target.pools.admin_token
         raw = (f"GET /reef/scenarios HTTP/1.1\r\nhost: {self.target.host}\r\n"
                f"authorization: Bearer {token}\r\n\r\n").encode()
-        reply = self.admin.request(raw)
+        admin = Wire(self.target.host, self.target.port)  # its own connection: idle ones time out
+        try:
+            reply = admin.request(raw)
+        finally:
+            admin.close()
         assert reply.status == 200, (reply.status, reply.body[:300])
         return [row["scenario"] for row in json.loads(reply.body)["scenarios"]]
 
@@ -243,9 +246,16 @@ class Runner:
                                     case, f"scenario {name[:80]!r}"))
 
 
+def _likelier_creator(case: Case, than: Case) -> bool:
+    """Which refused case to show for a scenario that should not exist: a POST (inference and reports are the
+    routes that create scenarios) before any other, then the smaller one."""
+    rank = lambda c: (c.method != "POST", c.size())  # noqa: E731
+    return rank(case) < rank(than)
+
+
 def _decodings(raw: bytes) -> set[str]:
     """The names a server could make of header/path bytes (stripped, as latin-1 or UTF-8)."""
-    names = {raw.decode("latin-1").strip()}
+    names = {raw.decode("latin-1").strip()} if raw.strip() else set()
     try:
         names.add(raw.decode("utf-8").strip())
     except UnicodeDecodeError:
@@ -300,7 +310,6 @@ def fuzz(target: Target, cases: int, *, seed: int | None = 0, rss_warmup: int = 
     result.rss_end_mib = rss_mib(target.pid)
     result.wall_s = time.monotonic() - started
     runner.wire.close()
-    runner.admin.close()
     return result
 
 

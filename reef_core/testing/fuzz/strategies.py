@@ -310,7 +310,8 @@ def _path_scenario(draw, pools: Pools, pool=None):
                           odd_name()))
     raw = draw(st.integers(0, 9)) == 0 and not isinstance(name, bytes)
     if draw(st.integers(0, 14)) == 0:
-        return draw(st.sampled_from(["%zz", "%ff%fe", "%00", "%C3%28", "..", "%2e%2e"])), b"?", "odd percent-encoding"
+        segment = draw(st.sampled_from(["%zz", "%ff%fe", "%00", "%C3%28", "..", "%2e%2e"]))
+        return segment, b"", f"odd percent-encoding {segment!r}"
     data = name if isinstance(name, bytes) else name.encode("utf-8", "surrogatepass")
     known = name in pools.plain or name in pools.harness
     return path_segment(name, raw), data, "valid" if known else f"path scenario {name!r:.40}" + (" (raw)" if raw else "")

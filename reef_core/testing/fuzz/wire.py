@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import select
 import socket
+import time
 from dataclasses import dataclass, field
 
 MAX_HEAD = 256 * 1024
@@ -45,15 +46,21 @@ class Wire:
     _buffer: bytes = b""
     #: the previous response did not announce ``connection: close`` (a close before the next request is a drop)
     _expect_open: bool = field(default=False)
+    _replied_at: float = 0.0
 
     def close(self) -> None:
         if self.sock is not None:
             self.sock.close()
         self.sock, self._buffer, self._expect_open = None, b"", False
 
-    def closed_after_reply(self) -> bool:
-        """True when the server closed the kept-alive connection after a response that did not announce it."""
+    def closed_after_reply(self, idle_s: float = 1.0) -> bool:
+        """True when the server closed the kept-alive connection after a response that did not announce it.
+
+        A connection idle for more than ``idle_s`` is reopened without a verdict (servers close idle ones)."""
         if self.sock is None or not self._expect_open:
+            return False
+        if time.monotonic() - self._replied_at > idle_s:
+            self.close()
             return False
         readable, _, _ = select.select([self.sock], [], [], 0)
         if not readable:
@@ -69,8 +76,6 @@ class Wire:
 
     def request(self, raw: bytes) -> Reply:
         """Send ``raw`` (a whole request) and read one response; raises :class:`Dropped`."""
-        import time
-
         if self.sock is None:
             self.sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -85,7 +90,8 @@ class Wire:
         except (OSError, socket.timeout) as exc:
             self.close()
             raise Dropped(f"{type(exc).__name__}: {exc}") from None
-        reply.elapsed_s = time.monotonic() - started
+        self._replied_at = time.monotonic()
+        reply.elapsed_s = self._replied_at - started
         if reply.closes:
             self.close()
         else:
