@@ -13,6 +13,7 @@ Failures do not stop the run: it goes through all its cases and reports every di
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -78,7 +79,7 @@ class FuzzResult:
             return
         known.count += 1
         if failure.example is not None and (known.example is None or failure.example.size() < known.example.size()):
-            known.example = failure.example
+            known.example, known.detail = failure.example, failure.detail
 
     def report(self) -> str:
         lines = [f"{self.cases} cases in {self.wall_s:.1f} s over {len(self.by_route)} routes; "
@@ -177,7 +178,8 @@ class Runner:
             for name in _decodings(raw):
                 if isinstance(status, int) and status < 400:
                     self.allowed.add(name)
-                elif name not in self.refused or _likelier_creator(case, self.refused[name]):
+                elif name not in self.refused or _likelier_creator(case, status, self.refused[name],
+                                                                    self.refused_status[name]):
                     self.refused[name], self.refused_status[name] = case, status
 
     def _learn(self, case: Case, reply: Reply) -> None:
@@ -192,6 +194,41 @@ class Runner:
             receipts = pools.receipts.setdefault(name, [])
             if len(receipts) < 200:
                 receipts.append(receipt)
+
+    # -- shrinking ---------------------------------------------------------------------------------
+
+    def outcome(self, case: Case) -> tuple:
+        """(status or "dropped", logged cause) of sending ``case`` once more on a new connection."""
+        wire = Wire(self.target.host, self.target.port)
+        self.log_offset = self._log_size()
+        try:
+            reply = wire.request(case.to_bytes(f"{self.target.host}:{self.target.port}"))
+        except Dropped:
+            return "dropped", self._logged_cause(wait=True)[0]
+        finally:
+            wire.close()
+        if reply.status < 500:
+            return reply.status, None
+        return reply.status, self._logged_cause()[0]
+
+    def reduce(self, failure: Failure, budget: int = 30) -> None:
+        """Shrink the example of a 5xx or drop: drop optional headers, top-level body fields and the odd scenario
+        name one at a time, keeping each change that still fails the same way (same status and logged cause)."""
+        case = failure.example
+        if case is None or failure.invariant not in ("5xx", "dropped") or failure.status not in ("dropped",) and \
+                not (isinstance(failure.status, int) and failure.status >= 500):
+            return
+        wanted = self.outcome(case)
+        if wanted[0] != failure.status:
+            failure.detail += " (did not reproduce when sent again)"
+            return
+        left = [budget]
+
+        def accept(candidate: Case) -> bool:
+            left[0] -= 1
+            return left[0] >= 0 and self.outcome(candidate) == wanted
+
+        failure.example = _smaller(case, self.target.pools.plain[0], accept)
 
     # -- server log ------------------------------------------------------------------------------
 
@@ -246,11 +283,45 @@ class Runner:
                                     case, f"scenario {name[:80]!r}"))
 
 
-def _likelier_creator(case: Case, than: Case) -> bool:
+_KEEP_HEADERS = (b"authorization", b"x-api-key", b"content-type")
+
+
+def _smaller(case: Case, plain_scenario: str, accept):
+    """Shrink ``case``: each optional header removed (an odd scenario name replaced by ``plain_scenario``), then
+    each top-level body field removed, keeping every step ``accept(candidate)`` says still fails the same way."""
+    for name in dict.fromkeys(n for n, _ in case.headers):
+        if name.lower() in _KEEP_HEADERS:
+            continue
+        if name == b"x-reef-scenario":
+            headers = [(n, plain_scenario.encode() if n == name else v) for n, v in case.headers]
+        else:
+            headers = [(n, v) for n, v in case.headers if n != name]
+        candidate = dataclasses.replace(case, headers=headers, note=case.note + f"; reduced: -{name.decode()}")
+        if headers != case.headers and accept(candidate):
+            case = candidate
+    try:
+        body = json.loads(case.body) if case.body else None
+    except (ValueError, RecursionError):
+        return case
+    if not isinstance(body, dict):
+        return case
+    for key in list(body):
+        trimmed = {k: v for k, v in body.items() if k != key}
+        try:
+            data = json.dumps(trimmed).encode()
+        except ValueError:
+            continue
+        candidate = dataclasses.replace(case, body=data)
+        if accept(candidate):
+            case, body = candidate, trimmed
+    return case
+
+
+def _likelier_creator(case: Case, status, than: Case, than_status) -> bool:
     """Which refused case to show for a scenario that should not exist: a POST (inference and reports are the
-    routes that create scenarios) before any other, then the smaller one."""
-    rank = lambda c: (c.method != "POST", c.size())  # noqa: E731
-    return rank(case) < rank(than)
+    routes that create scenarios) before any other, one past authentication (not 401/403), then the smaller."""
+    rank = lambda c, s: (c.method != "POST", s in (401, 403), c.size())  # noqa: E731
+    return rank(case, status) < rank(than, than_status)
 
 
 def _decodings(raw: bytes) -> set[str]:
@@ -284,10 +355,11 @@ def summarize_traceback(text: str) -> tuple[str, str]:
 
 
 def fuzz(target: Target, cases: int, *, seed: int | None = 0, rss_warmup: int = 100, batch: int = 50,
-         routes: list[str] | None = None, progress=None) -> FuzzResult:
+         routes: list[str] | None = None, progress=None, reduce: bool = True) -> FuzzResult:
     """Run about ``cases`` cases spread over the routes (by ``WEIGHTS``); return what was observed.
 
-    ``seed``: a fixed seed gives the same cases on every run (the suite); ``None`` draws new ones."""
+    ``seed``: a fixed seed gives the same cases on every run (the suite); ``None`` draws new ones.
+    ``reduce``: after the run, shrink each 5xx/drop example (see :meth:`Runner.reduce`)."""
     result = FuzzResult()
     runner = Runner(target, result, batch)
     strategies = route_strategies(target.pools)
@@ -308,6 +380,9 @@ def fuzz(target: Target, cases: int, *, seed: int | None = 0, rss_warmup: int = 
                 progress(result)
     runner.check_scenarios()
     result.rss_end_mib = rss_mib(target.pid)
+    if reduce:
+        for failure in list(result.failures.values()):
+            runner.reduce(failure)
     result.wall_s = time.monotonic() - started
     runner.wire.close()
     return result
