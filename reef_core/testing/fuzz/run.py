@@ -350,8 +350,9 @@ def summarize_traceback(text: str) -> tuple[str, str]:
         frame = (ours or frames or [None])[-1]
         where = f" at {Path(frame.group(1)).name}:{frame.group(2)} in {frame.group(3)}" if frame else ""
         return f"{found.group(1)}{where}", (found.group(2) or "")[:200]
-    tail = [line for line in lines if line.strip()]
-    return ("nothing logged", "") if not tail else ("logged: " + _generic(tail[-1][:100]), tail[-1][:200])
+    # No traceback: the last warning or error line, if any, as detail (INFO lines say nothing about the cause).
+    notable = [line for line in lines if " WARNING " in line or " ERROR " in line or line.startswith(("WARNING", "ERROR"))]
+    return "nothing logged", notable[-1][:200] if notable else ""
 
 
 def fuzz(target: Target, cases: int, *, seed: int | None = 0, rss_warmup: int = 100, batch: int = 50,

@@ -92,7 +92,7 @@ def _replace(value, path, new):
         return new
     head, rest = path[0], path[1:]
     if isinstance(value, dict):
-        return {**value, head: _replace(value[head], rest, new)}
+        return {**value, head: _replace(value[head], rest, new) if rest else new}
     copy = list(value)
     copy[head] = _replace(value[head], rest, new)
     return copy
@@ -111,8 +111,10 @@ def _delete(value, path):
 
 
 @st.composite
-def mutated_body(draw, valid):
-    """``(body bytes, note)``: the valid body drawn from ``valid``, or a mutation of it."""
+def mutated_body(draw, valid, fields=()):
+    """``(body bytes, note)``: the valid body drawn from ``valid``, or a mutation of it.
+
+    ``fields``: the dialect's top-level fields, which a mutation may set even when the valid body left them out."""
     body = draw(valid)
     mode = draw(st.sampled_from(["valid"] * 4 + ["replace"] * 4 + ["delete", "extra", "garbage"]))
     if mode == "valid":
@@ -122,7 +124,8 @@ def mutated_body(draw, valid):
         return raw, f"garbage body {raw[:12]!r}"
     paths = list(_paths(body))
     if mode == "replace":
-        path = draw(st.sampled_from(paths))
+        top = [(f,) for f in fields]
+        path = draw(st.sampled_from(paths)) if not top or draw(st.booleans()) else draw(st.sampled_from(top))
         new = draw(wild_value)
         return dump(_replace(body, path, new)).encode(), f"{_where(path)} = {new!r:.40}"
     if mode == "delete" and len(paths) > 1:
@@ -284,10 +287,18 @@ def report_body(draw, pools: Pools, scenario: str):
 # One strategy per route
 # ------------------------------------------------------------------------------------------------
 
-def _inference(pools: Pools, route: str, valid):
+OPENAI_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
+                 "stream_options", "stop", "seed", "tools", "tool_choice", "metadata", "user", "response_format",
+                 "logprobs", "logit_bias")
+ANTHROPIC_FIELDS = ("model", "messages", "max_tokens", "system", "stream", "stop_sequences", "temperature", "top_k",
+                    "top_p", "tools", "tool_choice", "metadata", "thinking")
+REPORT_FIELDS = ("score", "feedback", "references", "metadata", "agent_record_id")
+
+
+def _inference(pools: Pools, route: str, valid, fields):
     @st.composite
     def build(draw):
-        data, note = draw(mutated_body(valid))
+        data, note = draw(mutated_body(valid, fields))
         stream = b'"stream":true' in data
         return draw(request_case(pools, "POST", route, route, scenario_header=True, body=(data, note), stream=stream))
     return build()
@@ -297,7 +308,7 @@ def _inference(pools: Pools, route: str, valid):
 def _report(draw, pools: Pools):
     case = draw(request_case(pools, "POST", "/reef/report", "/reef/report", scenario_header=True))
     name = case.names[0].decode("latin-1") if case.names else pools.plain[0]
-    data, note = draw(mutated_body(report_body(pools, name)))
+    data, note = draw(mutated_body(report_body(pools, name), REPORT_FIELDS))
     headers = case.headers + [(b"content-type", b"application/json")]
     notes = [n for n in (case.note, note) if n != "valid"]
     return Case("POST", case.route, case.target, headers, data, case.names, "; ".join(notes) or "valid")
@@ -337,7 +348,7 @@ def _scenario_route(pools: Pools, method: str, route: str, suffix: str = "", que
     def build(draw):
         segment, raw, note = draw(_path_scenario(pools, pool))
         target = f"/reef/scenarios/{segment}{suffix}" + draw(_query(*query))
-        drawn = draw(mutated_body(body(draw))) if body is not None else None
+        drawn = draw(mutated_body(body(draw), ("release_id",))) if body is not None else None
         return draw(request_case(pools, method, route, target, body=drawn, admin=admin, names=[raw], note=note))
     return build()
 
@@ -410,9 +421,10 @@ def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
         "GET /v1/models": _plain_get(pools, "/v1/models"),
         "GET /reef/scenarios": _plain_get(pools, "/reef/scenarios"),
         "GET /reef/status": _plain_get(pools, "/reef/status"),
-        "POST /v1/chat/completions": _inference(pools, "/v1/chat/completions", openai_chat()),
-        "POST /v1/messages": _inference(pools, "/v1/messages", anthropic_messages()),
-        "POST /v1/messages/count_tokens": _inference(pools, "/v1/messages/count_tokens", anthropic_messages(True)),
+        "POST /v1/chat/completions": _inference(pools, "/v1/chat/completions", openai_chat(), OPENAI_FIELDS),
+        "POST /v1/messages": _inference(pools, "/v1/messages", anthropic_messages(), ANTHROPIC_FIELDS),
+        "POST /v1/messages/count_tokens": _inference(pools, "/v1/messages/count_tokens", anthropic_messages(True),
+                                                      ANTHROPIC_FIELDS),
         "POST /reef/report": _report(pools),
         "GET /reef/scenarios/{scenario}/records": _scenario_route(pools, "GET", "/reef/scenarios/{scenario}/records",
                                                                   "/records", ("after_sequence", "limit")),
