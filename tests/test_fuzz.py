@@ -32,7 +32,6 @@ def _operations(server) -> set[str]:
 
 
 def _check(result, *, cases: int) -> None:
-    print(result.report())
     problems = []
     if result.cases < cases:
         problems.append(f"only {result.cases} cases ran (wanted {cases})")
@@ -41,6 +40,7 @@ def _check(result, *, cases: int) -> None:
     if result.failures:
         problems.append(f"{len(result.failures)} distinct failure(s)")
     assert not problems, "; ".join(problems) + "\n" + result.report()
+    print(result.report())  # shown with -s: statuses per route
 
 
 @pytest.fixture(scope="module")
