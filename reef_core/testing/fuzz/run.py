@@ -318,9 +318,11 @@ def _smaller(case: Case, plain_scenario: str, accept):
 
 
 def _likelier_creator(case: Case, status, than: Case, than_status) -> bool:
-    """Which refused case to show for a scenario that should not exist: a POST (inference and reports are the
-    routes that create scenarios) before any other, one past authentication (not 401/403), then the smaller."""
-    rank = lambda c, s: (c.method != "POST", s in (401, 403), c.size())  # noqa: E731
+    """Which refused case to show for a scenario that should not exist: one of the routes that create scenarios
+    (inference and reports, named by header) before any other, one past authentication (not 401/403), then the
+    smaller."""
+    creates = lambda c: c.method == "POST" and (c.route.startswith("/v1/") or c.route == "/reef/report")  # noqa: E731
+    rank = lambda c, s: (not creates(c), s in (401, 403), c.size())  # noqa: E731
     return rank(case, status) < rank(than, than_status)
 
 
