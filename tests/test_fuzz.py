@@ -14,9 +14,7 @@ import json
 import httpx
 import pytest
 
-pytest.importorskip("hypothesis")
-
-from reef_core.testing.fuzz import ADMIN_TOKEN, fuzz, prepare, route_strategies, server_overrides  # noqa: E402
+from reef_core.testing.fuzz import ADMIN_TOKEN, fuzz, prepare, route_strategies, server_overrides
 
 CASES = 2000
 RSS_LIMIT_MIB = 150
