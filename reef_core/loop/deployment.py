@@ -157,8 +157,18 @@ class Deployment:
     async def record_stored(self, record, idempotency_key: str | None = None, *,
                             check_references: bool = False):
         """Store ``record`` durably, tell the plugins, and wake the scenario's learner (never waits for
-        training). The one path every record takes into the loop; returns the stored record."""
-        stored = await self.store.append(record, idempotency_key, check_references=check_references)
+        training). The one path every record takes into the loop; returns the stored record.
+
+        A caller cancelled meanwhile (its client went away) changes nothing: the write is queued at once, and
+        plugins and learner hear of the record when it is durable, whether or not anyone still waits for it."""
+        durable = self.store.submit(record, idempotency_key, check_references=check_references)
+        durable.add_done_callback(self._announce)
+        return (await asyncio.shield(durable))[0]
+
+    def _announce(self, durable: asyncio.Future) -> None:
+        if durable.cancelled() or durable.exception() is not None:
+            return  # the waiter gets the error, if one still waits
+        stored = durable.result()[0]
         self.pm.notify("reef_record_stored", record=stored)
         if stored.kind == "report":
             self.pm.notify("reef_report_accepted", record=stored, references=list(stored.references))
@@ -168,7 +178,6 @@ class Deployment:
                 learner.served(stored.version)
             if learner.processor is not None:  # without one the learner has nothing to ingest: spare the wake-up
                 learner.wake()
-        return stored
 
     def load_base_model(self):
         """The deployment's base model, as the local engine loaded it (``(model, tokenizer)``)."""

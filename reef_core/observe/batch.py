@@ -234,6 +234,21 @@ def _conflict(record: Record) -> Conflict:
                     record_id=record.record_id)
 
 
+def _keyed_replay(prior: Record, record: Record, key: str) -> bool:
+    """Whether an append of ``record`` under an idempotency key that already names ``prior`` returns ``prior``
+    instead of storing ``record``.
+
+    Only a complete record is an answer worth replaying: a retry of an incomplete one (a cut stream, a client that
+    left) is stored, and the key moves on to it. A complete record is kept for good; an incomplete attempt that
+    raced with it is stored beside it (what was generated is kept) and the key stays. A key reused for another
+    request (a different request hash) is a :class:`Conflict`, as a reused record id is.
+    """
+    if prior.request_hash is not None and record.request_hash is not None and prior.request_hash != record.request_hash:
+        raise Conflict(f"idempotency key {key!r} was already used for another request", idempotency_key=key,
+                       record_id=prior.record_id)
+    return prior.complete and record.complete
+
+
 def apply_appends(conn: sa.Connection, dialect: str, batch: list[AppendRequest]) -> int:
     """Store the batch inside the caller's transaction; set each request's ``outcome``; return rows inserted.
 
@@ -243,7 +258,7 @@ def apply_appends(conn: sa.Connection, dialect: str, batch: list[AppendRequest])
     keyed = [(req.records[0].scenario, req.idempotency_key) for req in batch if req.idempotency_key is not None]
     stored_keys: dict[tuple[str, str], str] = {}
     for chunk in _chunks(sorted({key for _, key in keyed})):
-        for row in conn.execute(q.KEYS_BY_KEY, {"keys": list(chunk)}):
+        for row in conn.execute(q.keys_by_key(dialect), {"keys": list(chunk)}):
             stored_keys[(row.scenario, row.idempotency_key)] = row.record_id
     existing = fetch_records(conn, wanted_ids | set(stored_keys.values()))
 
@@ -268,12 +283,16 @@ def apply_appends(conn: sa.Connection, dialect: str, batch: list[AppendRequest])
 
     for req in batch:
         try:
+            keep_key = False  # True: store the request but leave its key naming the complete record it names
             if req.idempotency_key is not None:
                 slot = (req.records[0].scenario, req.idempotency_key)
                 mapped = new_keys.get(slot) or stored_keys.get(slot)
-                if mapped is not None and find(mapped, {}) is not None:
-                    results.append([mapped])
-                    continue
+                prior = find(mapped, {}) if mapped is not None else None
+                if prior is not None:
+                    if _keyed_replay(prior, req.records[0], req.idempotency_key):
+                        results.append([mapped])
+                        continue
+                    keep_key = prior.complete
             staged: dict[str, Record] = {}
             ids: list[str] = []
             for record in req.records:
@@ -288,7 +307,7 @@ def apply_appends(conn: sa.Connection, dialect: str, batch: list[AppendRequest])
                     staged[record.record_id] = record
                 ids.append(record.record_id)
             new.update(staged)  # only once the whole request is accepted: all-or-nothing
-            if req.idempotency_key is not None:
+            if req.idempotency_key is not None and not keep_key:
                 new_keys[(req.records[0].scenario, req.idempotency_key)] = ids[0]
             results.append(ids)
         except ReefError as exc:
@@ -298,11 +317,16 @@ def apply_appends(conn: sa.Connection, dialect: str, batch: list[AppendRequest])
     if new:
         rows = [record_to_params(r, assigned[r.record_id], encoded[r.record_id]) for r in new.values()]
         _insert_many(conn, insert_records_sql(conn), rows)
-    if new_keys:
+    fresh_keys = [(slot, rid) for slot, rid in new_keys.items() if slot not in stored_keys]
+    if fresh_keys:
         now = time.time()
         conn.execute(q.INSERT_KEY, [
-            {"scenario": s, "idempotency_key": k, "record_id": rid, "created_at": now}
-            for (s, k), rid in new_keys.items()
+            {"scenario": s, "idempotency_key": k, "record_id": rid, "created_at": now} for (s, k), rid in fresh_keys
+        ])
+    repointed = [(slot, rid) for slot, rid in new_keys.items() if stored_keys.get(slot, rid) != rid]
+    if repointed:
+        conn.execute(q.REPOINT_KEY, [
+            {"key_scenario": s, "key_name": k, "new_record_id": rid} for (s, k), rid in repointed
         ])
 
     for req, result in zip(batch, results):

@@ -27,6 +27,11 @@ REF_INFO_BY_ID = (sa.select(records.c.record_id, records.c.scenario, records.c.k
 KEYS_BY_KEY = sa.select(idempotency_keys).where(
     idempotency_keys.c.idempotency_key.in_(sa.bindparam("keys", expanding=True)))
 INSERT_KEY = sa.insert(idempotency_keys)
+#: Point a key at the retry that replaced the incomplete record it named (bind names differ from the columns').
+REPOINT_KEY = (sa.update(idempotency_keys)
+               .where(idempotency_keys.c.scenario == sa.bindparam("key_scenario"),
+                      idempotency_keys.c.idempotency_key == sa.bindparam("key_name"))
+               .values(record_id=sa.bindparam("new_record_id")))
 KEY_IN_SCENARIO = sa.select(idempotency_keys.c.record_id).where(
     idempotency_keys.c.scenario == sa.bindparam("scenario"),
     idempotency_keys.c.idempotency_key == sa.bindparam("key"))
@@ -57,6 +62,13 @@ def reserve_sequences(dialect: str) -> sa.Insert:
         index_elements=[record_sequences.c.scenario],
         set_={"last_sequence": record_sequences.c.last_sequence + stmt.excluded.last_sequence},
     ).returning(record_sequences.c.last_sequence)
+
+
+@cache
+def keys_by_key(dialect: str) -> sa.Select:
+    """The rows of the given idempotency keys (param ``keys``). On PostgreSQL the rows are locked until commit: a
+    second writer process that wants to repoint the same key waits, then reads where the first one left it."""
+    return KEYS_BY_KEY.with_for_update() if dialect == "postgresql" else KEYS_BY_KEY
 
 
 @cache

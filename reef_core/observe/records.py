@@ -117,11 +117,22 @@ class RecordStore:
         """Store ``record`` durably and return it with its sequence.
 
         An id already stored with the same content returns the stored record; with other content it raises
-        :class:`Conflict`. With ``idempotency_key``, a key already used in the scenario returns the record it
-        names and stores nothing. ``check_references`` validates a report's references in the same transaction.
+        :class:`Conflict`. With ``idempotency_key``: a key unused in the scenario is attached to the record; a key
+        naming a complete record returns that record and stores nothing when ``record`` is complete too (an
+        incomplete one is stored, the key unchanged); a key naming an incomplete record stores ``record`` and
+        moves the key to it (a retry replaces a cut attempt). A key whose record has another ``request_hash``
+        raises :class:`Conflict`. ``check_references`` validates a report's references in the same transaction.
+        Cancelling the caller does not withdraw the append (see :meth:`submit`).
         """
+        return (await self.submit(record, idempotency_key, check_references=check_references))[0]
+
+    def submit(self, record: Record, idempotency_key: str | None = None, *,
+               check_references: bool = False) -> asyncio.Future:
+        """Queue :meth:`append`'s write now and return a future of the running loop resolving to
+        ``[stored record]`` once it is durable (or to its error). The write stands whatever happens to the future's
+        waiters: a caller cancelled while it waits (a client gone) still gets its record stored."""
         request = self._request([record], idempotency_key, check_references)
-        return (await self._writer.submit_append(request, asyncio.get_running_loop()))[0]
+        return self._writer.submit_append(request, asyncio.get_running_loop())
 
     def append_sync(self, record: Record, idempotency_key: str | None = None, *,
                     check_references: bool = False) -> Record:

@@ -6,7 +6,9 @@ caller's future. One fsync thus covers many callers: throughput grows with concu
 disk's fsync rate, while each caller still returns only once its row is durable.
 
 A batch that fails with a database error is rolled back and its requests are retried one by one, each in its own
-transaction; a request that still fails gets :class:`~reef_core.errors.StorageUnavailable`. Nothing is dropped.
+transaction; a request that still fails gets :class:`~reef_core.errors.StorageUnavailable`. Nothing is dropped,
+not even a request whose caller was cancelled while it queued (a client that went away): it was submitted, so it is
+written.
 Threads wait on a :class:`concurrent.futures.Future`; coroutines on a future of their own event loop, which the writer
 resolves through ``loop.call_soon_threadsafe`` (once per loop and batch), so any loop (uvicorn's included) can append.
 """
@@ -65,11 +67,11 @@ class _Append:
         self.loop = loop
         self.future: Future | asyncio.Future = loop.create_future() if loop is not None else Future()
 
-    def start(self) -> bool:
-        """False when the caller gave up (cancelled) before the writer took the request: it is not written."""
+    def start(self) -> None:
+        """Mark a thread's future running, so it can no longer be cancelled. The request is written even when its
+        caller stopped waiting (a cancelled coroutine, a client gone): what was submitted is kept, never dropped."""
         if self.loop is None:
-            return self.future.set_running_or_notify_cancel()
-        return not self.future.cancelled()  # a read from another thread: at worst a cancelled caller is written
+            self.future.set_running_or_notify_cancel()
 
 
 class Writer:
@@ -266,24 +268,22 @@ class Writer:
             item.future.set_result(result)
 
     def _run_appends(self, items: list[_Append]) -> None:
-        # A caller that was cancelled before we started is not written (it was never told it would be).
-        live = [item for item in items if item.start()]
-        if not live:
-            return
+        for item in items:
+            item.start()
         self._bump(batches=1)
         try:
             with self._transaction() as conn:
-                rows = apply_appends(conn, self._dialect, [item.request for item in live])
+                rows = apply_appends(conn, self._dialect, [item.request for item in items])
         except sa.exc.DBAPIError as exc:
-            log.warning("record batch of %d requests failed (%s); retrying one by one", len(live), exc)
+            log.warning("record batch of %d requests failed (%s); retrying one by one", len(items), exc)
             self._bump(retried_batches=1)
-            for item in live:
+            for item in items:
                 item.request.outcome = None
                 self._run_single(item)
                 _deliver([item])
             return
-        self._committed(rows, len(live))
-        _deliver(live)
+        self._committed(rows, len(items))
+        _deliver(items)
 
     def _run_single(self, item: _Append) -> None:
         """Store one request in its own transaction, setting its outcome (records or the error to raise)."""
@@ -326,7 +326,7 @@ def _settle_all(items: list[_Append]) -> None:
 
 
 def _settle(item: _Append) -> None:
-    if item.future.done():  # an asyncio caller that was cancelled meanwhile
+    if item.future.done():  # its caller was cancelled: the record is stored all the same
         return
     outcome = item.request.outcome
     if isinstance(outcome, BaseException):

@@ -9,10 +9,19 @@ then the receipt goes out in-band (an extra OpenAI chunk before ``[DONE]``; a ``
 Anthropic's ``message_stop``). A stream carries no receipt header, because headers leave before
 the record exists. A stream cut short is stored as incomplete (never trainable) and the client
 gets a clean error event.
+
+A client that leaves before its answer is delivered (mid-stream, before the first event, or while
+a plain answer is computed) stops the engine work; what was generated is stored as incomplete with
+``payload.error = "client_disconnected"``. Storing is never undone by a cancellation.
+
+A retry (same ``x-reef-agent-record-id``, same ``Idempotency-Key``, or an SDK retry of the same
+body) replays a complete record only; a retry of an incomplete one runs again, and its record names
+the attempt it retries in ``payload.retry_of``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -28,6 +37,7 @@ from ..engines.translate import stream_translator, translate_error, translate_re
 from ..errors import Conflict, PayloadTooLarge, ReefError, ValidationFailed
 from ..observe.model import Record, canonical_json
 from .aggregate import accumulator_for, synthetic_stream
+from .disconnect import CLIENT_DISCONNECTED, ClientGone, ClientWatch
 from .errors import error_body, new_error_id
 from .jsonbody import parse_json_object
 from .schema import validate_request
@@ -128,6 +138,7 @@ class InferenceCall:
         self.request_hash = hashlib.sha256(
             canonical_json({"route": self.route, "body": body}).encode()).hexdigest()
         self.client_body = body
+        self.retry_of: str | None = None
 
         replay = await self._find_retry()
         if replay is not None:
@@ -149,27 +160,57 @@ class InferenceCall:
         self.version = dep.serving_version(self.scenario)
         self.engine_request = EngineRequest(dialect=self.engine_dialect, route=engine_route, body=upstream_body,
                                             headers=_forward_headers(request), version=self.version)
-        if body.get("stream"):
-            return await self._stream()
-        return await self._complete()
+        # From here on the client may leave; the watch notices (and owns the receive channel).
+        self.watch = ClientWatch(request.receive)
+        try:
+            response = await (self._stream() if body.get("stream") else self._complete())
+        except BaseException:
+            self.watch.close()
+            raise
+        if not isinstance(response, _RecordedStream):  # a live stream keeps watching until it ends
+            self.watch.close()
+        return response
 
     # -- retries -------------------------------------------------------------------------------
 
     async def _find_retry(self) -> Record | None:
-        """A retried request (idempotency key, or an SDK retry of the same body) reuses its record."""
-        store = self.dep.store
+        """The complete record a retried request replays, or ``None`` when the request is to run.
+
+        A request repeats an earlier one when it carries a record id or an ``Idempotency-Key`` already used in the
+        scenario (for another request: :class:`Conflict`), or is an SDK retry of the same body. Only a complete
+        record is replayed: when every earlier attempt is incomplete, the request runs again and its record names
+        the latest attempt in ``retry_of`` (the store then points the key at it).
+        """
+        store, scenario = self.dep.store, self.scenario.name
+        attempts: list[Record] = []
         if self.client_record_id:
             found = await _in_thread(store.get, self.client_record_id)
             if found is not None:
-                if found.scenario != self.scenario.name or found.request_hash != self.request_hash:
+                if found.scenario != scenario or found.request_hash != self.request_hash:
                     raise Conflict(f"record id {self.client_record_id!r} was already used for another request")
-                return found
+                if found.complete:
+                    return found
+                attempts.append(found)
         if self.idempotency_key:
-            found = await _in_thread(store.find_by_idempotency_key, self.scenario.name, self.idempotency_key)
+            found = await _in_thread(store.find_by_idempotency_key, scenario, self.idempotency_key)
             if found is not None:
-                return found
-        if _retry_count(self.request) > 0:
-            return await _in_thread(store.find_recent_by_request_hash, self.scenario.name, self.request_hash)
+                if found.request_hash != self.request_hash:
+                    raise Conflict(f"Idempotency-Key {self.idempotency_key!r} was already used for another request")
+                if found.complete:
+                    return found
+                attempts.append(found)
+        if attempts or _retry_count(self.request) > 0:
+            # The newest record of this very request: a complete retry of an incomplete attempt, or the attempt.
+            found = await _in_thread(store.find_recent_by_request_hash, scenario, self.request_hash)
+            if found is not None:
+                if found.complete:
+                    return found
+                attempts.append(found)
+        if attempts:
+            latest = max(attempts, key=lambda record: record.sequence or 0)
+            self.retry_of = latest.record_id
+            if any(attempt.record_id == self.record_id for attempt in attempts):
+                self.record_id = new_record_id()  # the client's id names the incomplete attempt
         return None
 
     def _replay(self, record: Record, stream: bool) -> Response:
@@ -187,16 +228,26 @@ class InferenceCall:
         engine = self.dep.engine
         req = self.engine_request
         started = time.perf_counter()
-        if self.route == "count_tokens":
-            result = await engine.count_tokens(req)
-        else:
-            result = await engine.complete(req)
+        try:
+            result = await self.watch.run(
+                engine.count_tokens(req) if self.route == "count_tokens" else engine.complete(req))
+        except ClientGone:
+            # The engine's work was stopped; the record says the request came and was abandoned.
+            record = self._record(response=None, tokens=None, version=None,
+                                  engine_ms=(time.perf_counter() - started) * 1000, complete=False,
+                                  error=CLIENT_DISCONNECTED)
+            await self.dep.record_stored(record, self.idempotency_key)
+            return _gone_response(self.client_dialect)
         engine_ms = (time.perf_counter() - started) * 1000
         if result.status >= 400:
             return self._relay_error(result)
+        # A client that left while the answer came back never sees its receipt: the record must not train.
+        gone = self.watch.gone
         record = self._record(response=result.body, tokens=result.tokens, version=result.version,
-                              engine_ms=engine_ms, complete=True)
+                              engine_ms=engine_ms, complete=not gone, error=CLIENT_DISCONNECTED if gone else None)
         stored = await self.dep.record_stored(record, self.idempotency_key)
+        if gone:
+            return _gone_response(self.client_dialect)
         body = result.body if self.route == "count_tokens" else translate_response(
             result.body, self.engine_dialect, self.client_dialect)
         overhead = (time.perf_counter() - self.started) * 1000 - engine_ms
@@ -229,6 +280,8 @@ class InferenceCall:
             payload["error"] = error
         if self.release_id:
             payload["release_id"] = self.release_id  # the harness release that shaped the request
+        if self.retry_of:
+            payload["retry_of"] = self.retry_of  # the incomplete attempt this request repeats
         return Record(record_id=self.record_id, scenario=self.scenario.name, kind="inference", payload=payload,
                       tags=self.tags, version=(tokens.version if tokens else None) or version or self.version,
                       complete=complete, request_hash=self.request_hash, created_at=self.created_at)
@@ -238,32 +291,38 @@ class InferenceCall:
     async def _stream(self) -> Response:
         engine = self.dep.engine
         events = engine.stream(self.engine_request)
+        # What the stream has carried so far: whoever ends it (the relay, a client gone, a failure) stores it.
+        self.accumulator = accumulator_for(self.engine_dialect)
+        self.tokens: TokenData | None = None
+        self.stream_started = time.perf_counter()
+        self.stream_stored = False
         try:
-            first = await events.__anext__()
-        except StopAsyncIteration:
-            first = None
+            first = await self.watch.run(_first_event(events))
+        except ClientGone:
+            await self._store_stream(CLIENT_DISCONNECTED)
+            return _gone_response(self.client_dialect)
         except DirectResponse as direct:
             result: EngineResponse = direct.response
             if result.status >= 400:
                 return self._relay_error(result)
             # The provider answered without a stream: relay it as one.
+            gone = self.watch.gone
             record = self._record(response=result.body, tokens=result.tokens, version=result.version,
-                                  engine_ms=0.0, complete=True, stream=True)
+                                  engine_ms=0.0, complete=not gone, error=CLIENT_DISCONNECTED if gone else None,
+                                  stream=True)
             stored = await self.dep.record_stored(record, self.idempotency_key)
             body = translate_response(result.body, self.engine_dialect, self.client_dialect)
             return StreamingResponse(synthetic_stream(self.client_dialect, body, stored.record_id),
                                      media_type="text/event-stream")
         # Errors before the first event propagate as ordinary error responses.
-        return StreamingResponse(self._relay(first, events), media_type="text/event-stream",
-                                 headers={"cache-control": "no-store", "x-accel-buffering": "no",
-                                          **self.extra_headers})
+        return _RecordedStream(self, first, events, headers={"cache-control": "no-store", "x-accel-buffering": "no",
+                                                             **self.extra_headers})
 
     async def _relay(self, first: StreamEvent | None, events: AsyncIterator[StreamEvent]):
+        """The client's SSE frames; stores the record before the terminal event (receipt or error)."""
         translator = stream_translator(self.engine_dialect, self.client_dialect,
                                        model=self.engine_request.body.get("model"))
-        accumulator = accumulator_for(self.engine_dialect)
-        tokens: TokenData | None = None
-        started = time.perf_counter()
+        accumulator = self.accumulator
         terminal_seen = False
         error: str | None = None
 
@@ -276,7 +335,7 @@ class InferenceCall:
         try:
             async for event in source():
                 if event.event == TOKENS_EVENT:
-                    tokens = TokenData.from_dict(event.data)
+                    self.tokens = TokenData.from_dict(event.data)
                     continue
                 accumulator.feed(event)
                 for out in (translator.feed(event) if translator else [event]):
@@ -300,27 +359,80 @@ class InferenceCall:
             error_id = new_error_id()
             log.exception("unhandled error %s in a stream of %s", error_id, self.route)
             error = f"internal error (id {error_id})"
-        except BaseException as exc:  # client went away (cancelled)
-            error = f"stream interrupted: {type(exc).__name__}"
-            await self._store_stream(accumulator, tokens, started, error)
-            raise
-        stored = await self._store_stream(accumulator, tokens, started, error)
+        # A cancellation (the client gone, the server stopping) ends the relay here; _RecordedStream stores the record.
+        stored = await self._store_stream(error)
         if error is not None:
             yield encode_sse(_error_event(self.client_dialect, error, stored.record_id if stored else None))
             return
         for out in receipt_events(self.client_dialect, stored.record_id, self.engine_request.body.get("model")):
             yield encode_sse(out)
 
-    async def _store_stream(self, accumulator, tokens, started, error) -> Record | None:
-        record = self._record(response=accumulator.body(), tokens=tokens,
+    async def _store_stream(self, error: str | None) -> Record | None:
+        """Store what the stream carried (once per stream), complete when ``error`` is ``None``. The append is
+        queued before the first suspension, so a cancellation of the caller cannot withdraw it."""
+        if self.stream_stored:
+            return None
+        self.stream_stored = True
+        tokens = self.tokens
+        record = self._record(response=self.accumulator.body(), tokens=tokens,
                               version=tokens.version if tokens else None,
-                              engine_ms=(time.perf_counter() - started) * 1000,
+                              engine_ms=(time.perf_counter() - self.stream_started) * 1000,
                               complete=error is None, error=error, stream=True)
         try:
             return await self.dep.record_stored(record, self.idempotency_key)
         except Exception:  # noqa: BLE001 - the client still gets a clean error event
             log.exception("could not store stream record %s", record.record_id)
             return None
+
+
+class _RecordedStream(StreamingResponse):
+    """A live stream: relays the engine's events while the call's watch looks out for the client leaving.
+
+    However the stream ends (terminal event, provider cut, client gone, server cancelling the request), its record
+    is stored exactly once: by the relay itself, or here with the reason it stopped.
+    """
+
+    def __init__(self, call: InferenceCall, first: StreamEvent | None, events: AsyncIterator[StreamEvent],
+                 headers: dict[str, str]):
+        super().__init__(call._relay(first, events), media_type="text/event-stream", headers=headers)
+        self.call = call
+        self.events = events
+
+    async def __call__(self, scope, receive, send) -> None:
+        call = self.call
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await call.watch.run(self._pump(send))
+        except ClientGone:
+            await call._store_stream(CLIENT_DISCONNECTED)
+        except BaseException as exc:
+            await call._store_stream(f"stream interrupted: {type(exc).__name__}")
+            raise
+        finally:
+            call.watch.close()
+            await self.body_iterator.aclose()
+            await self.events.aclose()  # closes the provider's stream when the relay stopped midway
+
+    async def _pump(self, send) -> None:
+        async for frame in self.body_iterator:
+            try:
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+            except OSError as exc:  # ASGI servers of spec 2.4+ report a closed connection on send
+                raise ClientGone() from exc
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _first_event(events: AsyncIterator[StreamEvent]) -> StreamEvent | None:
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+def _gone_response(dialect: str) -> Response:
+    """What a request whose client left is answered (nobody reads it; 499 is the usual log code for it)."""
+    return JSONResponse(error_body("anthropic" if dialect == "anthropic" else "openai", 499,
+                                   "the client closed the connection", CLIENT_DISCONNECTED), status_code=499)
 
 
 def _is_terminal(dialect: str, event: StreamEvent) -> bool:
@@ -352,6 +464,4 @@ def encode_sse(event: StreamEvent) -> bytes:
 
 
 async def _in_thread(fn, *args):
-    import asyncio
-
     return await asyncio.to_thread(fn, *args)
