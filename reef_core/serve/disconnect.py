@@ -1,10 +1,10 @@
 """Noticing that an HTTP client went away while its request is being served.
 
 Once a request's body has been read, the ASGI ``receive`` channel yields nothing but ``http.disconnect``, which
-arrives when the client closes the connection (or once the response is complete). uvicorn reads the socket again
-only while someone waits on ``receive``: without a waiter, a client that hung up goes unnoticed until a write fails,
-and a plain (non-streamed) answer is never written to a dead socket at all. :class:`ClientWatch` is that waiter, in
-a task of its own, so that work for a client that left can be stopped and recorded as cut short.
+arrives when the client closes the connection (or once the response is complete). uvicorn reads the socket only
+while someone waits on ``receive``, and silently drops what is written to a closed connection: without a waiter, a
+client that hung up goes unnoticed. :class:`ClientWatch` is that waiter, in a task of its own, so that work for a
+client that left can be stopped (its task cancelled) and recorded as cut short.
 """
 
 from __future__ import annotations
@@ -43,21 +43,35 @@ class ClientWatch:
         return self._watcher.done() and not self._watcher.cancelled()
 
     async def run(self, work: Awaitable[Any]) -> Any:
-        """The result of ``work``, run as a task of its own. When the client leaves first the task is cancelled
-        and :class:`ClientGone` raised; when the caller is cancelled, so is the task. Either way the task has ended
-        when this returns, so nothing of it outlives the call."""
-        task = asyncio.ensure_future(work)
-        abandoned = False
-        try:
-            await asyncio.wait((task, self._watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not task.done():
-                abandoned = True
+        """Await ``work`` in the calling task (no task hop: a stream keeps its pace). When the client leaves first,
+        the task is cancelled out of ``work`` and :class:`ClientGone` is raised instead; a cancellation from
+        elsewhere propagates as usual."""
+        task = asyncio.current_task()
+        armed, fired = True, False
+
+        def client_left(_watcher: asyncio.Future) -> None:
+            nonlocal fired
+            if armed and not _watcher.cancelled():
+                fired = True
                 task.cancel()
-                await asyncio.wait((task,))
-        if abandoned and (task.cancelled() or task.exception() is not None):
-            raise ClientGone()  # the work's own end (cancelled, or failing on it) is not worth reporting
-        return task.result()
+
+        if self.gone:
+            if asyncio.iscoroutine(work):
+                work.close()
+            raise ClientGone()
+        self._watcher.add_done_callback(client_left)
+        try:
+            result = await work
+        except asyncio.CancelledError:
+            if fired and task.uncancel() == 0:  # cancelled by us alone
+                raise ClientGone() from None
+            raise
+        finally:
+            armed = False
+            self._watcher.remove_done_callback(client_left)
+        if fired:  # the work ignored the cancellation and finished: forget the request
+            task.uncancel()
+        return result
 
     def close(self) -> None:
         """Stop watching (the response is being or has been delivered)."""
