@@ -401,7 +401,6 @@ class _RecordedStream(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         call = self.call
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             await call.watch.run(self._pump(send))
         except ClientGone:
             await call._store_stream(CLIENT_DISCONNECTED)
@@ -414,12 +413,13 @@ class _RecordedStream(StreamingResponse):
             await self.events.aclose()  # closes the provider's stream when the relay stopped midway
 
     async def _pump(self, send) -> None:
-        async for frame in self.body_iterator:
-            try:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for frame in self.body_iterator:
                 await send({"type": "http.response.body", "body": frame, "more_body": True})
-            except OSError as exc:  # ASGI servers of spec 2.4+ report a closed connection on send
-                raise ClientGone() from exc
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError as exc:  # ASGI servers of spec 2.4+ report a closed connection on send
+            raise ClientGone() from exc
 
 
 async def _first_event(events: AsyncIterator[StreamEvent]) -> StreamEvent | None:

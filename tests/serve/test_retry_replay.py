@@ -132,6 +132,20 @@ def test_each_retry_of_a_cut_attempt_links_to_the_one_before(server, upstream, s
     assert upstream.stats()["requests"] == 3
 
 
+def test_a_client_chosen_id_of_a_cut_stream_is_retried_under_a_new_id(server, upstream, sc):
+    body = body_for(MESSAGES, "my own receipt, cut", stream=True)
+    headers = {"x-reef-scenario": sc, RECEIPT: f"mine-{sc}"}
+    upstream.faults({"truncate_after": 3})
+    cut = reef_field(stream(server, MESSAGES, body, headers)[1])
+    assert cut == {"agent_record_id": f"mine-{sc}", "complete": False}
+    retry = reef_field(stream(server, MESSAGES, body, headers)[1])["agent_record_id"]
+    assert retry != f"mine-{sc}" and record(server, sc, retry)["payload"]["retry_of"] == f"mine-{sc}"
+    # The id still names the cut attempt; retrying it again replays the complete answer.
+    response, events = stream(server, MESSAGES, body, headers)
+    assert response.headers.get("x-reef-replayed") == "true" and reef_field(events)["agent_record_id"] == retry
+    assert upstream.stats()["requests"] == 2
+
+
 @pytest.mark.parametrize("path", [CHAT, MESSAGES])
 def test_idempotency_key_reused_with_another_body_is_409(server, upstream, sc, path):
     headers = {"x-reef-scenario": sc, "idempotency-key": f"k-{sc}"}
