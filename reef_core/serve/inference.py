@@ -191,16 +191,18 @@ class InferenceCall:
                 if found.complete:
                     return found
                 attempts.append(found)
+        keyed = None
         if self.idempotency_key:
-            found = await _in_thread(store.find_by_idempotency_key, scenario, self.idempotency_key)
-            if found is not None:
-                if found.request_hash != self.request_hash:
+            keyed = await _in_thread(store.find_by_idempotency_key, scenario, self.idempotency_key)
+            if keyed is not None:
+                if keyed.request_hash != self.request_hash:
                     raise Conflict(f"Idempotency-Key {self.idempotency_key!r} was already used for another request")
-                if found.complete:
-                    return found
-                attempts.append(found)
-        if attempts or _retry_count(self.request) > 0:
-            # The newest record of this very request: a complete retry of an incomplete attempt, or the attempt.
+                if keyed.complete:
+                    return keyed
+                attempts.append(keyed)
+        # A key follows its latest attempt; a record id or an SDK retry only says "this body again": its latest
+        # attempt is the newest record of the same request (a complete retry of a cut attempt, or the attempt).
+        if keyed is None and (attempts or _retry_count(self.request) > 0):
             found = await _in_thread(store.find_recent_by_request_hash, scenario, self.request_hash)
             if found is not None:
                 if found.complete:
