@@ -361,7 +361,7 @@ class InferenceCall:
             error_id = new_error_id()
             log.exception("unhandled error %s in a stream of %s", error_id, self.route)
             error = f"internal error (id {error_id})"
-        # A cancellation (the client gone, the server stopping) ends the relay here; _RecordedStream stores the record.
+        # A cancellation (client gone, server stopping) ends the relay here: _RecordedStream stores the record.
         stored = await self._store_stream(error)
         if error is not None:
             yield encode_sse(_error_event(self.client_dialect, error, stored.record_id if stored else None))
