@@ -23,12 +23,20 @@ class ClientGone(Exception):
     """The client closed the connection before its answer was delivered."""
 
 
-async def _until_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+async def _until_disconnect(receive: Callable[[], Awaitable[dict]]) -> bool:
+    """True once the client disconnected; False when the channel failed instead (nothing is known then, and a
+    request must not be abandoned on a guess)."""
     try:
         while (await receive()).get("type") != "http.disconnect":
             pass  # a server may repeat an empty final body message; only a disconnect ends the wait
-    except Exception:  # noqa: BLE001 - a receive channel that fails is a connection that is gone
-        log.debug("receive failed while watching for a disconnect", exc_info=True)
+    except Exception:  # noqa: BLE001
+        log.warning("receive failed while watching for a disconnect; not watching this request", exc_info=True)
+        return False
+    return True
+
+
+def _disconnected(watcher: asyncio.Future) -> bool:
+    return watcher.done() and not watcher.cancelled() and watcher.result()
 
 
 class ClientWatch:
@@ -40,7 +48,7 @@ class ClientWatch:
     @property
     def gone(self) -> bool:
         """Whether the client has left."""
-        return self._watcher.done() and not self._watcher.cancelled()
+        return _disconnected(self._watcher)
 
     async def run(self, work: Awaitable[Any]) -> Any:
         """Await ``work`` in the calling task (no task hop: a stream keeps its pace). When the client leaves first,
@@ -49,9 +57,9 @@ class ClientWatch:
         task = asyncio.current_task()
         armed, fired = True, False
 
-        def client_left(_watcher: asyncio.Future) -> None:
+        def client_left(watcher: asyncio.Future) -> None:
             nonlocal fired
-            if armed and not _watcher.cancelled():
+            if armed and _disconnected(watcher):
                 fired = True
                 task.cancel()
 

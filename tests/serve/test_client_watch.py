@@ -69,3 +69,16 @@ def test_a_cancellation_from_elsewhere_is_not_taken_for_a_disconnect():
         watch.close()
 
     asyncio.run(main())
+
+
+def test_a_failing_receive_channel_is_not_taken_for_a_disconnect():
+    async def broken() -> dict:
+        raise RuntimeError("receive timed out")
+
+    async def main():
+        watch = ClientWatch(broken)
+        assert await watch.run(asyncio.sleep(0.05, result="answer")) == "answer"
+        assert not watch.gone
+        watch.close()
+
+    asyncio.run(main())
