@@ -208,7 +208,8 @@ class RecordStore:
         return row_to_record(row) if row is not None else None
 
     def find_by_idempotency_key(self, scenario: str, key: str) -> Record | None:
-        """The record an ``Idempotency-Key`` of ``scenario`` already names, or ``None``."""
+        """The record an ``Idempotency-Key`` of ``scenario`` names now (its complete record, else its latest
+        attempt), or ``None``."""
         with self._read() as conn:
             record_id = conn.execute(q.KEY_IN_SCENARIO, {"scenario": scenario, "key": key}).scalar()
         return self.get(record_id) if record_id is not None else None
