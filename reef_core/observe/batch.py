@@ -283,7 +283,7 @@ def apply_appends(conn: sa.Connection, dialect: str, batch: list[AppendRequest])
 
     for req in batch:
         try:
-            keep_key = False  # True: store the request but leave its key naming the complete record it names
+            keep_key = False  # the key names a complete record: store this attempt beside it, key unchanged
             if req.idempotency_key is not None:
                 slot = (req.records[0].scenario, req.idempotency_key)
                 mapped = new_keys.get(slot) or stored_keys.get(slot)
