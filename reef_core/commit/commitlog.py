@@ -8,11 +8,15 @@ release). Steps start at 1 and grow by one.
   ``expected_step + 1`` and ``expected_step`` must be the last step. Retrying a row that is
   already stored at that step (same content, ``recorded_at`` aside) returns the stored row;
   anything else is a Conflict.
-* A crash mid-append can leave a torn last line. Readers ignore it; the next writer truncates
-  it when opening. A damaged line anywhere else is corruption (StorageUnavailable).
-* One writer per scenario: the writer holds ``fcntl.flock(LOCK_EX | LOCK_NB)`` on
-  ``<log>.lock`` for as long as it is open; a second writer (another process, or another open
-  in this one) fails at once with :class:`LogLocked`. Readers take no lock.
+* A crash mid-append can leave a torn last line. Readers ignore it; the next append truncates
+  it first. A damaged line anywhere else is corruption (StorageUnavailable).
+* No descriptor stays open between calls (a deployment holds one log per scenario, most of
+  them idle): an append opens the file, takes ``fcntl.flock(LOCK_EX)`` on it, re-reads what
+  other writers added since this object last looked, checks the step, writes, fsyncs and
+  closes. Writers in any process are thus serialised per write and the CAS sees every row.
+* One process per data directory: :class:`WriterLock` (held by the deployment while it
+  serves) makes a second server on the same commit directory fail at once with
+  :class:`LogLocked`, naming the holder's pid. Readers take no lock.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import threading
 from collections.abc import Iterable
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -32,7 +38,7 @@ _VOLATILE = ("step", "recorded_at")
 
 
 class LogLocked(Conflict):
-    """Another writer holds the scenario's commit log."""
+    """Another process writes this data directory's commit logs."""
 
     code = "log_locked"
 
@@ -97,24 +103,67 @@ def _parse(data: bytes, path: Path) -> tuple[list[dict], int]:
     return rows, pos
 
 
+class WriterLock:
+    """The one-process-per-directory lock: ``flock`` on ``<directory>/.writer.lock``, held until released.
+
+    A second holder (another process, or another ``WriterLock`` in this one) fails at once with
+    :class:`LogLocked`. The lock file records the holder's pid for that message.
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        self.path = Path(directory) / ".writer.lock"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise LogLocked(
+                f"commit logs in {self.path.parent} already have a writer (pid {holder}); only one process may "
+                "write a data directory's commit logs: stop the other Reef server or point it at another data dir",
+                path=str(self.path.parent),
+                holder=holder,
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the flock
+            self._fd = None
+
+    def __enter__(self) -> "WriterLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self):  # pragma: no cover - safety net
+        try:
+            self.release()
+        except Exception:
+            pass
+
+
 class CommitLog:
-    """The commit log of one scenario. ``writer=True`` takes the single-writer lock."""
+    """The commit log of one scenario; ``writer=False`` refuses appends (a read-only view).
+
+    Rows are cached in memory and re-read when the file changes (its inode, size or mtime), so
+    reads cost a ``stat`` and no descriptor is held between calls.
+    """
 
     def __init__(self, path: str | os.PathLike, *, writer: bool = True):
         self.path = Path(path)
         self.writer = writer
-        self._lock_fd: int | None = None
-        self._fd: int | None = None
         self._rows: list[dict] = []
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[int, int, int] | None = None
+        self._mutex = threading.Lock()  # the learner writes while status routes read
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if writer:
-            self._acquire()
-            try:
-                self._open_for_append()
-            except BaseException:
-                self.close()
-                raise
+            with self._open_locked():  # validates the log and drops a torn tail now, not at the first step
+                pass
         else:
             self._refresh()
 
@@ -125,41 +174,30 @@ class CommitLog:
 
     # ---------------------------------------------------------------- lifecycle
 
-    def _acquire(self) -> None:
-        lock_path = self.path.with_name(self.path.name + ".lock")
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise LogLocked(
-                f"commit log {self.path} already has a writer (pid {holder}); only one process may "
-                "write a scenario's log: stop the other Reef server or point it at another data dir",
-                path=str(self.path),
-                holder=holder,
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
-
-    def _open_for_append(self) -> None:
+    @contextmanager
+    def _open_locked(self):
+        """The log opened for appending under an exclusive flock, with rows and stamp brought up to date."""
         created = not self.path.exists()
-        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-        if created:
-            _fsync_dir(self.path.parent)
-        data = _read_all(self._fd)
-        self._rows, valid = _parse(data, self.path)
-        if valid < len(data):  # drop the torn tail left by a crash before appending after it
-            os.ftruncate(self._fd, valid)
-            os.fsync(self._fd)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held for one write; another writer waits that long at most
+            if created:
+                _fsync_dir(self.path.parent)
+            with self._mutex:  # held through the write: readers of this object wait for the fsync
+                st = os.fstat(fd)
+                if _stamp(st) != self._stamp:
+                    data = _read_all(fd)
+                    self._rows, valid = _parse(data, self.path)
+                    if valid < len(data):  # drop the torn tail left by a crash before appending after it
+                        os.ftruncate(fd, valid)
+                        os.fsync(fd)
+                    self._stamp = _stamp(os.fstat(fd))
+                yield fd
+        finally:
+            os.close(fd)  # also releases the flock
 
     def close(self) -> None:
-        for attr in ("_fd", "_lock_fd"):
-            fd = getattr(self, attr)
-            if fd is not None:
-                os.close(fd)  # closing the lock descriptor releases the flock
-                setattr(self, attr, None)
+        """Nothing is held between calls; kept so callers may scope a log with ``with``."""
 
     def __enter__(self) -> "CommitLog":
         return self
@@ -167,27 +205,20 @@ class CommitLog:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self):  # pragma: no cover - safety net
-        try:
-            self.close()
-        except Exception:
-            pass
-
     # ---------------------------------------------------------------- reading
 
     def _refresh(self) -> None:
-        """Readers re-read the file when it changed; the writer's memory is authoritative."""
-        if self.writer:
-            return
+        """Re-read the file when it changed since this object last looked."""
         try:
             st = self.path.stat()
         except FileNotFoundError:
-            self._rows, self._stamp = [], None
+            with self._mutex:
+                self._rows, self._stamp = [], None
             return
-        stamp = (st.st_size, st.st_mtime_ns)
-        if stamp != self._stamp:
-            self._rows, _ = _parse(self.path.read_bytes(), self.path)
-            self._stamp = stamp
+        with self._mutex:
+            if _stamp(st) != self._stamp:
+                self._rows, _ = _parse(self.path.read_bytes(), self.path)
+                self._stamp = _stamp(st)
 
     def last_step(self) -> int:
         """The step of the last committed row (0 for an empty log)."""
@@ -196,13 +227,15 @@ class CommitLog:
 
     def last_row(self) -> dict | None:
         self._refresh()
-        return dict(self._rows[-1]) if self._rows else None
+        rows = self._rows
+        return dict(rows[-1]) if rows else None
 
     def row(self, step: int) -> dict:
         self._refresh()
-        if not 1 <= step <= len(self._rows):
+        rows = self._rows
+        if not 1 <= step <= len(rows):
             raise ValidationFailed(f"no commit-log row at step {step}")
-        return dict(self._rows[step - 1])
+        return dict(rows[step - 1])
 
     def rows(
         self, after_step: int = 0, limit: int = 50, record_id: str | Iterable[str] | None = None
@@ -235,41 +268,47 @@ class CommitLog:
 
     def append(self, row: dict, expected_step: int) -> dict:
         """Commit ``row`` as step ``expected_step + 1`` (CAS); return the stored row."""
-        if not self.writer or self._fd is None:
+        if not self.writer:
             raise ValidationFailed(f"commit log {self.path} is not open for writing")
         normalized = normalize_row(row)
         if "step" in row and row["step"] != expected_step + 1:
             raise ValidationFailed(f"row step {row['step']} does not follow expected step {expected_step}")
-        last = len(self._rows)
-        if expected_step != last:
-            if 0 <= expected_step < last and _same(self._rows[expected_step], normalized):
-                return dict(self._rows[expected_step])  # identical retry of a committed row
-            raise Conflict(
-                f"commit log {self.path.name} is at step {last}, expected {expected_step}",
-                expected_step=expected_step,
-                last_step=last,
-            )
-        stored = {
-            "step": last + 1,
-            **normalized,
-            "recorded_at": datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z"),
-        }
-        line = (json.dumps(stored, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
-        size = os.fstat(self._fd).st_size
-        try:
-            view = memoryview(line)
-            while view:
-                view = view[os.write(self._fd, view) :]
-            os.fsync(self._fd)
-        except OSError as exc:
-            # Undo a partial line so the log stays parseable; the row is not committed.
+        with self._open_locked() as fd:
+            last = len(self._rows)
+            if expected_step != last:
+                if 0 <= expected_step < last and _same(self._rows[expected_step], normalized):
+                    return dict(self._rows[expected_step])  # identical retry of a committed row
+                raise Conflict(
+                    f"commit log {self.path.name} is at step {last}, expected {expected_step}",
+                    expected_step=expected_step,
+                    last_step=last,
+                )
+            stored = {
+                "step": last + 1,
+                **normalized,
+                "recorded_at": datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z"),
+            }
+            line = (json.dumps(stored, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
+            size = os.fstat(fd).st_size
             try:
-                os.ftruncate(self._fd, size)
-            except OSError:
-                pass
-            raise StorageUnavailable(f"commit log append failed: {exc}") from exc
-        self._rows.append(stored)
-        return dict(stored)
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            except OSError as exc:
+                # Undo a partial line so the log stays parseable; the row is not committed.
+                try:
+                    os.ftruncate(fd, size)
+                except OSError:
+                    pass
+                raise StorageUnavailable(f"commit log append failed: {exc}") from exc
+            self._rows = [*self._rows, stored]  # under the mutex; a new list, so callers' copies stay valid
+            self._stamp = _stamp(os.fstat(fd))
+            return dict(stored)
+
+
+def _stamp(st: os.stat_result) -> tuple[int, int, int]:
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _read_all(fd: int) -> bytes:

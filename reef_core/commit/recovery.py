@@ -23,7 +23,8 @@ decided*; the head is the truth about *what was served*):
 * anything else (the head is neither the logged release, its parent, nor a descendant) means
   the chain was moved outside Reef: StorageUnavailable, for an operator to resolve.
 
-Run it with the scenario's log open as the writer (the writer lock keeps it exclusive).
+Run it with the scenario's log open as a writer, in the one process holding the data directory's
+:class:`~reef_core.commit.commitlog.WriterLock`.
 """
 
 from __future__ import annotations

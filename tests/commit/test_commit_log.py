@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from reef_core.commit.commitlog import CommitLog, LogLocked
+from reef_core.commit.commitlog import CommitLog, LogLocked, WriterLock
 from reef_core.errors import Conflict, StorageUnavailable, ValidationFailed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,23 +88,56 @@ def test_damage_before_the_last_line_is_corruption(tmp_path):
         CommitLog(path)
 
 
-def test_single_writer_lock(tmp_path):
-    path = tmp_path / "s.jsonl"
-    first = CommitLog(path)
-    with pytest.raises(LogLocked, match="already has a writer"):
-        CommitLog(path)  # a second open in the same process is refused too
+def test_one_process_per_commit_directory(tmp_path):
+    first = WriterLock(tmp_path)
+    with pytest.raises(LogLocked, match="already have a writer"):
+        WriterLock(tmp_path)  # a second holder in the same process is refused too
     script = (
         "import sys\n"
-        "from reef_core.commit.commitlog import CommitLog, LogLocked\n"
+        "from reef_core.commit.commitlog import WriterLock, LogLocked\n"
         "try:\n"
-        "    CommitLog(sys.argv[1])\n"
+        "    WriterLock(sys.argv[1])\n"
         "except LogLocked as exc:\n"
         "    print(exc); sys.exit(3)\n"
         "print('acquired')\n"
     )
-    other = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, cwd=ROOT)
+    other = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
     assert other.returncode == 3, other.stderr
-    assert "already has a writer" in other.stdout and "pid" in other.stdout
-    first.close()
-    again = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, cwd=ROOT)
+    assert "already have a writer" in other.stdout and "pid" in other.stdout
+    first.release()
+    again = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
     assert again.returncode == 0 and "acquired" in again.stdout
+
+
+def _open_paths(directory: Path) -> list[str]:
+    found = []
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith(str(directory)):
+            found.append(target)
+    return found
+
+
+def test_an_idle_log_holds_no_descriptor(tmp_path):
+    logs = [CommitLog.for_scenario(tmp_path, f"s{i}") for i in range(20)]
+    for i, log in enumerate(logs):
+        log.append(row(ids=[f"r{i}"]), 0)
+        assert log.last_step() == 1
+    assert _open_paths(tmp_path) == []
+
+
+def test_two_writers_are_serialised_by_the_step_cas(tmp_path):
+    path = tmp_path / "s.jsonl"
+    a, b = CommitLog(path), CommitLog(path)
+    a.append(row(ids=["r1"]), 0)
+    # b has not read since a wrote: its append re-reads under the lock, so the CAS sees a's row.
+    with pytest.raises(Conflict, match="at step 1, expected 0"):
+        b.append(row(ids=["other"]), 0)
+    assert b.append(row(ids=["r1"]), 0)["step"] == 1  # a's row, retried identically, is the stored one
+    assert b.append(row(ids=["r2"]), 1)["step"] == 2
+    assert a.last_step() == 2 and a.last_row()["consumed_ids"] == ["r2"]
+    with pytest.raises(Conflict):
+        a.append(row(ids=["r3"]), 1)
