@@ -98,8 +98,10 @@ def reef_register_artifact_stores(register):
 def reef_register_surfaces(register):
     """Register surfaces: how a published release reaches live requests.
 
-    The factory is called once per deployment as ``factory(deployment=..., options=<dict>)`` and
-    returns a ``reef_core.surfaces.base.Surface``. A surface may validate a release before
+    The factory is called once per deployment as ``factory(ports=<ServingPorts>, options=<dict>)``
+    and returns a ``reef_core.surfaces.base.Surface``. ``ports`` (``reef_core.loop.ports``) holds
+    what a surface may use: ``engine``, ``artifacts``, ``run_async(coroutine)`` (run on the
+    server's event loop from a learner worker) and ``load_base_model()``. A surface may validate a release before
     publication, load it into the runtime (weights), rewrite requests (inject an adapter or a
     system prompt) and expose a text tree (harness). Built-ins: ``weights``, ``harness``.
     """

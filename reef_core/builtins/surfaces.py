@@ -5,10 +5,11 @@ from __future__ import annotations
 from .. import hookimpl
 
 
-def make_harness_surface(*, deployment=None, options=None):
+def make_harness_surface(*, ports=None, options=None):
+    """``ports`` (a ``ServingPorts``) gives the artifact store the surface restores heads from."""
     from ..surfaces.harness import HarnessSurface
 
-    return HarnessSurface(deployment, options)
+    return HarnessSurface(ports.artifacts if ports is not None else None, options)
 
 
 @hookimpl

@@ -5,10 +5,10 @@ from __future__ import annotations
 from .. import hookimpl
 
 
-def make_weights_surface(*, deployment, options=None):
+def make_weights_surface(*, ports, options=None):
     from ..surfaces.weights import WeightsSurface
 
-    return WeightsSurface(deployment, options)
+    return WeightsSurface(ports, options)
 
 
 @hookimpl

@@ -2,8 +2,9 @@
 
 stage the release -> append the commit-log row (commit point) -> move the head (or hold).
 See :mod:`reef_core.commit.recovery` for what a crash between the steps leaves and how it is
-repaired. The committer must be the only writer of its scenario's head: route rollbacks and
-promotions through it too, so every head move has a log row.
+repaired. The committer is the only writer of its scenario's head and of its commit-log rows:
+rollbacks, promotions, rejections and live (in-memory, not yet checkpointed) versions go
+through it too, so every head move and every step has exactly one writer.
 """
 
 from __future__ import annotations
@@ -115,3 +116,21 @@ class Committer:
         """Commit a rejected candidate: its records are consumed, no release is made."""
         row = self._row(operation, consumed_ids, algorithm_state, metrics, evaluation, decision, release_id=None)
         return self.log.append(row, self.log.last_step())
+
+    def record_live(
+        self,
+        *,
+        consumed_ids: Iterable[str] = (),
+        algorithm_state=None,
+        metrics: dict | None = None,
+        evaluation: dict | None = None,
+        decision: dict | None = None,
+    ) -> dict:
+        """Commit a version that serves from memory without a durable artifact (between checkpoints).
+
+        The row names it ``live:<scenario>:<step>`` (``live_release_id``); its records are consumed and
+        the step counter moves, but the head does not: a restart restores the last durable release."""
+        step = self.log.last_step()
+        row = self._row("training", consumed_ids, algorithm_state, metrics, evaluation, decision, release_id=None,
+                        live_release_id=f"live:{self.scenario}:{step + 1}", pending=False)
+        return self.log.append(row, step)

@@ -93,6 +93,8 @@ class TrainerConfig:
     grad_accumulation: int = 1
     #: Make every N-th published version durable in the artifact store; others live in memory.
     checkpoint_every_n_versions: int = 1
+    #: Worker threads shared by every scenario's learner (an idle scenario holds none).
+    learner_workers: int = 2
 
 
 @dataclass

@@ -1,7 +1,10 @@
 """The running deployment: config, plugins, record store, engine, artifacts and learners.
 
-One object owns what a ``reef serve`` process holds, so the HTTP layer stays thin and the
-learning loop (``reef_core.loop.learner``) reaches the same state.
+One object owns what a ``reef serve`` process holds, so the HTTP layer stays thin. The loop's
+parts do not reach back into it: surfaces get :class:`~reef_core.loop.ports.ServingPorts`,
+learners :class:`~reef_core.loop.ports.LearnerPorts` and
+:class:`~reef_core.loop.ports.LearnerSettings`; all learners share one
+:class:`~reef_core.loop.pool.LearnerPool` (``trainer.learner_workers`` threads).
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..commit.commitlog import WriterLock
 from ..config.schema import RecipeConfig, ReefConfig
 from ..errors import ConfigError, NotFound
 from ..observe.records import RecordStore, Scenario
+from .pool import LearnerPool
+from .ports import LearnerPorts, LearnerSettings, ServingPorts
 
 log = logging.getLogger("reef.serve")
 
@@ -45,6 +51,16 @@ class Deployment:
         self._learners: dict[str, Any] = {}
         self._learners_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._writer_lock: WriterLock | None = None
+        if cfg.trainer.learner_workers < 1:
+            raise ConfigError("trainer.learner_workers must be at least 1")
+        self.pool = LearnerPool(workers=cfg.trainer.learner_workers)
+        self.serving_ports = ServingPorts(engine=engine, artifacts=artifacts, run_async=self.run_async,
+                                          load_base_model=self.load_base_model)
+        self.learner_ports = LearnerPorts(serving=self.serving_ports, records=store, create=plugin_manager.create,
+                                          notify=plugin_manager.notify, pool=self.pool)
+        self.learner_settings = LearnerSettings(data_dir=self.data_dir, seed=cfg.seed, trainer=cfg.trainer,
+                                                evaluation=cfg.evaluation)
         # Build every recipe's surface now: an impossible pairing (a weights recipe on an engine that
         # cannot swap weights) fails at start-up with a clear message, not on the first request.
         for binding in self.recipes.values():
@@ -131,7 +147,7 @@ class Deployment:
             for binding in self.recipes.values():
                 if binding.config.surface == name and binding.config.surface_options:
                     options = dict(binding.config.surface_options)
-            self._surfaces[name] = self.pm.create("surface", name, deployment=self, options=options)
+            self._surfaces[name] = self.pm.create("surface", name, ports=self.serving_ports, options=options)
         return self._surfaces[name]
 
     def surface_for(self, scenario: Scenario):
@@ -145,14 +161,21 @@ class Deployment:
         with self._learners_lock:
             found = self._learners.get(scenario.name)
             if found is None:
-                found = ScenarioLearner(self, scenario.name, self.recipe(scenario))
+                self._hold_writer_lock()
+                found = ScenarioLearner(scenario.name, self.recipe(scenario).config, self.surface_for(scenario),
+                                        self.learner_ports, self.learner_settings)
                 try:
-                    found.start()
+                    found.start()  # recovery runs here, before the scenario serves
                 except BaseException:
-                    found.stop()  # release the commit-log writer lock for a later attempt
+                    found.stop()  # no turns for a learner that did not start
                     raise
                 self._learners[scenario.name] = found
             return found
+
+    def _hold_writer_lock(self) -> None:
+        """One process writes this data directory's commit logs (taken once, before any learner)."""
+        if self._writer_lock is None:
+            self._writer_lock = WriterLock(self.learner_settings.commits_dir)
 
     async def record_stored(self, record, idempotency_key: str | None = None, *,
                             check_references: bool = False):
@@ -215,6 +238,7 @@ class Deployment:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        await asyncio.to_thread(self._hold_writer_lock)  # a second server on this data dir fails here
         await self.engine.start()
         # Existing scenarios resume their learners (recovery runs before serving starts).
         for scenario in await asyncio.to_thread(self.store.scenarios):
@@ -227,10 +251,14 @@ class Deployment:
     async def stop(self) -> None:
         for learner in list(self._learners.values()):
             await asyncio.to_thread(learner.stop)
+        await asyncio.to_thread(self.pool.close)
         try:
             await self.engine.close()
         finally:
             self.store.close()
+            if self._writer_lock is not None:
+                self._writer_lock.release()
+                self._writer_lock = None
 
     # -- serving version -----------------------------------------------------------------------
 

@@ -1,11 +1,18 @@
-"""The learner: one background worker per scenario, beside serving.
+"""The learner: one per scenario, beside serving, run in turns on a shared worker pool.
 
-Each worker tails its scenario's records from the store (in sequence order) into the recipe's
-processor; when a batch is ready it asks the trainer for a candidate, runs the evaluation gate,
-and on *select* commits the release (artifact store + commit log), activates it on the surface
-and acknowledges the batch. On *reject* nothing that serves changes: the batch is acknowledged
-and the rejection is committed to the commit log. Record acceptance never waits for training:
-the request path only wakes the worker.
+A learner holds no thread and no open file while idle. Storing a record wakes it
+(``Deployment.record_stored`` -> :meth:`ScenarioLearner.wake`), which asks the
+:class:`~reef_core.loop.pool.LearnerPool` for a turn. A turn tails the scenario's new records
+from the store (in sequence order) into the recipe's processor and, when a batch is ready,
+does one step: the trainer makes a candidate, the evaluation gate decides, and on *select* the
+committer commits the release (artifact store + commit log), the surface activates it and the
+batch is acknowledged. On *reject* nothing that serves changes: the batch is acknowledged and
+the committer records the rejection. A learner with more ready work asks for another turn at
+the back of the queue; a failed turn is retried after :data:`RETRY_AFTER_S`; a processor whose
+readiness changes with time says when (:meth:`Processor.recheck_after`). Record acceptance
+never waits for training.
+
+The learner reaches the deployment only through its ports (:mod:`reef_core.loop.ports`).
 
 Checkpoint cadence (``trainer.checkpoint_every_n_versions``): every N-th accepted version is
 written to the artifact store; versions in between are *live*: activated in memory and
@@ -30,26 +37,32 @@ from ..commit.gate import Candidate, Decision, EvaluationResult, run_gate
 from ..commit.release import Release
 from ..errors import Conflict, NotFound, ReefError
 from ..grow.trainer import CandidateUpdate, TrainContext, Trainer, TrainerSetup
+from .ports import LearnerPorts, LearnerSettings
 
 log = logging.getLogger("reef.learner")
 
 #: Attempts at training one batch before it is dropped as ``trainer_failed``.
 MAX_BATCH_FAILURES = 3
+#: Seconds before a turn that failed runs again (a batch that keeps failing is dropped after
+#: :data:`MAX_BATCH_FAILURES`).
+RETRY_AFTER_S = 1.0
 
 
 class ScenarioLearner:
-    def __init__(self, deployment, scenario: str, recipe):
-        self.dep = deployment
+    def __init__(self, scenario: str, recipe, surface, ports: LearnerPorts, settings: LearnerSettings):
+        """``recipe`` is the scenario's ``recipe`` section; ``surface`` the component it names (or None)."""
+        self.ports = ports
+        self.settings = settings
+        self.artifacts = ports.serving.artifacts
         self.name = scenario
-        self.recipe = recipe.config
-        cfg = deployment.cfg
+        self.recipe = recipe
         self.lock = threading.RLock()  # one writer of this scenario's head: steps, rollback, promote
-        self.log = CommitLog.for_scenario(deployment.data_dir / "commits", scenario)
-        self.committer = Committer(deployment.artifacts, self.log, scenario)
-        self.surface = deployment.surface(self.recipe.surface)
+        self.log = CommitLog.for_scenario(settings.commits_dir, scenario)
+        self.committer = Committer(self.artifacts, self.log, scenario)
+        self.surface = surface
         self.processor = None
         if self.recipe.processor:
-            self.processor = deployment.pm.create(
+            self.processor = ports.create(
                 "processor", self.recipe.processor, scenario=scenario,
                 options=dict(self.recipe.processor_options),
                 serving_version=self.serving_version)
@@ -66,8 +79,8 @@ class ScenarioLearner:
         # A weights trainer holds a model copy and optimizer state: build it when a batch first needs it.
         elif self.recipe.trainer:
             self._build_trainer()
-        self.checkpoint_every = max(1, cfg.trainer.checkpoint_every_n_versions)
-        self.publish_mode = cfg.evaluation.publish
+        self.checkpoint_every = settings.checkpoint_every
+        self.publish_mode = settings.evaluation.publish
         self.head: Release | None = None
         self.live_release_id: str | None = None
         self.versions_since_checkpoint = 0
@@ -78,9 +91,8 @@ class ScenarioLearner:
         self.release_metrics: dict[str, dict] = self._load_release_metrics()
         self._pending_latency: dict[str, float] = {}
         self._batch_failures: dict[str, int] = {}
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self._running = False  # a turn runs now (status only; the pool keeps one turn per scenario)
 
     # -- start-up and recovery -------------------------------------------------------------------
 
@@ -88,8 +100,8 @@ class ScenarioLearner:
         recovered = self.committer.recover()
         if recovered.actions:
             log.warning("scenario %s recovered: %s", self.name, "; ".join(recovered.actions))
-        self.head = self.dep.artifacts.head(self.name)
-        consumed = set(recovered.consumed_ids) | self.dep.store.consumed_ids(self.name)
+        self.head = self.artifacts.head(self.name)
+        consumed = set(recovered.consumed_ids) | self.ports.records.consumed_ids(self.name)
         if self.processor is not None:
             self.processor.restore(consumed)
         if self.head is None and self._trainer is not None:
@@ -100,17 +112,18 @@ class ScenarioLearner:
         if self.head is not None and self.surface is not None:
             self.surface.activate(self.name, self.head.release_id, files=self._files(self.head.release_id))
             self._remember(self.head.release_id, {"serving_version": self.serving_version()})
-        self._thread = threading.Thread(target=self._run, name=f"reef-learner-{self.name}", daemon=True)
-        self._thread.start()
+        self.ports.pool.register(self.name, self._turn)
+        if self.processor is not None:
+            self.wake()  # catch up on records stored before this start (a restart, a replayed stream)
 
     def _build_trainer(self) -> Trainer:
         if self._trainer is None:
-            cfg = self.dep.cfg
-            setup = TrainerSetup(data_dir=self.dep.data_dir, engine=self.dep.engine,
-                                 load_base_model=self._load_start_model, seed=cfg.seed,
-                                 run_async=self.dep.run_async)
-            self._trainer = self.dep.pm.create("trainer", self.recipe.trainer, scenario=self.name,
-                                               recipe=self.recipe, trainer=cfg.trainer, context=setup)
+            serving = self.ports.serving
+            setup = TrainerSetup(data_dir=self.settings.data_dir, engine=serving.engine,
+                                 load_base_model=self._load_start_model, seed=self.settings.seed,
+                                 run_async=serving.run_async)
+            self._trainer = self.ports.create("trainer", self.recipe.trainer, scenario=self.name,
+                                              recipe=self.recipe, trainer=self.settings.trainer, context=setup)
         return self._trainer
 
     @property
@@ -122,26 +135,27 @@ class ScenarioLearner:
         return bool(self.recipe.trainer) and self.training_disabled is None
 
     def stop(self, timeout: float = 30) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        self.log.close()
+        """No more turns; waits for a running one to finish its step."""
+        self._stopped = True
+        self.ports.pool.unregister(self.name)
+        self.ports.pool.wait_idle(self.name, timeout)
 
     def wake(self) -> None:
-        self._wake.set()
+        """Ask for a turn (records arrived); returns at once."""
+        if not self._stopped:
+            self.ports.pool.schedule(self.name)
 
     def _files(self, release_id: str):
-        return lambda: self.dep.artifacts.read_files(release_id)
+        return lambda: self.artifacts.read_files(release_id)
 
     def _load_start_model(self):
         """The model a weights trainer starts from: the scenario's head checkpoint, else the base."""
         from ..surfaces.weights import state_dict_from_files
 
-        model, tokenizer = self.dep.load_base_model()
+        load_base_model = self.ports.serving.load_base_model
+        model, tokenizer = load_base_model()
         if self.head is not None:
-            state = state_dict_from_files(self.dep.artifacts.read_files(self.head.release_id),
-                                          self.dep.load_base_model)
+            state = state_dict_from_files(self.artifacts.read_files(self.head.release_id), load_base_model)
             model.load_state_dict(state, strict=False)
         return model, tokenizer
 
@@ -152,26 +166,37 @@ class ScenarioLearner:
             return self.surface.serving_version(self.name)
         return None
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(timeout=1.0)
-            self._wake.clear()
-            try:
+    def _turn(self) -> None:
+        """One turn on a pool worker: ingest new records and train at most one ready batch."""
+        if self._stopped:
+            return
+        self._running = True
+        try:
+            self._ingest()
+            if self._trains() and self.processor.ready():
+                self._step()
                 self._ingest()
-                while (self.processor is not None and self.has_trainer and not self._stop.is_set()
-                       and self.processor.ready()):
-                    self._step()
-                    self._ingest()
-            except Exception as exc:  # noqa: BLE001 - the worker must survive a bad step
-                self.counters["errors"] += 1
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.error("scenario %s: learner step failed:\n%s", self.name, traceback.format_exc())
-                self._stop.wait(1.0)
+                if not self._stopped and self.processor.ready():
+                    self.ports.pool.schedule(self.name)  # more to do: again, behind the scenarios waiting
+                    return
+            later = self.processor.recheck_after() if self.processor is not None else None
+            if later is not None:
+                self.ports.pool.schedule_later(self.name, later)
+        except Exception as exc:  # noqa: BLE001 - the learner must survive a bad step
+            self.counters["errors"] += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.error("scenario %s: learner step failed:\n%s", self.name, traceback.format_exc())
+            self.ports.pool.schedule_later(self.name, RETRY_AFTER_S)
+        finally:
+            self._running = False
+
+    def _trains(self) -> bool:
+        return self.processor is not None and self.has_trainer and not self._stopped
 
     def _ingest(self) -> None:
         if self.processor is None:
             return
-        for record in self.dep.store.replay(self.name, self.last_sequence):
+        for record in self.ports.records.replay(self.name, self.last_sequence):
             self.processor.ingest(record)
             self.last_sequence = max(self.last_sequence, record.sequence or 0)
 
@@ -229,8 +254,8 @@ class ScenarioLearner:
             log.info("scenario %s: candidate %s rejected: %s", self.name, candidate.candidate_id, decision.reason)
 
     def _gate(self, candidate: Candidate, update: CandidateUpdate) -> Decision:
-        cfg = self.dep.cfg.evaluation
-        pm = self.dep.pm
+        cfg = self.settings.evaluation
+        create = self.ports.create
         options = cfg.options
         policy_options = options.get("policy", {}) if isinstance(options.get("policy"), dict) else {}
         evaluator_options = options.get("evaluator", {}) if isinstance(options.get("evaluator"), dict) else {}
@@ -240,9 +265,9 @@ class ScenarioLearner:
 
                 policy = make_policy(cfg.policy, **policy_options)
             else:
-                policy = pm.create("selection_policy", cfg.policy, **policy_options)
+                policy = create("selection_policy", cfg.policy, **policy_options)
             if cfg.evaluator:
-                evaluator = pm.create("evaluator", cfg.evaluator, tasks=update.eval_tasks,
+                evaluator = create("evaluator", cfg.evaluator, tasks=update.eval_tasks,
                                       run=self.trainer.run_task, options=evaluator_options)
             else:
                 evaluator = _NoEvaluation()
@@ -268,7 +293,7 @@ class ScenarioLearner:
                     hold=hold)
                 if hold:
                     self.processor.acknowledge(batch.batch_id)
-                    self.dep.store.mark_consumed(self.name, consumed, _row["step"])
+                    self.ports.records.mark_consumed(self.name, consumed, _row["step"])
                     self.trainer.rejected(update)  # the policy keeps serving what it served
                     self.counters["selected"] += 1
                     return
@@ -278,11 +303,9 @@ class ScenarioLearner:
                 self.versions_since_checkpoint = 0
                 step = _row["step"]
             else:
-                live_id = f"live:{self.name}:{self.log.last_step() + 1}"
-                row = self.log.append({"operation": "training", "release_id": None, "live_release_id": live_id,
-                                       "consumed_ids": consumed, "algorithm_state": update.algorithm_state,
-                                       "metrics": metrics, "evaluation": evaluation,
-                                       "decision": decision.to_dict(), "pending": False}, self.log.last_step())
+                row = self.committer.record_live(consumed_ids=consumed, algorithm_state=update.algorithm_state,
+                                                 metrics=metrics, evaluation=evaluation, decision=decision.to_dict())
+                live_id = row["live_release_id"]
                 release_id = live_id
                 self.live_release_id = live_id
                 self.versions_since_checkpoint += 1
@@ -298,10 +321,10 @@ class ScenarioLearner:
             self.trainer.accepted(update, release_id)
             self.processor.acknowledge(batch.batch_id)
             crash_point("before_mark_consumed")
-            self.dep.store.mark_consumed(self.name, consumed, step)
+            self.ports.records.mark_consumed(self.name, consumed, step)
             self.counters["selected"] += 1
         if durable:
-            self.dep.pm.notify("reef_release_published", scenario=self.name, release=self.head)
+            self.ports.notify("reef_release_published", scenario=self.name, release=self.head)
         log.info("scenario %s: step %d published %s (serving %s)", self.name, step, release_id,
                  self.serving_version())
 
@@ -311,7 +334,7 @@ class ScenarioLearner:
                 consumed_ids=consumed, metrics=metrics,
                 evaluation=evaluation.to_dict() if hasattr(evaluation, "to_dict") else evaluation,
                 decision=decision.to_dict() if hasattr(decision, "to_dict") else decision)
-            self.dep.store.mark_consumed(self.name, list(consumed), row["step"])
+            self.ports.records.mark_consumed(self.name, list(consumed), row["step"])
 
     # -- publish latency -------------------------------------------------------------------------
 
@@ -334,7 +357,7 @@ class ScenarioLearner:
         self._save_release_metrics()
 
     def _release_metrics_path(self) -> Path:
-        return self.dep.data_dir / "release-metrics" / f"{self.log.path.stem}.json"
+        return self.settings.release_metrics_dir / f"{self.log.path.stem}.json"
 
     def _load_release_metrics(self) -> dict:
         try:
@@ -358,7 +381,7 @@ class ScenarioLearner:
         """Rollback or promote: publish an earlier (or held) release's content as a new head."""
         with self.lock:
             try:
-                target = self.dep.artifacts.get(release_id)
+                target = self.artifacts.get(release_id)
             except NotFound:
                 raise NotFound(f"unknown release {release_id!r} in scenario {self.name!r}") from None
             if target.scenario != self.name:
@@ -376,7 +399,7 @@ class ScenarioLearner:
                 self._remember(release.release_id, {"serving_version": self.serving_version()})
             if self._trainer is not None:
                 self._trainer.rejected(CandidateUpdate(files={}))  # trainers resync to what now serves
-        self.dep.pm.notify("reef_release_published", scenario=self.name, release=release)
+        self.ports.notify("reef_release_published", scenario=self.name, release=release)
         return release
 
     def release_rows(self) -> list[dict]:
@@ -389,7 +412,7 @@ class ScenarioLearner:
                          "metrics": {**last.get("metrics", {}), **self.release_metrics.get(self.live_release_id, {})},
                          "current": True, "pending": False, "restorable": False, "checkpoint": False,
                          "content_kind": "live_weights"})
-        for release in self.dep.artifacts.releases(self.name):
+        for release in self.artifacts.releases(self.name):
             row = release.to_dict()
             row["metrics"] = {**(row.get("metrics") or {}), **self.release_metrics.get(release.release_id, {})}
             row["current"] = release.release_id == current
@@ -399,10 +422,19 @@ class ScenarioLearner:
     def commit_rows(self, after_step: int, limit: int, record_ids) -> list[dict]:
         return self.log.rows(after_step, limit, record_ids)
 
+    def state(self) -> str:
+        """``running`` (a turn runs now), ``scheduled`` (waiting for a worker), ``idle`` or ``stopped``."""
+        if self._stopped:
+            return "stopped"
+        if self._running:
+            return "running"
+        return "scheduled" if self.ports.pool.busy(self.name) else "idle"
+
     def status(self) -> dict:
         return {
             "scenario": self.name,
             "recipe": self.recipe.name,
+            "learner": self.state(),
             "step": self.log.last_step(),
             "current_release_id": self.current_release_id(),
             "current_version": self.serving_version(),

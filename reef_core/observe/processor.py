@@ -169,6 +169,11 @@ class Processor(ABC):
     def drop(self, batch_id: str, reason: str) -> list[str]:
         """The batch will never train: acknowledge it without a step, counting ``reason`` once per sample."""
 
+    def recheck_after(self) -> float | None:
+        """Seconds after which :meth:`ready` may change with no new record (a timeout, a judge to ask again),
+        or None. The learner sleeps on new records only; this is how a time-based change gets its turn."""
+        return None
+
     def preview(self, limit: int = 20) -> list["Sample"]:
         """Samples waiting to train (the reserved batch first), without reserving anything."""
         return []

@@ -213,21 +213,21 @@ class HarnessSurface(Surface):
     ``inject_mode``      ``extend`` (default: prepend to the client's own system prompt) or ``replace``.
     ``max_file_bytes``, ``max_total_bytes``, ``max_files``: caps of :func:`validate_tree`.
 
-    ``deployment.artifacts`` (a ``GitArtifactStore``), when present, lets the surface load a
-    scenario's head on first use, so a restarted server serves its last release before the
-    learner re-activates it.
+    ``artifacts`` (the deployment's artifact store, ``ports.artifacts``), when given, lets the
+    surface load a scenario's head on first use, so a restarted server serves its last release
+    before the learner re-activates it.
     """
 
     kind = "harness"
 
-    def __init__(self, deployment: Any = None, options: Mapping[str, Any] | None = None):
+    def __init__(self, artifacts: Any = None, options: Mapping[str, Any] | None = None):
         opts = dict(options or {})
         known = {"inject", "system_files", "system_file", "inject_mode", "max_file_bytes", "max_total_bytes",
                  "max_files"}
         unknown = sorted(set(opts) - known)
         if unknown:
             raise ConfigError(f"harness surface has no option {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-        self.deployment = deployment
+        self.artifacts = artifacts
         self.inject = str(opts.get("inject") or "none")
         if self.inject not in ("none", "system"):
             raise ConfigError(f"harness surface: inject must be 'none' or 'system', not {self.inject!r}")
@@ -288,8 +288,8 @@ class HarnessSurface(Surface):
         log.info("harness %s now serves release %s (%d files)", scenario, release_id, len(tree))
 
     def restore(self, scenario: str) -> str | None:
-        """Load the scenario's head from ``deployment.artifacts`` and serve it; return its release id."""
-        store = getattr(self.deployment, "artifacts", None)
+        """Load the scenario's head from the artifact store and serve it; return its release id."""
+        store = self.artifacts
         if store is None:
             return None
         head = store.head(scenario)
@@ -301,9 +301,9 @@ class HarnessSurface(Surface):
         return head.release_id
 
     def _read_release(self, release_id: str) -> dict[str, str]:
-        store = getattr(self.deployment, "artifacts", None)
+        store = self.artifacts
         if store is None:
-            raise ValidationFailed(f"release {release_id} cannot be loaded: the deployment has no artifact store")
+            raise ValidationFailed(f"release {release_id} cannot be loaded: the surface has no artifact store")
         return self.checked(store.read_files(release_id))
 
     # -- reading -------------------------------------------------------------------------------------

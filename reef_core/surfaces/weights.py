@@ -11,10 +11,13 @@ from __future__ import annotations
 import io
 import logging
 import threading
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..errors import ConfigError, Conflict
 from .base import Surface
+
+if TYPE_CHECKING:
+    from ..loop.ports import ServingPorts
 
 log = logging.getLogger("reef.surfaces")
 
@@ -50,12 +53,12 @@ def state_dict_from_files(files: Mapping[str, bytes], load_base_model: Callable[
 class WeightsSurface(Surface):
     kind = "weights"
 
-    def __init__(self, deployment, options: Mapping[str, Any] | None = None):
-        engine = deployment.engine
+    def __init__(self, ports: ServingPorts, options: Mapping[str, Any] | None = None):
+        engine = ports.engine
         if not hasattr(engine, "swap_weights"):
             raise ConfigError(f"the weights surface needs an engine that can swap weights (engine.kind=local), "
                               f"not {getattr(engine, 'name', type(engine).__name__)!r}")
-        self.dep = deployment
+        self.ports = ports
         self.engine = engine
         incarnation, _, seq = str(engine.version).rpartition(":")
         self.incarnation = incarnation or str(engine.version)
@@ -79,10 +82,10 @@ class WeightsSurface(Surface):
     def activate(self, scenario, release_id, payload=None, files=None) -> None:
         with self._lock:
             self._claim(scenario)
-            state = payload if payload is not None else state_dict_from_files(files(), self.dep.load_base_model)
+            state = payload if payload is not None else state_dict_from_files(files(), self.ports.load_base_model)
             self.sequence += 1
             version = f"{self.incarnation}:{self.sequence}"
-            self.dep.run_async(self.engine.swap_weights(version, state))
+            self.ports.run_async(self.engine.swap_weights(version, state))
             self.release_of[version] = release_id
             log.info("scenario %s now served by %s (release %s)", scenario, version, release_id)
 

@@ -64,7 +64,7 @@ class HarnessRouteDeployment:
         self.store = _Scenarios({name: Scenario(name, recipe, 0.0) for name, recipe in
                                  [("harn", "gepa"), ("other", "gepa"), ("empty", "gepa"), ("plain", "none")]})
         self.store.rows["gone"] = Scenario("gone", "gepa", 0.0, archived=True)
-        self.harness = HarnessSurface(self, {"inject": "system"})
+        self.harness = HarnessSurface(self.artifacts, {"inject": "system"})
 
     def surface_for(self, scenario):
         return self.harness if scenario.recipe == "gepa" else None

@@ -4,7 +4,6 @@ activation and restore from a real git artifact store."""
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 
@@ -149,8 +148,7 @@ def test_surface_restores_head_from_artifact_store(tmp_path):
     store = GitArtifactStore(tmp_path / "artifacts.git", tmp_path / "work")
     first = store.publish("s", {"system_prompt.md": b"First."}, expected_parent=None)
     second = store.publish("s", {"system_prompt.md": "Second é.".encode()}, expected_parent=first.release_id)
-    deployment = SimpleNamespace(artifacts=store)  # only what the surface reads: the artifact store
-    surface = HarnessSurface(deployment, {"inject": "system"})
+    surface = HarnessSurface(store, {"inject": "system"})  # the one port the surface reads
     assert surface.serving_version("s") == second.release_id  # loaded on first use
     assert surface.system_text("s") == "Second é."
     assert surface.serving_version("never-published") is None
@@ -162,5 +160,5 @@ def test_surface_restores_head_from_artifact_store(tmp_path):
 
 def test_harness_surface_is_a_registered_component():
     pm = PluginManager(load_entry_points=False)
-    surface = pm.create("surface", "harness", deployment=None, options={"inject": "system"})
+    surface = pm.create("surface", "harness", ports=None, options={"inject": "system"})
     assert isinstance(surface, HarnessSurface) and surface.kind == "harness"

@@ -171,6 +171,16 @@ class GroupedProcessor(ReportedProcessor):
     def _waiting_units(self) -> Iterable[Unit]:
         return [unit for group in self._groups for unit in group.units]
 
+    def recheck_after(self) -> float | None:
+        """When the oldest incomplete group times out (never under the ``wait`` policy)."""
+        if self.partial_policy == "wait":
+            return None
+        with self._lock:
+            started = [group.started_at for group in self._groups if not group.ready]
+            if not started:
+                return None
+            return max(0.0, min(started) + self.timeout_s - self._clock())
+
     def _evict_inadmissible(self, verdicts: dict[int, str]) -> None:
         for group in list(self._groups):
             if any(id(unit) in verdicts for unit in group.units):

@@ -54,6 +54,9 @@ JUDGE_NEVER = "judge_never"
 JUDGE_ERROR = "judge_error"
 JUDGE_INVALID = "judge_invalid"
 
+#: How soon a pair whose judge said ``wait`` (or failed) is asked again, when nothing else wakes the learner.
+JUDGE_RETRY_S = 1.0
+
 
 @dataclass
 class Turn:
@@ -227,6 +230,18 @@ class NextStateProcessor(BufferedProcessor):
             if turn.record.created_at > cutoff:
                 break
             self._retire(turn, SESSION_EXPIRED)
+
+    def recheck_after(self) -> float | None:
+        """A judge that answered ``wait`` or failed is asked again within a second; the oldest open turn
+        expires at ``created_at + session_ttl_s``."""
+        with self._lock:
+            delays = []
+            if self.judge is not None and self._jobs and self._batch is None and len(self._units) < self.batch_size:
+                delays.append(JUDGE_RETRY_S)
+            if self.session_ttl_s is not None and self._open:
+                oldest = next(iter(self._open.values()))
+                delays.append(max(0.0, oldest.record.created_at + self.session_ttl_s - self._clock()))
+            return min(delays) if delays else None
 
     # -- judging (learner's thread, lock released around the judge) ---------------------------------------------------
 

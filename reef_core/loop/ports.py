@@ -1,0 +1,91 @@
+"""The narrow ports through which the loop's parts reach the running deployment.
+
+A surface and a learner never see the :class:`~reef_core.loop.deployment.Deployment`; they get
+only what they use, so a new recipe, surface or test can provide these few pieces without
+building a whole deployment:
+
+* :class:`ServingPorts`: what a surface factory receives (``factory(ports=..., options=...)``):
+  the engine, the artifact store, a way to run a coroutine on the server's event loop, and the
+  base-model loader (weights restores).
+* :class:`LearnerPorts`: what a scenario's learner receives: the serving ports plus the record
+  store (as :class:`RecordPort`), the plugin manager's ``create`` for the components it builds
+  (processor, trainer, evaluator, selection policy), lifecycle ``notify``, and the worker pool.
+* :class:`LearnerSettings`: the config pieces a learner reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..config.schema import EvaluationConfig, TrainerConfig
+from .pool import LearnerPool
+
+
+class RunAsync(Protocol):
+    """Run ``coroutine`` on the server's event loop from a worker thread and return its result."""
+
+    def __call__(self, coroutine: Coroutine[Any, Any, Any], timeout: float | None = 600) -> Any: ...
+
+
+class RecordPort(Protocol):
+    """The part of the record store a learner uses: its scenario's stream and consumption marks."""
+
+    def replay(self, scenario: str, after_sequence: int = 0) -> Iterator[Any]: ...
+
+    def consumed_ids(self, scenario: str) -> set[str]: ...
+
+    def mark_consumed(self, scenario: str, ids: Iterable[str], step: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class ServingPorts:
+    """What a surface may use: it makes releases reach live requests, nothing more."""
+
+    #: The deployment's ``reef_core.engines.base.Engine``.
+    engine: Any
+    #: Where releases live (the built-in is ``GitArtifactStore``); None in tests that need none.
+    artifacts: Any
+    run_async: RunAsync
+    #: ``() -> (model, tokenizer)``: the base model the local engine serves (weights surfaces).
+    load_base_model: Callable[[], tuple[Any, Any]]
+
+
+@dataclass(frozen=True)
+class LearnerPorts:
+    """What a scenario's learner may use of the deployment."""
+
+    serving: ServingPorts
+    records: RecordPort
+    #: ``create(kind, name, **kwargs)``: the plugin manager's factory for registered components.
+    create: Callable[..., Any]
+    #: ``notify(hook_name, **kwargs)``: lifecycle hooks (``reef_release_published``).
+    notify: Callable[..., None]
+    #: The worker pool that gives the learner its turns.
+    pool: LearnerPool
+
+
+@dataclass(frozen=True)
+class LearnerSettings:
+    """The config a learner reads (sections of the composed ``reef_core.config.schema.ReefConfig``)."""
+
+    data_dir: Path
+    seed: int
+    #: The ``trainer`` section (handed to trainer factories as ``trainer=``).
+    trainer: TrainerConfig
+    #: The ``evaluation`` section: ``policy``, ``evaluator``, ``options``, ``publish``.
+    evaluation: EvaluationConfig
+
+    @property
+    def commits_dir(self) -> Path:
+        return self.data_dir / "commits"
+
+    @property
+    def release_metrics_dir(self) -> Path:
+        return self.data_dir / "release-metrics"
+
+    @property
+    def checkpoint_every(self) -> int:
+        return max(1, self.trainer.checkpoint_every_n_versions)
