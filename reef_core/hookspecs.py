@@ -47,6 +47,8 @@ def reef_register_processors(register):
     record of its scenario in order (inference and report), never blocks the request path, and
     exposes ``ready()``, ``pending_batch()`` (the same batch until acknowledged),
     ``acknowledge(batch_id) -> consumed record ids``, ``release(batch_id)`` and ``status()``.
+    The learner runs only when a record is stored; a processor whose readiness also changes with
+    time (a group timeout, a judge to ask again) says when to look again in ``recheck_after()``.
     """
 
 

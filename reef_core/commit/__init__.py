@@ -12,6 +12,7 @@ _EXPORTS = {
     "check_git_lfs": "_git",
     "CommitLog": "commitlog",
     "LogLocked": "commitlog",
+    "WriterLock": "commitlog",
     "Committer": "committer",
     "ReplayEvaluator": "evaluators",
     "TaskEvaluator": "evaluators",
