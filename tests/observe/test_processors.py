@@ -517,6 +517,8 @@ def test_grouped_partial_group_policy(policy):
     feed(p, *xs, *(s.report([x.record_id], created_at=clock.now) for x in xs))
     clock.now += 59
     assert not p.ready()
+    # The learner sleeps until a record arrives: the processor says when the timeout needs a look.
+    assert p.recheck_after() == (None if policy == "wait" else pytest.approx(1.0))
     clock.now += 2
     if policy == "wait":
         assert not p.ready() and p.status()["open_groups"] == 1

@@ -128,6 +128,7 @@ def test_judge_wait_never_and_invalid_answers():
     p.acknowledge(batch.batch_id)
     assert p.status()["dropped"] == {"judge_invalid": 1, "judge_never": 1}
     assert p.status()["pairs_waiting_for_judge"] == 1  # t1 waits
+    assert p.recheck_after() == 1.0  # asked again soon, without a new record
     calls = len(judge.calls)
     assert not p.ready()
     assert len(judge.calls) == calls + 1  # asked once per call, not in a loop
@@ -207,6 +208,7 @@ def test_unanswered_turns_expire_after_the_session_ttl():
     p.ingest(s.turn([u("q")], "a", session="S", created_at=1000.0))
     now["t"] = 1059.0
     assert p.status()["open_turns"] == 1
+    assert p.recheck_after() == pytest.approx(1.0)  # when the open turn expires
     now["t"] = 1061.0
     assert p.status()["open_turns"] == 0 and p.status()["dropped"] == {"session_expired": 1}
     # a late follow-up starts fresh: the expired turn never trains
