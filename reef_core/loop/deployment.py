@@ -49,7 +49,7 @@ class Deployment:
         self._report_schemas: dict[str, Any] = {}
         self._surfaces: dict[str, Any] = {}
         self._learners: dict[str, Any] = {}
-        self._learners_lock = threading.Lock()
+        self._learners_lock = threading.RLock()  # also guards the writer lock, taken by start() or a learner
         self._loop: asyncio.AbstractEventLoop | None = None
         self._writer_lock: WriterLock | None = None
         if cfg.trainer.learner_workers < 1:
@@ -174,8 +174,9 @@ class Deployment:
 
     def _hold_writer_lock(self) -> None:
         """One process writes this data directory's commit logs (taken once, before any learner)."""
-        if self._writer_lock is None:
-            self._writer_lock = WriterLock(self.learner_settings.commits_dir)
+        with self._learners_lock:
+            if self._writer_lock is None:
+                self._writer_lock = WriterLock(self.learner_settings.commits_dir)
 
     async def record_stored(self, record, idempotency_key: str | None = None, *,
                             check_references: bool = False):
