@@ -42,6 +42,7 @@ class LearnerPool:
         self._running: set[str] = set()
         self._again: set[str] = set()  # asked for a turn while running
         self._delayed: list[tuple[float, int, str]] = []  # (due, tie-break, key), a heap
+        self._due: dict[str, float] = {}  # key -> its one pending delayed turn (the earliest asked for)
         self._tie = itertools.count()
         self._threads: list[threading.Thread] = []
         self._closed = False
@@ -59,6 +60,7 @@ class LearnerPool:
             self._turns.pop(key, None)
             self._queued.discard(key)
             self._again.discard(key)
+            self._due.pop(key, None)
             # Stale entries in the queue and the heap are skipped when they come up.
 
     def schedule(self, key: str) -> None:
@@ -76,7 +78,11 @@ class LearnerPool:
         with self._cond:
             if self._closed or key not in self._turns:
                 return
-            heapq.heappush(self._delayed, (time.monotonic() + max(0.0, delay_s), next(self._tie), key))
+            due = time.monotonic() + max(0.0, delay_s)
+            if self._due.get(key, float("inf")) <= due:
+                return  # an earlier delayed turn is pending: it serves this request too
+            self._due[key] = due
+            heapq.heappush(self._delayed, (due, next(self._tie), key))
             if not self._threads:
                 self._start_worker()
             self._cond.notify()
@@ -108,7 +114,10 @@ class LearnerPool:
                     return None
                 now = time.monotonic()
                 while self._delayed and self._delayed[0][0] <= now:
-                    _, _, key = heapq.heappop(self._delayed)
+                    due, _, key = heapq.heappop(self._delayed)
+                    if self._due.get(key) != due:
+                        continue  # superseded by an earlier delayed turn, or the key was forgotten
+                    del self._due[key]
                     if key in self._turns and key not in self._queued:
                         if key in self._running:
                             self._again.add(key)

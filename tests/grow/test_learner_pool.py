@@ -84,3 +84,16 @@ def test_threads_are_bounded_and_started_on_need():
         assert pool.wait_idle(f"s{i}", 10)
     pool.close()
     assert threading.active_count() == before
+
+
+def test_repeated_delayed_requests_make_one_turn():
+    pool = LearnerPool(workers=1)
+    ran: list[float] = []
+    pool.register("t", lambda: ran.append(time.monotonic()))
+    for i in range(1, 6):  # e.g. every record-driven turn asking to look again later
+        pool.schedule_later("t", 0.05 * i)
+    wait_until(lambda: ran, 10)
+    time.sleep(0.4)  # the window in which the later requests would have run
+    assert pool.wait_idle("t", 5)
+    pool.close()
+    assert len(ran) == 1  # the earliest turn answers them all (it asks again if it still needs to)
