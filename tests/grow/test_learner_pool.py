@@ -38,21 +38,24 @@ def test_a_scenario_never_runs_on_two_workers_and_wakes_coalesce():
 def test_a_slow_scenario_does_not_starve_the_others():
     pool = LearnerPool(workers=1)
     order: list[str] = []
+    started, proceed = threading.Event(), threading.Event()
 
     def slow():
         order.append("slow")
-        time.sleep(0.05)  # a long training step
+        started.set()
+        proceed.wait(10)  # a long training step
         if order.count("slow") < 5:
             pool.schedule("slow")  # it always has more work
 
     pool.register("slow", slow)
     pool.register("quick", lambda: order.append("quick"))
     pool.schedule("slow")
-    wait_until(lambda: order, 10)
-    pool.schedule("quick")
+    assert started.wait(10)
+    pool.schedule("quick")  # arrives while the slow scenario trains on the only worker
+    proceed.set()
     assert pool.wait_idle("slow", 10) and pool.wait_idle("quick", 10)
-    # The quick scenario got its turn after at most one more slow step, not after all of them.
-    assert order.index("quick") <= 2, order
+    # The quick scenario ran right after the slow step in progress, not after all of the slow steps.
+    assert order == ["slow", "quick", "slow", "slow", "slow", "slow"], order
     pool.close()
 
 
