@@ -7,6 +7,7 @@ import threading
 from types import SimpleNamespace
 
 from reef_core.commit.git_store import GitArtifactStore
+from reef_core.config.schema import EvaluationConfig, RecipeConfig, TrainerConfig
 from reef_core.grow.trainer import CandidateUpdate, Trainer
 from reef_core.loop.learner import ScenarioLearner
 from reef_core.loop.pool import LearnerPool
@@ -97,10 +98,9 @@ def test_a_learner_needs_only_its_ports(tmp_path):
     pool = LearnerPool(workers=1)
     ports = LearnerPorts(serving=serving, records=records, create=create, pool=pool,
                          notify=lambda hook, **kw: published.append(kw["release"].release_id))
-    settings = LearnerSettings(data_dir=tmp_path, seed=0, trainer=SimpleNamespace(checkpoint_every_n_versions=1),
-                               evaluation=SimpleNamespace(publish="auto", policy="always", evaluator=None, options={}))
-    recipe = {"name": "test", "processor": "every", "trainer": "rewriter", "surface": "harness"}
-    learner = ScenarioLearner("s", SimpleNamespace(**recipe, get=recipe.get), surface, ports, settings)
+    settings = LearnerSettings(data_dir=tmp_path, seed=0, trainer=TrainerConfig(), evaluation=EvaluationConfig())
+    recipe = RecipeConfig(name="test", processor="every", trainer="rewriter", surface="harness")
+    learner = ScenarioLearner("s", recipe, surface, ports, settings)
     threads = threading.active_count()
     learner.start()  # recovery, then the creation release from the trainer's initial files
     assert surface.system_text("s") == "v0" and learner.log.last_step() == 1
