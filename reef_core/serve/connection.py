@@ -63,7 +63,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._body_timer: asyncio.TimerHandle | None = None
         #: Bytes received since the current request began, while its headers are incomplete.
         self._header_bytes = 0
+        #: Header lines and their exact size in the current request (request target included).
         self._header_count = 0
+        self._header_size = 0
         self._in_headers = False
         #: Between the parser's message-begin and message-complete (body bytes are not header bytes).
         self._message_open = False
@@ -117,22 +119,28 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._message_open = True
-        self._header_count = 0
+        self._header_count = self._header_size = 0
         if not self._in_headers:
             self._await_headers()
 
+    def on_url(self, url: bytes) -> None:
+        self._header_size += len(url)
+        super().on_url(url)
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        # Exact accounting of complete headers (a chunk may hold headers and body, so bytes received are not).
         self._header_count += 1
+        self._header_size += len(name) + len(value) + 4
         if self._header_count > self.limits.max_header_count:
             self._refusal = (431, f"more than {self.limits.max_header_count} request headers", "headers_too_large")
+            raise _Refused()
+        if self._header_size > self.limits.max_header_bytes:
+            self._refusal = (431, f"request headers exceed {self.limits.max_header_bytes} bytes",
+                             "headers_too_large")
             raise _Refused()
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        if self._header_bytes > self.limits.max_header_bytes:
-            self._refusal = (431, f"request headers exceed {self.limits.max_header_bytes} bytes",
-                             "headers_too_large")
-            raise _Refused()
         self._in_headers = False
         self._cancel(self._header_timer)
         self._header_timer = None

@@ -135,6 +135,14 @@ def test_oversized_headers_are_refused_without_growing_memory(server):
         assert status == 431 and headers["connection"] == "close"
         sock.close()
     assert _rss_kib(pid) - baseline < 30 * 1024  # the old server grew ~94 MB here
+    # Headers and a large body in one segment: only the headers count against the header limit.
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 300_000}]}).encode()
+    sock = _connect(server)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-reef-scenario: onesegment\r\n"
+                 b"content-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(body)
+                 + body)
+    assert _answer(sock)[0] == 200
+    sock.close()
     too_many = {f"x-h{i}": "v" for i in range(150)}
     assert httpx.get(f"{server.url}/healthz", headers=too_many).status_code == 431
     assert httpx.get(f"{server.url}/healthz").status_code == 200
