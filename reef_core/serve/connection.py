@@ -15,6 +15,7 @@ import json
 import logging
 from dataclasses import dataclass
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from ..errors import ConfigError
@@ -96,8 +97,6 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except Exception as exc:  # noqa: BLE001 - httptools wraps callback errors in HttpParserCallbackError
-            import httptools
-
             if self._refusal is not None:
                 self._refuse(*self._refusal)
             elif isinstance(exc, httptools.HttpParserUpgrade):
@@ -194,7 +193,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         body = json.dumps(error_body(dialect_for_path(path), status, message, code)).encode()
         head = [STATUS_LINE[status], b"content-type: application/json\r\n",
                 b"content-length: %d\r\n" % len(body), b"connection: close\r\n", b"\r\n"]
-        log.info("refused a connection from %s: %s", self.client, message)
+        log.debug("refused a request from %s: %s", self.client, message)  # a flood must not flood the log
         self.transport.write(b"".join(head) + body)
         self.transport.close()
 
