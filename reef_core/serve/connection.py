@@ -208,6 +208,27 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             timer.cancel()
 
 
+#: File descriptors kept free beside the connections: the record store, git, model files, logs.
+_SPARE_FDS = 256
+
+
+def reserve_descriptors(max_connections: int) -> None:
+    """Raise the soft open-file limit so ``max_connections`` sockets fit beside the server's own files (the usual
+    soft limit of 1024 would make ``accept`` fail first, with no answer at all); warn when the hard limit is lower."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = max_connections + _SPARE_FDS
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        if target < wanted:
+            log.warning("server.max_connections=%d needs %d open files, but the hard limit is %d",
+                        max_connections, wanted, hard)
+
+
 def protocol_class(limits: ConnectionLimits) -> type[LimitedHttpProtocol]:
     """A :class:`LimitedHttpProtocol` subclass bound to ``limits`` (uvicorn instantiates the class itself)."""
     return type("LimitedHttpProtocol", (LimitedHttpProtocol,), {"limits": limits})

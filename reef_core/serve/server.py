@@ -26,10 +26,11 @@ def serve(cfg: ReefConfig) -> int:
     from ..loop.assemble import build_deployment
 
     from .app import create_app
-    from .connection import ConnectionLimits, protocol_class
+    from .connection import ConnectionLimits, protocol_class, reserve_descriptors
 
     check_bind(cfg)
     limits = ConnectionLimits.from_config(cfg.server)
+    reserve_descriptors(limits.max_connections)
     # One log line per proxied request would cost more than the proxying itself.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)

@@ -7,6 +7,8 @@ import json
 import select
 import socket
 import statistics
+import subprocess
+import sys
 import time
 
 import httpx
@@ -195,3 +197,21 @@ def _healthy(server) -> bool:
         return httpx.get(f"{server.url}/healthz", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_limits_must_be_positive_and_descriptors_are_reserved():
+    from reef_core.errors import ConfigError
+    from reef_core.serve.connection import ConnectionLimits
+
+    server = {"max_header_bytes": 1, "max_header_count": 1, "header_timeout_s": 0.5, "body_timeout_s": 1,
+              "max_connections": 1}
+    assert ConnectionLimits.from_config(server).header_timeout_s == 0.5
+    with pytest.raises(ConfigError, match="server.header_timeout_s"):
+        ConnectionLimits.from_config({**server, "header_timeout_s": 0})
+    # With a low soft limit on open files, the server raises it so its connections fit (in a child process).
+    script = ("import resource; from reef_core.serve.connection import reserve_descriptors; "
+              "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]; "
+              "resource.setrlimit(resource.RLIMIT_NOFILE, (300, hard)); reserve_descriptors(1024); "
+              "soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]; "
+              "assert soft == (1280 if hard == resource.RLIM_INFINITY else min(1280, hard)), soft")
+    subprocess.run([sys.executable, "-c", script], check=True)
