@@ -200,14 +200,13 @@ def _healthy(server) -> bool:
 
 
 def test_limits_must_be_positive_and_descriptors_are_reserved():
+    from reef_core.config.schema import ServerConfig
     from reef_core.errors import ConfigError
     from reef_core.serve.connection import ConnectionLimits
 
-    server = {"max_header_bytes": 1, "max_header_count": 1, "header_timeout_s": 0.5, "body_timeout_s": 1,
-              "max_connections": 1}
-    assert ConnectionLimits.from_config(server).header_timeout_s == 0.5
+    assert ConnectionLimits.from_config(ServerConfig(header_timeout_s=0.5)).header_timeout_s == 0.5
     with pytest.raises(ConfigError, match="server.header_timeout_s"):
-        ConnectionLimits.from_config({**server, "header_timeout_s": 0})
+        ConnectionLimits.from_config(ServerConfig(header_timeout_s=0))
     # With a low soft limit on open files, the server raises it so its connections fit (in a child process).
     script = ("import resource; from reef_core.serve.connection import reserve_descriptors; "
               "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]; "
