@@ -41,8 +41,10 @@ def reef_register_processors(register):
     """Register processors: turn a scenario's record stream into training batches.
 
     A processor factory is called as ``factory(scenario=..., options=..., serving_version=...,
-    judge=None)`` (``options``: ``recipe.processor_options`` as a plain dict; ``serving_version()`` returns the version
-    now serving the scenario; ``judge`` scores next-state pairs) and returns an object
+    judge=None, load_records=...)`` and should accept further keywords (``options``:
+    ``recipe.processor_options`` as a plain dict; ``serving_version()`` returns the version now
+    serving the scenario; ``judge`` scores next-state pairs; ``load_records(ids)`` reads stored
+    records back by id, so a processor holds ids rather than bodies) and returns an object
     implementing ``reef_core.observe.processor.Processor``: it ingests every stored
     record of its scenario in order (inference and report), never blocks the request path, and
     exposes ``ready()``, ``pending_batch()`` (the same batch until acknowledged),

@@ -1,9 +1,10 @@
 """Built-in processors (registered through hooks): ``per_report``, ``grouped`` and ``next_state``.
 
-Every factory is called as ``factory(*, scenario, options, serving_version, judge=None, **context)`` and returns a
-``reef_core.observe.processor.Processor``. ``options`` come from the recipe config (``recipe.processor_options``, a dict); keys may be
-snake_case or kebab-case (``max-staleness``), unknown keys are a :class:`ConfigError`. Extra context keywords (a
-record store...) are accepted and ignored, so the host may pass more than a processor needs.
+Every factory is called as ``factory(*, scenario, options, serving_version, judge=None, load_records=None,
+**context)`` and returns a ``reef_core.observe.processor.Processor``. ``options`` come from the recipe config
+(``recipe.processor_options``, a dict); keys may be snake_case or kebab-case (``max-staleness``), unknown keys are a
+:class:`ConfigError`. ``load_records(ids)`` reads stored records back by id (processors hold ids, not bodies). Extra
+context keywords are accepted and ignored, so the host may pass more than a processor needs.
 """
 
 from __future__ import annotations
@@ -44,14 +45,17 @@ def _build(kind: str, cls, **kwargs):
         raise ConfigError(f"processor {kind!r}: {exc}") from exc
 
 
-def make_per_report(*, scenario: str, options: Any = None, serving_version=None, judge=None, **_context):
+def make_per_report(*, scenario: str, options: Any = None, serving_version=None, judge=None, load_records=None,
+                    **_context):
     from ..observe.processors import PerReportProcessor
 
     opts = _options("per_report", options, _REPORTED)
-    return _build("per_report", PerReportProcessor, scenario=scenario, serving_version=serving_version, **opts)
+    return _build("per_report", PerReportProcessor, scenario=scenario, serving_version=serving_version,
+                  load_records=load_records, **opts)
 
 
-def make_grouped(*, scenario: str, options: Any = None, serving_version=None, judge=None, **_context):
+def make_grouped(*, scenario: str, options: Any = None, serving_version=None, judge=None, load_records=None,
+                 **_context):
     from ..observe.processors import GroupedProcessor
 
     opts = _options("grouped", options, _GROUPED)
@@ -63,7 +67,8 @@ def make_grouped(*, scenario: str, options: Any = None, serving_version=None, ju
     if batch_size is not None and int(batch_size) != expected:
         raise ConfigError(f"processor 'grouped': batch_size {batch_size} must equal group_size x groups_per_batch "
                           f"({expected})")
-    return _build("grouped", GroupedProcessor, scenario=scenario, serving_version=serving_version, **opts)
+    return _build("grouped", GroupedProcessor, scenario=scenario, serving_version=serving_version,
+                  load_records=load_records, **opts)
 
 
 def make_next_state(*, scenario: str, options: Any = None, serving_version=None, judge=None, **_context):

@@ -32,7 +32,21 @@ class ServerConfig:
     tokens: list[str] = field(default_factory=list)
     #: Admin tokens: release operations (rollback, promote, delete). ``REEF_ADMIN_TOKEN`` adds one.
     admin_tokens: list[str] = field(default_factory=list)
-    max_body_bytes: int = 64 * 1024 * 1024
+    #: Request body limits per route family, in bytes: inference, ``POST /reef/report``, admin routes.
+    #: A body over its limit is refused with 413 as soon as its Content-Length (or the bytes read) exceed it.
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_report_body_bytes: int = 1024 * 1024
+    max_admin_body_bytes: int = 64 * 1024
+    #: Request line plus headers, in bytes, and the number of header lines (431 beyond either).
+    max_header_bytes: int = 64 * 1024
+    max_header_count: int = 100
+    #: A connection must complete its request headers within this many seconds of opening (or of the
+    #: request's first byte on a kept-alive connection), and the body within ``body_timeout_s`` of the
+    #: headers; else 408 and the connection is closed.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    #: Open connections beyond this are answered 503 and closed at once.
+    max_connections: int = 1024
     #: A request naming an unknown scenario creates it (else 404).
     allow_implicit_scenarios: bool = True
     log_level: str = "info"

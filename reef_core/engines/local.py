@@ -245,6 +245,7 @@ class LocalEngine(Engine):
         self._gen: torch.Generator | None = None
         self._eos: set[int] = set()
         self._max_len: int | None = None
+        self._max_token_chars = 1
         self._active: set[threading.Event] = set()
         #: Counters updated by the worker: generations run, tokens sampled, generations cut short by a
         #: consumer that went away.
@@ -277,6 +278,8 @@ class LocalEngine(Engine):
                 eos.update(int(x) for x in source)
         self._eos = eos
         self._max_len = getattr(model.config, "max_position_embeddings", None)
+        # The most characters one token can stand for: a prompt longer than context x this cannot fit.
+        self._max_token_chars = max((len(t) for t in tok.get_vocab()), default=1) or 1
         # transformers 5 renamed the KV-cache argument/output `past_key_values` -> `cache`.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -355,6 +358,19 @@ class LocalEngine(Engine):
             model=body.get("model") or self.name,
         )
 
+    def _check_prompt_size(self, messages: list[dict], tools: Any) -> None:
+        """Refuse, on the event loop and before any tokenizing, a prompt whose text alone could not fit the
+        context even if every token stood for the longest token of the vocabulary (a lower bound on its token
+        count); prompts under the bound are tokenized and checked exactly by :meth:`_generate`."""
+        if not self._max_len or self._tok is None:
+            return
+        chars = sum(len(m["content"]) for m in messages)
+        if isinstance(tools, list):
+            chars += sum(len(str(t)) for t in tools)
+        if chars > self._max_len * self._max_token_chars:
+            raise ValidationFailed(f"messages: the prompt ({chars} characters) cannot fit the model's context of "
+                                   f"{self._max_len} tokens")
+
     def _prompt_ids(self, messages: list[dict], tools: list | None) -> list[int]:
         kwargs = {"tools": tools} if tools else {}
         text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
@@ -375,7 +391,8 @@ class LocalEngine(Engine):
         if self._max_len:
             room = self._max_len - len(res.prompt_ids)
             if room <= 0:
-                raise ValidationFailed(f"prompt of {len(res.prompt_ids)} tokens fills the context ({self._max_len})")
+                raise ValidationFailed(f"messages: the prompt of {len(res.prompt_ids)} tokens fills the model's context "
+                                       f"of {self._max_len} tokens")
             max_new = min(max_new, room)
         if p.seed is not None:
             gen = torch.Generator(device=self.device)
@@ -442,7 +459,7 @@ class LocalEngine(Engine):
         if req.route == "count_tokens":
             return await self.count_tokens(req)
         p = self._params(req.body)
-        _chat_messages(req.body)  # validate on the loop, before queueing
+        self._check_prompt_size(_chat_messages(req.body), req.body.get("tools"))  # on the loop, before queueing
         cancel = threading.Event()
         self._active.add(cancel)
         try:
@@ -469,7 +486,7 @@ class LocalEngine(Engine):
     async def stream(self, req: EngineRequest) -> AsyncIterator[StreamEvent]:
         self.check_dialect(req)
         p = self._params(req.body)
-        _chat_messages(req.body)
+        self._check_prompt_size(_chat_messages(req.body), req.body.get("tools"))
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
@@ -533,6 +550,7 @@ class LocalEngine(Engine):
         if req.dialect == "anthropic":
             body = anthropic_count_tokens_to_openai(body)
         messages = _chat_messages(body)
+        self._check_prompt_size(messages, body.get("tools"))
         n = await self._run(self._guard, lambda: len(self._prompt_ids(messages, body.get("tools"))))
         return EngineResponse(200, {"input_tokens": n}, {}, version=self.version)
 

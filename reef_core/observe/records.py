@@ -170,6 +170,15 @@ class RecordStore:
             row = conn.execute(q.RECORD_BY_ID, {"record_id": record_id}).first()
         return row_to_record(row) if row is not None else None
 
+    def get_many(self, record_ids: Sequence[str]) -> list[Record | None]:
+        """The stored records with these ids, in the order asked (``None`` for an unknown id), in one query."""
+        ids = list(record_ids)
+        if not ids:
+            return []
+        with self._read() as conn:
+            found = {row.record_id: row_to_record(row) for row in conn.execute(q.RECORDS_BY_IDS, {"ids": ids})}
+        return [found.get(i) for i in ids]
+
     def page(self, scenario: str, after_sequence: int = 0, limit: int = 50) -> list[Record]:
         """Up to ``limit`` (1..100) records of ``scenario`` with sequence above ``after_sequence``, oldest first."""
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:

@@ -132,7 +132,10 @@ def _inference_endpoint(app: FastAPI, deployment):
 
 def _error_response(path: str, status: int, message: str, code: str | None,
                     param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(dialect_for_path(path), status, message, code, param), status_code=status)
+    # A body refused as too large is left unread: close the connection rather than drain it.
+    headers = {"connection": "close"} if status == 413 else None
+    return JSONResponse(error_body(dialect_for_path(path), status, message, code, param), status_code=status,
+                        headers=headers)
 
 
 def _internal_error(method: str, path: str) -> JSONResponse:

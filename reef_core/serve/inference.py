@@ -29,7 +29,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..engines.base import TOKENS_EVENT, DirectResponse, EngineRequest, EngineResponse, StreamEvent, TokenData
@@ -55,16 +55,21 @@ _MAX_TAG_LENGTH = 512
 
 
 async def read_json_body(request: Request, limit: int) -> dict:
+    """The body as a JSON object, read incrementally: refused (413) on a Content-Length over ``limit`` before
+    reading anything, and as soon as the bytes read exceed it (the answer closes the connection)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
     chunks = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client left, or the server's body timeout closed the connection
+        raise ValidationFailed("the request body ended early: the client disconnected") from None
     return parse_json_object(b"".join(chunks))
 
 

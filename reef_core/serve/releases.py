@@ -29,7 +29,7 @@ async def _scenario(request: Request, name: str):
 
 
 async def _release_id(request: Request) -> str:
-    body = await read_json_body(request, 64 * 1024)
+    body = await read_json_body(request, request.app.state.reef.cfg.server.max_admin_body_bytes)
     unknown = sorted(set(body) - {"release_id"})
     if unknown:
         raise ValidationFailed(f"unknown field(s): {', '.join(unknown)}")

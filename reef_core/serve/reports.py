@@ -26,7 +26,6 @@ REPORT_FIELDS = frozenset({"score", "feedback", "references", "metadata", "agent
 MAX_REFERENCES = 100
 MAX_FEEDBACK_BYTES = 64 * 1024
 MAX_METADATA_BYTES = 64 * 1024
-MAX_REPORT_BYTES = 1024 * 1024
 
 
 def _finite(number: int | float) -> bool:
@@ -83,7 +82,7 @@ def validate_report(body: dict) -> dict:
 @router.post("/reef/report")
 async def post_report(request: Request):
     dep = request.app.state.reef
-    body = await read_json_body(request, MAX_REPORT_BYTES)
+    body = await read_json_body(request, dep.cfg.server.max_report_body_bytes)
     name = scenario_name(request)
     report = validate_report(body)
     scenario = await dep.scenario(name)

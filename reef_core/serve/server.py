@@ -26,15 +26,19 @@ def serve(cfg: ReefConfig) -> int:
     from ..loop.assemble import build_deployment
 
     from .app import create_app
+    from .connection import ConnectionLimits, protocol_class, reserve_descriptors
 
     check_bind(cfg)
+    limits = ConnectionLimits.from_config(cfg.server)
+    reserve_descriptors(limits.max_connections)
     # One log line per proxied request would cost more than the proxying itself.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
     deployment = build_deployment(cfg)
     deployment.pm.notify("reef_startup", config=cfg)
     app = create_app(deployment)
-    config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port,
+    # The httptools protocol with Reef's connection limits (header size and count, read timeouts, connection cap).
+    config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, http=protocol_class(limits),
                             log_level=cfg.server.log_level, access_log=False,
                             timeout_graceful_shutdown=30)
     server = uvicorn.Server(config)

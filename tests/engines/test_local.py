@@ -227,3 +227,30 @@ def test_count_tokens_and_refusals(tiny_model_dir):
     counted, one, errors, ids = asyncio.run(go())
     assert counted.body == {"input_tokens": len(one.tokens.prompt_ids)}
     assert len(errors) == 4 and ids == [tiny_model_dir.name]
+
+
+def test_a_prompt_far_beyond_the_context_is_refused_before_tokenizing(tiny_model_dir):
+    huge = [{"role": "user", "content": "word " * 200_000}]  # ~1 MB of text; the tiny model's context is 1024
+
+    async def go(eng, req, call):
+        with pytest.raises(ValidationFailed, match="messages"):
+            await call(req)
+
+    async def run():
+        async with _engine(tiny_model_dir) as eng:
+            tokenized = []
+            real = eng._prompt_ids
+            eng._prompt_ids = lambda *a: tokenized.append(1) or real(*a)
+            req = EngineRequest("openai", "chat", {"model": "tiny", "messages": huge}, {})
+            await go(eng, req, eng.complete)
+            await go(eng, req, lambda r: _events(eng, r))
+            await go(eng, EngineRequest("anthropic", "count_tokens", {"model": "tiny", "messages": huge}, {}),
+                     eng.count_tokens)
+            assert tokenized == []  # no model work, not even the tokenizer
+            # Just over the context, the exact check after tokenizing still refuses it.
+            near = EngineRequest("openai", "chat", {"model": "tiny", "messages": [
+                {"role": "user", "content": "word " * 1100}]}, {})
+            await go(eng, near, eng.complete)
+            assert tokenized
+
+    asyncio.run(run())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+from dataclasses import fields
 
 import pytest
 
@@ -652,3 +653,37 @@ def test_builtin_factories_are_registered_and_validate_options():
         pm.get("processor", "per_report").factory(scenario=SCENARIO, options={"max_staleness": -1},
                                                   serving_version=lambda: None)
     per_report.ingest(s.inference([user("q")], "a"))
+
+
+@pytest.mark.parametrize("kind", ["per_report", "grouped"])
+def test_held_inferences_keep_no_bodies_and_are_read_back_for_a_sample(kind):
+    stream = Stream()
+    stored: dict[str, Record] = {}
+    reads: list[list[str]] = []
+
+    def load_records(ids):
+        reads.append(list(ids))
+        return [stored.get(i) for i in ids]
+
+    extra = {"group_size": 1} if kind == "grouped" else {}
+    cls = PerReportProcessor if kind == "per_report" else GroupedProcessor
+    proc = cls(SCENARIO, load_records=load_records, **extra)
+    big = "x" * 10_000
+    inferences = [stream.inference([user(f"q{i} {big}")], f"a{i}") for i in range(200)]
+    for record in inferences:
+        stored[record.record_id] = record
+        proc.ingest(record)
+    # What the processor keeps per waiting inference is a few fields, never a payload.
+    held = list(proc._inferences.values())
+    assert len(held) == 200 and not any(isinstance(h, Record) or hasattr(h, "payload") for h in held)
+    assert proc._bodies is None
+    assert all(isinstance(getattr(h, f.name), (str, int, float, type(None))) for h in held for f in fields(h))
+    assert not reads
+    proc.ingest(stream.report([inferences[7].record_id], 0.5))
+    assert reads == [[inferences[7].record_id]]
+    batch = proc.pending_batch()
+    assert batch is not None and batch.samples[0].messages[0]["content"] == f"q7 {big}"
+    # A quoted record the store no longer has never trains.
+    del stored[inferences[8].record_id]
+    proc.ingest(stream.report([inferences[8].record_id], 0.5))
+    assert proc.status()["dropped"].get("unknown_reference") == 1

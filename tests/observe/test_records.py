@@ -128,6 +128,9 @@ def test_append_round_trips_every_field_and_numbers_per_scenario(store):
     assert store.append_sync(inference("b1", scenario="other")).sequence == 1  # sequences are per scenario
     assert store.get("missing") is None
     assert store.count("s") == 2 and store.count("other") == 1 and store.count("nobody") == 0
+    many = store.get_many(["b1", "missing", "a1"])  # one query, the order asked, None for an unknown id
+    assert [r.record_id if r else None for r in many] == ["b1", None, "a1"] and many[2] == stored
+    assert store.get_many([]) == []
 
 
 def test_same_id_same_content_returns_the_stored_record(store):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import anthropic
 import httpx
 import openai
@@ -64,3 +66,16 @@ def test_readme_path_serves_smollm2(reef_server):
         model="reef", messages=[{"role": "user", "content": "What is the capital of France?"}],
         extra_headers={"x-reef-scenario": "readme"}, temperature=0)
     assert "Paris" in completion.choices[0].message.content
+
+
+def test_a_huge_prompt_is_refused_fast_with_400(server):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "word " * 600_000}]}  # 3 MB, under 4 MiB
+    started = time.monotonic()
+    refused = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers={"x-reef-scenario": "huge"},
+                         timeout=60)
+    elapsed = time.monotonic() - started
+    assert refused.status_code == 400 and "messages" in refused.json()["error"]["message"]
+    assert elapsed < 3, elapsed  # tokenizing it first took ~9 s here
+    ok = httpx.post(f"{server.url}/v1/chat/completions", headers={"x-reef-scenario": "huge"}, timeout=60,
+                    json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    assert ok.status_code == 200

@@ -7,8 +7,10 @@ already trained (``already_consumed``) or that a pending unit holds (``duplicate
 incomplete or failed inference (``incomplete``) or one the processor no longer holds (``unknown_reference``) is
 counted as dropped and never trains.
 
-Inference records are held in memory until a report quotes them and the batch is acknowledged, at most
-``max_held_inferences`` of them (the oldest unquoted ones are forgotten first; ``status()["inferences_evicted"]``).
+Inference records wait for a report quoting them, at most ``max_held_inferences`` of them (the oldest unquoted ones
+are forgotten first; ``status()["inferences_evicted"]``). Only what deciding needs is held per record (:class:`Held`:
+id, version, why it cannot train); the bodies are read back through ``load_records`` (the record store) when a report
+turns them into a sample. Without ``load_records`` (offline use, tests) the whole records are kept instead.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from reef_core.observe.model import Record
 from reef_core.observe.processor import ServingVersion
@@ -28,6 +31,21 @@ from reef_core.observe.processors.samples import trajectory_sample
 log = logging.getLogger("reef.observe.processors")
 
 DEFAULT_MAX_HELD_INFERENCES = 50_000
+
+#: Reads stored records by id (``None`` for an id the store no longer has), in the order asked.
+RecordLoader = Callable[[Sequence[str]], Sequence[Record | None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """What a processor keeps of an inference record while it waits for a report: no payload."""
+
+    record_id: str
+    sequence: int | None
+    version: str | None
+    #: why the record can never train (``incomplete``, ``not_chat``), or ``None``
+    unusable: str | None
+    created_at: float
 
 
 class ReportedProcessor(BufferedProcessor):
@@ -41,20 +59,25 @@ class ReportedProcessor(BufferedProcessor):
         accept_report: optional filter ``report -> bool`` (the recipe's "is this training data"); refused
             reports count as ``filtered``.
         max_held_inferences: cap on inference records held while waiting for a report.
+        load_records: reads quoted inference records back from the store (see the module docstring).
         clock: wall-clock source (``time.time``), injectable for tests.
     """
 
     def __init__(self, scenario: str, *, max_staleness: int | None = None,
                  serving_version: ServingVersion | None = None, require_score: bool = True,
                  accept_report: Callable[[Record], bool] | None = None,
-                 max_held_inferences: int = DEFAULT_MAX_HELD_INFERENCES, clock: Callable[[], float] = time.time):
+                 max_held_inferences: int = DEFAULT_MAX_HELD_INFERENCES, load_records: RecordLoader | None = None,
+                 clock: Callable[[], float] = time.time):
         super().__init__(scenario, max_staleness=max_staleness, serving_version=serving_version, clock=clock)
         if max_held_inferences < 1:
             raise ValueError("max_held_inferences must be positive")
         self.require_score = bool(require_score)
         self.accept_report = accept_report
         self.max_held_inferences = int(max_held_inferences)
-        self._inferences: dict[str, Record] = {}
+        self._inferences: dict[str, Held] = {}
+        #: Whole records by id, only when there is no store to read them back from.
+        self._bodies: dict[str, Record] | None = {} if load_records is None else None
+        self._load_records = load_records
         self._evicted = 0
 
     # -- ingestion ------------------------------------------------------------------------------------------------
@@ -68,10 +91,26 @@ class ReportedProcessor(BufferedProcessor):
     def _hold(self, record: Record) -> None:
         if record.record_id in self._consumed:
             return
-        self._inferences[record.record_id] = record
+        self._inferences[record.record_id] = Held(record.record_id, record.sequence, record.version,
+                                                  el.unusable_reason(record), record.created_at)
+        if self._bodies is not None:
+            self._bodies[record.record_id] = record
         while len(self._inferences) > self.max_held_inferences:
-            self._inferences.pop(next(iter(self._inferences)))
+            evicted = next(iter(self._inferences))
+            self._inferences.pop(evicted)
+            if self._bodies is not None:
+                self._bodies.pop(evicted, None)
             self._evicted += 1
+
+    def _read_inferences(self, ids: list[str]) -> list[Record] | None:
+        """The whole records of ``ids`` (the store's copy), or ``None`` when one is gone."""
+        if self._bodies is not None:
+            records = [self._bodies.get(i) for i in ids]
+        else:
+            records = list(self._load_records(ids))
+        if len(records) != len(ids) or any(r is None or r.record_id != i for r, i in zip(records, ids)):
+            return None
+        return records
 
     def _ingest_report(self, report: Record) -> None:
         if report.record_id in self._consumed:
@@ -102,15 +141,15 @@ class ReportedProcessor(BufferedProcessor):
         score = el.report_score(report)
         if self.require_score and score is None:
             return el.NO_SCORE
-        inferences = []
         for ref in refs:
-            inference = self._inferences.get(ref)
-            if inference is None:
+            held = self._inferences.get(ref)
+            if held is None:
                 return el.UNKNOWN_REFERENCE
-            why = el.unusable_reason(inference)
-            if why is not None:
-                return why
-            inferences.append(inference)
+            if held.unusable is not None:
+                return held.unusable
+        inferences = self._read_inferences(refs)
+        if inferences is None:
+            return el.UNKNOWN_REFERENCE
         metadata = report.payload.get("metadata")
         try:
             sample = trajectory_sample(self.scenario, inferences, reward=score,
@@ -129,6 +168,8 @@ class ReportedProcessor(BufferedProcessor):
     def _forget(self, record_ids: list[str]) -> None:
         for record_id in record_ids:
             self._inferences.pop(record_id, None)
+            if self._bodies is not None:
+                self._bodies.pop(record_id, None)
 
     def _status_extra(self) -> dict:
         return {"held_inferences": len(self._inferences), "inferences_evicted": self._evicted,
