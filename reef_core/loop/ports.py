@@ -31,13 +31,16 @@ class RunAsync(Protocol):
 
 
 class RecordPort(Protocol):
-    """The part of the record store a learner uses: its scenario's stream and consumption marks."""
+    """The part of the record store a learner uses: its scenario's stream, consumption marks, and records read
+    back by id when a sample is built."""
 
     def replay(self, scenario: str, after_sequence: int = 0) -> Iterator[Any]: ...
 
     def consumed_ids(self, scenario: str) -> set[str]: ...
 
     def mark_consumed(self, scenario: str, ids: Iterable[str], step: int) -> int: ...
+
+    def get_many(self, ids: Iterable[str]) -> list[Any]: ...
 
 
 @dataclass(frozen=True)
