@@ -17,8 +17,10 @@ def model_cache_dir(config) -> Path | None:
 
 def make_local_engine(config, data_dir: Path):
     from ..engines.local import LocalEngine
+    from ..grow.device import engine_device
     from ..grow.models import resolve_model
 
+    device = engine_device(config)  # before the model is fetched or converted: a missing device fails fast
     model_dir = resolve_model(str(config.model), Path(data_dir), model_cache_dir(config))
     # Versions are "<incarnation>:<sequence>": a fresh incarnation per engine start, so samples
     # produced by weights of an earlier process are never mistaken for current ones.
@@ -29,6 +31,7 @@ def make_local_engine(config, data_dir: Path):
         temperature=float(config.temperature),
         top_p=float(config.top_p),
         seed=config.seed,
+        device=device,
     )
 
 

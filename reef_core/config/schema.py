@@ -93,12 +93,16 @@ class EngineConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: Optional[int] = None
+    #: Local engine device: ``auto`` (the first CUDA device when available, else the CPU), ``cpu``,
+    #: ``cuda``, ``cuda:N`` or ``mps``. A device the machine lacks is refused at start-up.
+    device: str = "auto"
 
 
 @dataclass
 class TrainerConfig:
     backend: str = "torch"
-    device: str = "cpu"
+    #: Device of the trained model; unset (``null``) follows ``engine.device``, so one knob places both.
+    device: Optional[str] = None
     lr: float = 1.0e-6
     critic_lr: float = 5.0e-6
     lora: bool = False

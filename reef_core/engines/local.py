@@ -39,6 +39,7 @@ from typing import Any, AsyncIterator, Callable
 
 import torch
 
+from reef_core.config.schema import EngineConfig
 from reef_core.engines.base import (
     TOKENS_EVENT,
     Engine,
@@ -49,6 +50,7 @@ from reef_core.engines.base import (
 )
 from reef_core.engines.translate import anthropic_count_tokens_to_openai
 from reef_core.errors import ReefError, UpstreamError, ValidationFailed
+from reef_core.grow.device import resolve_device
 
 
 def _load_model(model_dir: Path):
@@ -208,7 +210,8 @@ class LocalEngine(Engine):
         model_dir: the model directory (config, weights, tokenizer with a chat template).
         max_new_tokens, temperature, top_p: defaults when the request does not set them.
         seed: seeds the engine's sampler once (reproducible runs); a request's ``seed`` takes precedence.
-        device: torch device of the model.
+        device: ``engine.device``: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` or ``mps`` (see
+            :mod:`reef_core.grow.device`); the model, the generation tensors and swapped weights live there.
         name: the model id it answers to (default: the directory name).
         version: the name of the initial weights.
         num_threads: when set, ``torch.set_num_threads`` at load (process-wide; 1 suits tiny models on
@@ -225,7 +228,7 @@ class LocalEngine(Engine):
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | None = None,
-        device: str = "cpu",
+        device: str = EngineConfig.device,
         name: str | None = None,
         version: str = "base",
         num_threads: int | None = None,
@@ -236,7 +239,7 @@ class LocalEngine(Engine):
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.seed = seed
-        self.device = torch.device(device)
+        self.device = torch.device(resolve_device(device, field="engine.device"))
         self.version = version
         self.num_threads = num_threads
         self._executor: ThreadPoolExecutor | None = None

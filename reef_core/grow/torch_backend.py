@@ -45,8 +45,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from reef_core.config.schema import TrainerConfig
+from reef_core.config.schema import EngineConfig, TrainerConfig
 from reef_core.errors import ConfigError
+from reef_core.grow.device import resolve_device
 from reef_core.grow.objective import Objective
 from reef_core.grow.token_batch import TokenBatch
 from reef_core.grow.trainer import CandidateUpdate, TrainContext, Trainer
@@ -154,7 +155,9 @@ class TorchTrainer(Trainer):
             weight (``peft``; ``"all-linear"`` adapts every linear layer but the output head).
         grad_accumulation: micro-batches per step (capped at the batch size).
         max_grad_norm: clip the global gradient norm (``None``: no clipping; the norm is still reported).
-        device: torch device of the policy and the objective's models.
+        device: ``trainer.device`` (see :mod:`reef_core.grow.device`): where the policy, the objective's models and
+            the batches live; ``None`` follows the engine's default device (``from_config`` passes the deployment's
+            resolved ``engine.device``).
         export_objective_state: add the objective's tensors (a critic) to every release's files.
         lag_metric_prefix: prefix of the ``policy_lag_*`` metric names (``"sao/"`` gives SAO's names).
         seed: seeds the adapter initialisation (the caller's RNG state is left alone).
@@ -167,13 +170,15 @@ class TorchTrainer(Trainer):
     def from_config(cls, objective: Objective, context: Any, trainer: TrainerConfig, *, who: str,
                     **overrides) -> "TorchTrainer":
         """Build from the deployment's ``trainer`` section (``backend``, ``lr``, ``lora``, ``lora_rank``,
-        ``lora_alpha``, ``grad_accumulation``, ``device``); ``overrides`` win. ``who`` names the recipe in errors."""
+        ``lora_alpha``, ``grad_accumulation``, ``device``); ``overrides`` win. ``who`` names the recipe in errors.
+        An unset ``trainer.device`` follows the engine's (``context.device``)."""
         if trainer.backend != "torch":
             raise ConfigError(f"{who} trains with the torch backend; trainer.backend is {trainer.backend!r}")
         if context is None or getattr(context, "load_base_model", None) is None:
             raise ConfigError(f"{who} needs a local base model to train (engine.kind=local)")
         settings = dict(lr=trainer.lr, lora=trainer.lora, lora_rank=trainer.lora_rank, lora_alpha=trainer.lora_alpha,
-                        grad_accumulation=trainer.grad_accumulation, device=trainer.device,
+                        grad_accumulation=trainer.grad_accumulation,
+                        device=trainer.device if trainer.device is not None else getattr(context, "device", None),
                         seed=int(getattr(context, "seed", 0) or 0))
         settings.update(overrides)
         return cls(objective, context.load_base_model, **settings)
@@ -194,7 +199,7 @@ class TorchTrainer(Trainer):
         lora_target_modules: str | list[str] = "all-linear",
         grad_accumulation: int = TrainerConfig.grad_accumulation,
         max_grad_norm: float | None = 1.0,
-        device: str = TrainerConfig.device,
+        device: str | None = TrainerConfig.device,
         export_objective_state: bool = False,
         lag_metric_prefix: str = "",
         seed: int = 0,
@@ -213,7 +218,8 @@ class TorchTrainer(Trainer):
         self.lora = bool(lora)
         self.grad_accumulation = int(grad_accumulation)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        self.device = torch.device(device)
+        spec, field = (device, "trainer.device") if device is not None else (EngineConfig.device, "engine.device")
+        self.device = torch.device(resolve_device(spec, field=field))
         self.export_objective_state = bool(export_objective_state)
         self.lag_metric_prefix = lag_metric_prefix
         self.name = name

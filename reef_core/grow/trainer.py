@@ -34,6 +34,8 @@ class TrainerSetup:
     seed: int = 0
     #: Run a coroutine on the server's event loop from the learner thread (e.g. engine calls).
     run_async: Callable[..., Any] | None = None
+    #: The local engine's resolved device: where a weights trainer runs when ``trainer.device`` is unset.
+    device: str | None = None
 
 
 @dataclass

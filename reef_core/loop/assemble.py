@@ -8,10 +8,13 @@ from ..config.schema import ReefConfig
 
 
 def build_deployment(cfg: ReefConfig, plugin_manager=None):
+    from ..grow.device import check_devices
     from ..observe.records import RecordStore
     from ..plugins import get_plugin_manager
     from .deployment import Deployment
 
+    # A device the machine lacks is a config error before anything is built or written.
+    check_devices(cfg)
     pm = plugin_manager or get_plugin_manager()
     data_dir = Path(cfg.storage.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)

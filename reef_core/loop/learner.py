@@ -121,7 +121,7 @@ class ScenarioLearner:
             serving = self.ports.serving
             setup = TrainerSetup(data_dir=self.settings.data_dir, engine=serving.engine,
                                  load_base_model=self._load_start_model, seed=self.settings.seed,
-                                 run_async=serving.run_async)
+                                 run_async=serving.run_async, device=_device_of(serving.engine))
             self._trainer = self.ports.create("trainer", self.recipe.trainer, scenario=self.name,
                                               recipe=self.recipe, trainer=self.settings.trainer, context=setup)
         return self._trainer
@@ -456,3 +456,9 @@ class _NoEvaluation:
 
     def evaluate(self, candidate):
         return EvaluationResult(evaluator="none", version="1", metrics={}, scores=[])
+
+
+def _device_of(engine) -> str | None:
+    """The device of the local engine (a trainer with ``trainer.device`` unset follows it); None for others."""
+    device = getattr(engine, "device", None)
+    return str(device) if device is not None else None
