@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
 import yaml
 
 from reef_core.config import compose_config, redacted
@@ -101,3 +103,20 @@ def test_serve_refuses_a_weights_recipe_on_an_engine_that_cannot_swap(tmp_path):
 def test_serve_refuses_a_public_bind_without_token(tmp_path):
     result = reef("serve", "server.host=0.0.0.0", f"storage.data_dir={tmp_path}")
     assert result.returncode == 2 and "refusing to bind 0.0.0.0" in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the refusals of a machine without CUDA")
+@pytest.mark.parametrize("override, names", [
+    ("engine.device=cuda", "engine.device=cuda names a device this machine lacks"),
+    ("engine.device=cuda:7", "engine.device=cuda:7 names a device this machine lacks"),
+    ("engine.device=gpu", "engine.device must be one of auto, cpu, cuda, cuda:N, mps, not 'gpu'"),
+    ("trainer.device=cuda:1", "trainer.device=cuda:1 names a device this machine lacks"),
+])
+def test_serve_refuses_a_device_the_machine_lacks(tmp_path, override, names):
+    data_dir = tmp_path / "data"
+    result = reef("serve", override, f"storage.data_dir={data_dir}")
+    assert result.returncode == 2, result.stderr
+    assert names in result.stderr and "Traceback" not in result.stderr
+    if "lacks" in names:
+        assert "available: cpu" in result.stderr
+    assert not data_dir.exists()  # refused before anything was written

@@ -13,7 +13,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from reef_core.engines.base import TOKENS_EVENT, EngineRequest
 from reef_core.engines.local import LocalEngine
-from reef_core.errors import ValidationFailed
+from reef_core.errors import ConfigError, ValidationFailed
+from reef_core.grow.device import resolve_device
 
 MESSAGES = [{"role": "system", "content": "be nice"}, {"role": "user", "content": "What is 2 + 3?"}]
 
@@ -254,3 +255,31 @@ def test_a_prompt_far_beyond_the_context_is_refused_before_tokenizing(tiny_model
             assert tokenized
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("spec", ["cpu", "auto"])
+def test_the_model_and_generation_live_on_the_resolved_device(tiny_model_dir, spec):
+    async def go():
+        async with _engine(tiny_model_dir, device=spec) as eng:
+            r = await eng.complete(_req(seed=3, max_tokens=4))
+            return eng.device, {p.device for p in eng._model.parameters()}, eng._gen.device, r
+
+    device, placed, gen_device, r = asyncio.run(go())
+    assert device == torch.device(resolve_device(spec)) and placed == {device} and gen_device == device
+    assert r.tokens.output_ids and len(r.tokens.output_logprobs) == len(r.tokens.output_ids)
+
+
+def test_a_missing_or_malformed_device_is_refused_before_loading(tiny_model_dir, tmp_path):
+    from reef_core.builtins.engines import make_local_engine
+    from reef_core.config.schema import EngineConfig
+
+    for spec in ("cuda:99", "gpu"):
+        with pytest.raises(ConfigError, match=r"^engine\.device"):
+            _engine(tiny_model_dir, device=spec)
+        # the factory checks the device before it fetches or converts the model
+        with pytest.raises(ConfigError, match=r"^engine\.device"):
+            make_local_engine(EngineConfig(model=str(tmp_path / "no-such-model"), device=spec), tmp_path)
+    built = make_local_engine(EngineConfig(model=str(tiny_model_dir), device="cpu"), tmp_path)
+    assert built.device == torch.device("cpu")
+    assert make_local_engine(EngineConfig(model=str(tiny_model_dir)), tmp_path).device == torch.device(
+        resolve_device(EngineConfig.device))

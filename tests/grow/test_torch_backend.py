@@ -363,3 +363,24 @@ def test_constructor_validation(tok):
         TorchTrainer(Reinforce(), loader(tok), lr=0)
     with pytest.raises(ConfigError):
         TorchTrainer(Reinforce(), loader(tok), grad_accumulation=0)
+
+
+def test_trainer_device_follows_the_engine_and_holds_policy_batches_and_payload(tok):
+    from reef_core.config.schema import TrainerConfig
+    from reef_core.grow.trainer import TrainerSetup
+
+    # trainer.device unset: the engine's resolved device (TrainerSetup.device) places everything.
+    setup = TrainerSetup(data_dir=None, load_base_model=loader(tok), device="cpu")
+    trainer = TorchTrainer.from_config(Reinforce(), setup, TrainerConfig(lr=1e-2), who="test")
+    cpu = torch.device("cpu")
+    assert trainer.device == cpu
+    assert {p.device for p in trainer.policy.parameters()} == {cpu}
+    batch = trainer.token_batch([sample([tokens([1, 40, 41], [300, 17])])])
+    assert batch.device == cpu
+    update = trainer.step(TokenBatch.from_rows(rows(tok)).to(trainer.device))
+    assert {v.device for v in update.payload.values()} == {cpu}
+    # An explicit trainer.device wins over the engine's and is checked under its own name.
+    with pytest.raises(ConfigError, match=r"^trainer\.device=cuda:99 names a device this machine lacks"):
+        TorchTrainer.from_config(Reinforce(), setup, TrainerConfig(device="cuda:99"), who="test")
+    with pytest.raises(ConfigError, match=r"^trainer\.device must be one of"):
+        TorchTrainer(Reinforce(), loader(tok), device="gpu")
