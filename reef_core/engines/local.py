@@ -312,7 +312,8 @@ class LocalEngine(Engine):
         """Serve ``version`` from the next request on, loading ``state_dict`` into the model first.
 
         Runs on the worker thread after every request already submitted, so in-flight requests finish on
-        the weights they started with. ``state_dict`` may be partial (only the tensors that changed); keys
+        the weights they started with. Tensors may be on any device (the trainer's, the CPU): each is copied onto
+        the model's. ``state_dict`` may be partial (only the tensors that changed); keys
         must exist in the model with matching shapes, else :class:`ValidationFailed` and nothing changes.
         ``None`` only renames the served version (weights unchanged).
         """

@@ -4,6 +4,9 @@ Versions are ``<incarnation>:<sequence>``: the incarnation is fixed when the eng
 sequence grows with every swap. The engine swaps on its worker thread after the requests already
 submitted, so a request that started on version v finishes on v and the next one gets v+1.
 One process trains at most one full-weight scenario: the engine has one set of weights.
+
+Devices: a trainer's payload lives on ``trainer.device`` and a release's files load on the CPU; the
+engine copies each tensor onto its own ``engine.device`` when it swaps, so the two may differ.
 """
 
 from __future__ import annotations
