@@ -1,4 +1,4 @@
-"""Built-in processors (registered through hooks): ``per_report``, ``grouped`` and ``next_state``.
+"""Built-in processors (registered through hooks): ``per_report``, ``grouped``, ``grid`` and ``next_state``.
 
 Every factory is called as ``factory(*, scenario, options, serving_version, judge=None, load_records=None,
 **context)`` and returns a ``reef_core.observe.processor.Processor``. ``options`` come from the recipe config
@@ -19,6 +19,7 @@ from ..errors import ConfigError
 _REPORTED = ("batch_size", "max_staleness", "require_score", "max_held_inferences")
 _GROUPED = ("batch_size", "group_size", "key", "groups_per_batch", "partial_policy", "timeout_s", "min_partial_size", "slot",
             "max_staleness", "require_score", "max_held_inferences")
+_GRID = ("batch_size", "groups", "rollouts_per_group", "timeout_s", "max_staleness", "max_held_inferences")
 _NEXT_STATE = ("batch_size", "max_staleness", "session_tag", "session_ttl_s", "max_open_turns",
                "max_judge_attempts", "judge")
 
@@ -71,6 +72,27 @@ def make_grouped(*, scenario: str, options: Any = None, serving_version=None, ju
                   load_records=load_records, **opts)
 
 
+def make_grid(*, scenario: str, options: Any = None, serving_version=None, judge=None, load_records=None,
+              **_context):
+    from ..observe.processors import GridProcessor
+
+    opts = _options("grid", options, _GRID)
+    missing = [name for name in ("groups", "rollouts_per_group") if name not in opts]
+    if missing:
+        raise ConfigError(f"processor 'grid' needs the option(s) {', '.join(missing)}")
+    # batch_size is accepted as a cross-check: one batch is one whole step.
+    batch_size = opts.pop("batch_size", None)
+    try:
+        expected = int(opts["groups"]) * int(opts["rollouts_per_group"])
+    except (TypeError, ValueError):
+        raise ConfigError("processor 'grid': groups and rollouts_per_group must be positive integers") from None
+    if batch_size is not None and batch_size != expected:
+        raise ConfigError(f"processor 'grid': batch_size {batch_size} must equal groups x rollouts_per_group "
+                          f"({expected}), or the barrier never matches the trainer's batch")
+    return _build("grid", GridProcessor, scenario=scenario, serving_version=serving_version,
+                  load_records=load_records, **opts)
+
+
 def make_next_state(*, scenario: str, options: Any = None, serving_version=None, judge=None, **_context):
     from ..observe.processors import NextStateProcessor
 
@@ -88,5 +110,7 @@ def reef_register_processors(register):
              description="one sample per report; several receipts form one multi-turn trajectory")
     register("grouped", make_grouped,
              description="samples released in complete groups sharing a key (prompt, task, metadata field)")
+    register("grid", make_grid,
+             description="whole-step barrier: a step of G groups x R rollouts trains only when complete")
     register("next_state", make_next_state,
              description="each turn judged by the next request of its conversation (session tag or transcript)")

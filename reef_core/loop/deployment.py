@@ -136,6 +136,14 @@ class Deployment:
             self._report_schemas[name] = self.pm.create("report_schema", name)
         return self._report_schemas[name]
 
+    def report_key(self, scenario: Scenario, report: dict) -> str | None:
+        """The key ``report`` must hold alone among the scenario's stored reports, by its processor's door rule
+        (:meth:`~reef_core.observe.processor.Processor.report_key`); raises ``ValidationFailed`` for a report the
+        processor refuses. Never blocks: the learner exists once :meth:`scenario` returned."""
+        learner = self._learners.get(scenario.name)
+        processor = getattr(learner, "processor", None)
+        return processor.report_key(report) if processor is not None else None
+
     # -- the loop ------------------------------------------------------------------------------
 
     def surface(self, name: str | None):

@@ -178,6 +178,13 @@ class Processor(ABC):
         """Samples waiting to train (the reserved batch first), without reserving anything."""
         return []
 
+    def report_key(self, report: dict) -> str | None:
+        """The door check of ``POST /reef/report``, called before the report is stored: raise
+        :class:`~reef_core.errors.ValidationFailed` (400) for a report this processor could never use, and return a
+        key the report must hold alone among the scenario's stored reports (a second, different report under the
+        same key is refused with 409 inside the write transaction), or ``None`` for no such rule."""
+        return None
+
     @abstractmethod
     def status(self) -> dict:
         """JSON-serialisable state: pending units, ready, the reserved batch, drops by reason, consumed count..."""

@@ -3,11 +3,14 @@
 Validation (all before anything is stored): only the known top-level fields; ``score`` a finite
 number and not a bool; ``feedback`` text or a JSON object within a size cap; ``references``
 unique receipts of stored inference records of the same scenario (checked again inside the
-write transaction); ``metadata`` an object; then the recipe's typed report schema, if any.
+write transaction); ``metadata`` an object; then the recipe's typed report schema, if any, and the processor's
+door rule (:meth:`~reef_core.observe.processor.Processor.report_key`): a key claimed in the write transaction, so
+a second, different report under a taken key is refused with 409 and stores nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -17,7 +20,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
 from ..errors import ValidationFailed
-from ..observe.model import Record
+from ..observe.model import Record, canonical_json
 from .inference import RECEIPT_HEADER, read_json_body, scenario_name
 
 router = APIRouter()
@@ -89,6 +92,8 @@ async def post_report(request: Request):
     schema = dep.report_schema(scenario)
     if schema is not None:
         schema(dict(report))  # raises ValidationFailed with the recipe's own message
+    # The processor's own door rule (e.g. one report per grid slot): the key is claimed in the write transaction.
+    key = dep.report_key(scenario, dict(report))
     record = Record(
         record_id=report["agent_record_id"] or uuid.uuid4().hex,
         scenario=scenario.name,
@@ -97,7 +102,9 @@ async def post_report(request: Request):
         references=report["references"],
         version=None,
         created_at=time.time(),
+        # Under a key, resending this very report is a retry (answered with the stored one); any other is a 409.
+        request_hash=hashlib.sha256(canonical_json(report).encode()).hexdigest() if key is not None else None,
     )
-    stored = await dep.record_stored(record, check_references=True)
+    stored = await dep.record_stored(record, key, check_references=True)
     return JSONResponse({"agent_record_id": stored.record_id, "scenario": scenario.name, "request_type": "report"},
                         headers={RECEIPT_HEADER: stored.record_id})

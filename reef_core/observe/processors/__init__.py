@@ -2,6 +2,7 @@
 
 * :class:`PerReportProcessor`: one sample per report (several receipts = one multi-turn trajectory);
 * :class:`GroupedProcessor`: samples released in complete groups sharing a key (prompt, task...);
+* :class:`GridProcessor`: a whole-step barrier, a step of G groups x R rollouts trains only when complete;
 * :class:`NextStateProcessor`: no reports; each turn is judged by the next request of its conversation.
 
 Shared: :func:`conversation_of` (dialect-free messages of a record), :func:`parse_version` and the staleness rules
@@ -15,12 +16,14 @@ from reef_core.observe.processors.eligibility import (
     parse_version,
     staleness_reason,
 )
+from reef_core.observe.processors.grid import GridProcessor
 from reef_core.observe.processors.grouped import GroupedProcessor
 from reef_core.observe.processors.next_state import NextStateProcessor
 from reef_core.observe.processors.per_report import PerReportProcessor, ReportedProcessor
 from reef_core.observe.processors.samples import merge_exchanges, trajectory_sample
 
 __all__ = [
+    "GridProcessor",
     "GroupedProcessor",
     "NextStateProcessor",
     "PerReportProcessor",
