@@ -19,7 +19,7 @@ import uuid
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
-from ..errors import ValidationFailed
+from ..errors import Conflict, ValidationFailed
 from ..observe.model import Record, canonical_json
 from .inference import RECEIPT_HEADER, read_json_body, scenario_name
 
@@ -105,6 +105,12 @@ async def post_report(request: Request):
         # Under a key, resending this very report is a retry (answered with the stored one); any other is a 409.
         request_hash=hashlib.sha256(canonical_json(report).encode()).hexdigest() if key is not None else None,
     )
-    stored = await dep.record_stored(record, key, check_references=True)
+    try:
+        stored = await dep.record_stored(record, key, check_references=True)
+    except Conflict as exc:
+        if key is None or exc.details.get("idempotency_key") != key:
+            raise
+        raise Conflict(f"another report already holds {key!r} in scenario {scenario.name!r}",
+                       param="metadata", key=key) from None
     return JSONResponse({"agent_record_id": stored.record_id, "scenario": scenario.name, "request_type": "report"},
                         headers={RECEIPT_HEADER: stored.record_id})
