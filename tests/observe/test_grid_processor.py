@@ -116,9 +116,13 @@ def test_incomplete_step_times_out_whole_when_asked():
     clock.now += 31
     assert p.recheck_after() == 0 and not p.ready()
     assert p.status()["dropped"] == {"incomplete_step": G * R - 1} and p.status()["pending_units"] == 0
-    # The step is closed: its missing rollout arriving late does not reopen it.
-    feed(p, s.rollout(0, 0, 1, 0.5))
+    # The step is closed: its missing rollout arriving late does not reopen it, not even in a replay.
+    late = [Record(**{**r.__dict__, "created_at": clock.now}) for r in s.rollout(0, 0, 1, 0.5)]
+    feed(p, late)
     assert p.status()["dropped"]["step_closed"] == 1 and p.recheck_after() is None
+    replay = GridProcessor(SCENARIO, groups=G, rollouts_per_group=R, timeout_s=30, clock=clock)
+    feed(replay, [Record(**{**r.__dict__, "created_at": 1000.0}) for r in records] + late)
+    assert not replay.ready() and replay.status()["dropped"] == {"incomplete_step": G * R - 1, "step_closed": 1}
 
 
 def test_grid_spanning_two_versions_is_dropped_whole_with_its_reason():

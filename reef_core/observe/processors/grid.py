@@ -18,7 +18,8 @@ Rules, in order:
 
 * **Barrier.** A step is ready only when all G*R slots hold a usable report. A missing slot never trains: the step
   waits (for good, unless ``timeout_s`` is set: then an incomplete step older than ``timeout_s``, timed from its
-  first report, is dropped whole as ``incomplete_step``). A report that makes no sample (no score, unknown or failed
+  first report, is dropped whole as ``incomplete_step``, and a report created after that deadline counts as
+  ``step_closed``, so a replay decides the same). A report that makes no sample (no score, unknown or failed
   inference...) counts under its own reason and leaves its slot missing.
 * **One version.** A complete grid whose rollouts were served by more than one version is dropped whole
   (``mixed_versions``, once per rollout). With ``max_staleness`` set, a step with an inadmissible rollout is dropped
@@ -56,6 +57,7 @@ STEP_CLOSED = "step_closed"
 NO_COORDINATES = "no_coordinates"
 
 KEY_PREFIX = "reef-grid/"
+MAX_STATUS_STEPS = 20
 
 
 def _index(metadata: dict, name: str, bound: int | None) -> int:
@@ -95,7 +97,6 @@ class GridProcessor(ReportedProcessor):
 
     def __init__(self, scenario: str, *, groups: int, rollouts_per_group: int, timeout_s: float | None = None,
                  **kwargs):
-        kwargs.pop("require_score", None)
         super().__init__(scenario, require_score=True, **kwargs)
         for label, value in (("groups", groups), ("rollouts_per_group", rollouts_per_group)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -150,6 +151,11 @@ class GridProcessor(ReportedProcessor):
         step = self._steps.get(step_no)
         if step is None:
             step = self._steps[step_no] = Step(step_no, unit.arrived_at)
+        elif self.timeout_s is not None and unit.arrived_at - step.started_at >= self.timeout_s:
+            # Past the step's deadline by its own timestamps, not by when it is ingested: a replay after a
+            # restart decides as the first pass did.
+            self._count_drop(STEP_CLOSED)
+            return
         if (group, rollout) in step.slots:
             self._count_drop(el.DUPLICATE)
             return
@@ -246,6 +252,8 @@ class GridProcessor(ReportedProcessor):
         complete = sum(1 for step in self._steps.values() if self._complete(step))
         return {**super()._status_extra(), "groups": self.groups, "rollouts_per_group": self.rollouts_per_group,
                 "timeout_s": self.timeout_s, "open_steps": len(self._steps) - complete, "complete_steps": complete,
-                "steps": {str(s.step): len(s.slots) for s in sorted(self._steps.values(), key=lambda s: s.step)},
+                # reports held per waiting step, for the lowest MAX_STATUS_STEPS steps
+                "steps": {str(s.step): len(s.slots)
+                          for s in sorted(self._steps.values(), key=lambda s: s.step)[:MAX_STATUS_STEPS]},
                 "closed_steps": len(self._closed)}
 
