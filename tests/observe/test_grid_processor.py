@@ -179,9 +179,11 @@ def test_duplicate_slots_and_closed_steps_never_train():
     feed(p, s.rollout(0, 1, 2, 1.0))
     batch = p.pending_batch()
     assert batch.samples[0].reward == 0.0
+    feed(p, s.rollout(0, 1, 0, 7.0))  # while the step is reserved
+    assert p.status()["dropped"] == {"duplicate": 2}
     p.acknowledge(batch.batch_id)
     feed(p, s.rollout(0, 1, 1, 1.0))
-    assert p.status()["dropped"] == {"duplicate": 1, "step_closed": 1} and not p.ready()
+    assert p.status()["dropped"] == {"duplicate": 2, "step_closed": 1} and not p.ready()
 
 
 def test_restart_replays_nothing_that_the_step_consumed(tmp_path):

@@ -145,10 +145,12 @@ class GridProcessor(ReportedProcessor):
             self._count_drop(NO_COORDINATES)
             return
         step_no, group, rollout = coords
-        if step_no in self._closed or (self._reserved is not None and self._reserved.step == step_no):
+        if step_no in self._closed:
             self._count_drop(STEP_CLOSED)
             return
         step = self._steps.get(step_no)
+        if step is None and self._reserved is not None and self._reserved.step == step_no:
+            step = self._reserved  # complete: whatever comes for it is a duplicate
         if step is None:
             step = self._steps[step_no] = Step(step_no, unit.arrived_at)
         elif self.timeout_s is not None and unit.arrived_at - step.started_at >= self.timeout_s:
