@@ -89,12 +89,22 @@ def test_incomplete_step_never_trains_while_a_later_complete_one_does():
     assert p.status()["open_steps"] == 1 and p.status()["dropped"] == {}
 
 
-def test_a_report_that_makes_no_sample_leaves_its_slot_missing():
+def test_a_slot_that_can_never_fill_drops_its_step_whole():
     s, p = Grid(), GridProcessor(SCENARIO, groups=G, rollouts_per_group=R)
     records = s.step(0, VARIED, skip={(0, 0)})
     ghost = s.report("no-such-inference", 1.0, 0, 0, 0)
-    feed(p, [*records, ghost])
-    assert not p.ready() and p.status()["dropped"] == {"unknown_reference": 1}
+    feed(p, [*records[:4], ghost, *records[4:]])
+    status = p.status()
+    assert not p.ready() and status["pending_units"] == 0
+    assert status["dropped"] == {"unknown_reference": 1, "step_discarded": 2, "step_closed": G * R - 3}
+    # A second report quoting a receipt another slot holds kills its own (empty) slot, not a filled one.
+    p2 = GridProcessor(SCENARIO, groups=G, rollouts_per_group=R)
+    records = s.step(1, VARIED, skip={(1, 2)})
+    feed(p2, [*records, s.report(records[0].record_id, 1.0, 1, 0, 0)])  # slot (0, 0) is filled: harmless
+    assert p2.status()["dropped"] == {"duplicate": 1} and p2.status()["pending_units"] == G * R - 1
+    feed(p2, [s.report(records[0].record_id, 1.0, 1, 1, 2)])  # the missing slot, quoting a held receipt
+    assert p2.status()["dropped"] == {"duplicate": 2, "step_discarded": G * R - 1}
+    assert p2.status()["pending_units"] == 0 and p2.status()["closed_steps"] == 1
 
 
 class FakeClock:

@@ -19,8 +19,9 @@ Rules, in order:
 * **Barrier.** A step is ready only when all G*R slots hold a usable report. A missing slot never trains: the step
   waits (for good, unless ``timeout_s`` is set: then an incomplete step older than ``timeout_s``, timed from its
   first report, is dropped whole as ``incomplete_step``, and a report created after that deadline counts as
-  ``step_closed``, so a replay decides the same). A report that makes no sample (no score, unknown or failed
-  inference...) counts under its own reason and leaves its slot missing.
+  ``step_closed``, so a replay decides the same). A report that makes no sample (a failed or unknown inference, a
+  receipt another report holds...) counts under its own reason; as it holds its slot's key, the slot can never
+  fill, so its step is dropped whole at once (the step's other reports as ``step_discarded``).
 * **One version.** A complete grid whose rollouts were served by more than one version is dropped whole
   (``mixed_versions``, once per rollout). With ``max_staleness`` set, a step with an inadmissible rollout is dropped
   whole too (that rollout under its own reason, the others as ``step_discarded``).
@@ -135,9 +136,27 @@ class GridProcessor(ReportedProcessor):
 
     def _ingest_report(self, report: Record) -> None:
         coords = self._coordinates(report)
-        if report.record_id in self._consumed and coords is not None:
-            self._closed.add(coords[0])  # replay after a restart: this step already trained
-        super()._ingest_report(report)
+        if report.record_id in self._consumed:
+            self._replayed_consumed += 1  # trained before a restart: not a drop, and its step is closed
+            if coords is not None:
+                self._closed.add(coords[0])
+            return
+        unit_or_reason = self._unit_for(report)
+        if not isinstance(unit_or_reason, str):
+            self._admit(unit_or_reason, report)
+            return
+        self._count_drop(unit_or_reason)
+        if coords is None:
+            return
+        step_no, group, rollout = coords
+        step = self._steps.get(step_no)
+        if step is not None and (group, rollout) in step.slots:
+            return  # a second report for a filled slot: the step is unharmed
+        # The report holds its slot's key, so nothing else can fill the slot: the step can never complete.
+        if step is not None:
+            self._discard(step, {}, STEP_DISCARDED)
+        elif self._reserved is None or self._reserved.step != step_no:
+            self._closed.add(step_no)
 
     def _admit(self, unit: Unit, report: Record) -> None:
         coords = self._coordinates(report)
