@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .. import hookimpl
 from ..errors import ConfigError
+from ..extras import require
 
 
 def model_cache_dir(config) -> Path | None:
@@ -16,6 +17,9 @@ def model_cache_dir(config) -> Path | None:
 
 
 def make_local_engine(config, data_dir: Path):
+    require("local", "engine.kind=local")
+    if str(config.model) == "smollm2":
+        require("demo", "engine.model=smollm2")
     from ..engines.local import LocalEngine
     from ..grow.device import engine_device
     from ..grow.models import resolve_model

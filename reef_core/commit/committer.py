@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 
 from reef_core.commit.commitlog import CommitLog
 from reef_core.commit.crashpoints import crash_point
-from reef_core.commit.git_store import FileValue, GitArtifactStore
+from reef_core.commit.store import ArtifactStore, FileValue
 from reef_core.commit.recovery import RecoveryResult, reconcile
 from reef_core.commit.release import Release
 
@@ -21,7 +21,7 @@ from reef_core.commit.release import Release
 class Committer:
     """Ties one scenario's release chain to its commit log (opened as the writer)."""
 
-    def __init__(self, store: GitArtifactStore, log: CommitLog, scenario: str):
+    def __init__(self, store: ArtifactStore, log: CommitLog, scenario: str):
         self.store = store
         self.log = log
         self.scenario = scenario

@@ -35,7 +35,7 @@ import shutil
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator, Mapping, Union
+from typing import Iterator, Mapping
 
 from git.exc import GitCommandError
 
@@ -65,11 +65,10 @@ from reef_core.commit.release import (
     validate_path,
     validate_scenario,
 )
+from reef_core.commit.store import FileValue
 from reef_core.errors import ConfigError, Conflict, NotFound, StorageUnavailable, ValidationFailed
 
 log = logging.getLogger(__name__)
-
-FileValue = Union[bytes, bytearray, memoryview, str, os.PathLike]
 
 _REPO_CONFIG = {"core.logAllRefUpdates": "always", "core.fsync": "committed"}
 _SCP_URL = re.compile(r"^[\w.-]+@[\w.-]+:")

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from reef_core.commit.commitlog import CommitLog
-from reef_core.commit.git_store import GitArtifactStore
+from reef_core.commit.store import ArtifactStore
 from reef_core.errors import NotFound, StorageUnavailable, ValidationFailed
 
 
@@ -53,7 +53,7 @@ def _head_row(log: CommitLog) -> dict | None:
     return None
 
 
-def _chain_between(store: GitArtifactStore, head: str, stop: str | None) -> list | None:
+def _chain_between(store: ArtifactStore, head: str, stop: str | None) -> list | None:
     """Releases after ``stop`` up to ``head`` (oldest first), or None if ``stop`` is not an ancestor."""
     path = []
     rid: str | None = head
@@ -66,7 +66,7 @@ def _chain_between(store: GitArtifactStore, head: str, stop: str | None) -> list
     return list(reversed(path))
 
 
-def reconcile(store: GitArtifactStore, log: CommitLog, scenario: str) -> RecoveryResult:
+def reconcile(store: ArtifactStore, log: CommitLog, scenario: str) -> RecoveryResult:
     """Bring the head, the review holds and the log back in agreement; see the module doc."""
     if not log.writer:
         raise ValidationFailed("reconcile needs the commit log opened as its writer")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from reef_core.commit.git_store import GitArtifactStore
+from reef_core.commit.store import ArtifactStore
 from reef_core.commit.release import Release
 from reef_core.errors import ConfigError, ValidationFailed
 
@@ -98,7 +98,7 @@ def _retained(releases: list[Release], policy: RetentionPolicy) -> dict[str, str
     return keep
 
 
-def _plan(store: GitArtifactStore, policy: RetentionPolicy) -> tuple[GcPlan, dict[str, set[str]]]:
+def _plan(store: ArtifactStore, policy: RetentionPolicy) -> tuple[GcPlan, dict[str, set[str]]]:
     releases = store.all_releases()
     oids = {rel.release_id: rel.lfs_oids() for rel in releases}
     keep = _retained(releases, policy)
@@ -124,14 +124,14 @@ def _plan(store: GitArtifactStore, policy: RetentionPolicy) -> tuple[GcPlan, dic
     return plan, oids
 
 
-def plan_gc(store: GitArtifactStore, policy: RetentionPolicy | None = None) -> GcPlan:
+def plan_gc(store: ArtifactStore, policy: RetentionPolicy | None = None) -> GcPlan:
     """Which releases would lose their weights and which LFS objects would be deleted."""
     if store.is_remote:
         raise ConfigError("garbage collection needs a local release repository (LFS servers cannot delete)")
     return _plan(store, policy or RetentionPolicy())[0]
 
 
-def run_gc(store: GitArtifactStore, plan: GcPlan, dry_run: bool = True) -> GcResult:
+def run_gc(store: ArtifactStore, plan: GcPlan, dry_run: bool = True) -> GcResult:
     """Carry out ``plan`` (``dry_run``: only report). Re-checks retention under the GC lock.
 
     The store-level equivalent of ``git lfs prune`` for a bare repository: objects are removed

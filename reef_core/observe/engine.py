@@ -19,6 +19,7 @@ from alembic.config import Config
 from sqlalchemy.engine import make_url
 
 from reef_core.errors import ConfigError, StorageUnavailable
+from reef_core.extras import require
 from reef_core.observe.schema import VERSION_TABLE
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
@@ -57,6 +58,7 @@ def resolve_url(url: str | None, data_dir: Path) -> sa.URL:
     if backend == "postgresql":
         if parsed.get_driver_name() != "psycopg":
             parsed = parsed.set(drivername="postgresql+psycopg")
+        require("postgres", "storage.records_url=postgresql://...")
         return parsed
     if backend == "sqlite":
         if parsed.database in (None, "", ":memory:"):

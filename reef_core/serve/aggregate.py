@@ -11,6 +11,7 @@ import time
 from typing import Any, AsyncIterator
 
 from ..engines.base import StreamEvent
+from ..engines.sse import encode_event
 
 
 class OpenAIAccumulator:
@@ -114,14 +115,22 @@ class AnthropicAccumulator:
         return {"type": "message", "role": "assistant", **self.message, "content": content}
 
 
+def receipt_events(dialect: str, record_id: str, model: str | None) -> list[StreamEvent]:
+    """The end of a recorded stream carrying its receipt: an extra OpenAI chunk then ``[DONE]``, or the
+    Anthropic ``message_stop`` with a ``reef`` field."""
+    if dialect == "openai":
+        chunk = {"id": f"chatcmpl-{record_id}", "object": "chat.completion.chunk", "created": int(time.time()),
+                 "model": model or "reef", "choices": [], "reef": {"agent_record_id": record_id}}
+        return [StreamEvent(None, chunk), StreamEvent(None, "[DONE]")]
+    return [StreamEvent("message_stop", {"type": "message_stop", "reef": {"agent_record_id": record_id}})]
+
+
 def accumulator_for(dialect: str):
     return OpenAIAccumulator() if dialect == "openai" else AnthropicAccumulator()
 
 
 async def synthetic_stream(dialect: str, body: dict, record_id: str) -> AsyncIterator[bytes]:
     """Replay a stored complete response as a stream (a retried streaming request)."""
-    from .inference import encode_sse, receipt_events
-
     events: list[StreamEvent] = []
     if dialect == "openai":
         base = {"id": body.get("id", f"chatcmpl-{record_id}"), "object": "chat.completion.chunk",
@@ -151,4 +160,4 @@ async def synthetic_stream(dialect: str, body: dict, record_id: str) -> AsyncIte
                                                         "output_tokens", 0)}}))
     events.extend(receipt_events(dialect, record_id, body.get("model")))
     for event in events:
-        yield encode_sse(event)
+        yield encode_event(event)

@@ -36,7 +36,8 @@ from ..engines.base import TOKENS_EVENT, DirectResponse, EngineRequest, EngineRe
 from ..engines.translate import stream_translator, translate_error, translate_request, translate_response
 from ..errors import Conflict, PayloadTooLarge, ReefError, ValidationFailed
 from ..observe.model import Record, canonical_json
-from .aggregate import accumulator_for, synthetic_stream
+from ..engines.sse import encode_event
+from .aggregate import accumulator_for, receipt_events, synthetic_stream
 from .disconnect import CLIENT_DISCONNECTED, ClientGone, ClientWatch
 from .errors import error_body, new_error_id
 from .jsonbody import parse_json_object
@@ -351,13 +352,13 @@ class InferenceCall:
                         continue  # held until the record is durable
                     if out.is_reef:
                         continue
-                    yield encode_sse(out)
+                    yield encode_event(out)
             if translator is not None and not terminal_seen:
                 for out in translator.finish():
                     if _is_terminal(self.client_dialect, out):
                         terminal_seen = True
                     elif not out.is_reef:
-                        yield encode_sse(out)
+                        yield encode_event(out)
             if not terminal_seen or not accumulator.complete:
                 error = "stream ended before its terminal event"
         except ReefError as exc:
@@ -369,10 +370,10 @@ class InferenceCall:
         # A cancellation (client gone, server stopping) ends the relay here: _RecordedStream stores the record.
         stored = await self._store_stream(error)
         if error is not None:
-            yield encode_sse(_error_event(self.client_dialect, error, stored.record_id if stored else None))
+            yield encode_event(_error_event(self.client_dialect, error, stored.record_id if stored else None))
             return
         for out in receipt_events(self.client_dialect, stored.record_id, self.engine_request.body.get("model")):
-            yield encode_sse(out)
+            yield encode_event(out)
 
     async def _store_stream(self, error: str | None) -> Record | None:
         """Store what the stream carried (once per stream), complete when ``error`` is ``None``. The append is
@@ -448,26 +449,11 @@ def _is_terminal(dialect: str, event: StreamEvent) -> bool:
     return event.event == "message_stop" or (isinstance(event.data, dict) and event.data.get("type") == "message_stop")
 
 
-def receipt_events(dialect: str, record_id: str, model: str | None) -> list[StreamEvent]:
-    if dialect == "openai":
-        chunk = {"id": f"chatcmpl-{record_id}", "object": "chat.completion.chunk", "created": int(time.time()),
-                 "model": model or "reef", "choices": [], "reef": {"agent_record_id": record_id}}
-        return [StreamEvent(None, chunk), StreamEvent(None, "[DONE]")]
-    return [StreamEvent("message_stop", {"type": "message_stop", "reef": {"agent_record_id": record_id}})]
-
-
 def _error_event(dialect: str, message: str, record_id: str | None) -> StreamEvent:
     body = error_body("anthropic" if dialect == "anthropic" else "openai", 502, message, "upstream_error")
     if record_id:
         body["reef"] = {"agent_record_id": record_id, "complete": False}
     return StreamEvent("error" if dialect == "anthropic" else None, body)
-
-
-def encode_sse(event: StreamEvent) -> bytes:
-    data = event.data if isinstance(event.data, str) else json.dumps(event.data, separators=(",", ":"))
-    if event.event:
-        return f"event: {event.event}\ndata: {data}\n\n".encode()
-    return f"data: {data}\n\n".encode()
 
 
 async def _in_thread(fn, *args):

@@ -47,6 +47,8 @@ import time
 from collections import deque
 from typing import Any, Iterator
 
+from reef_core.serve.background import bound_socket, serve_asgi, uvicorn_server
+
 __all__ = ["FakeUpstream", "serve_fake_upstream", "run_fake_upstream", "serve_asgi", "FakeUpstreamControl"]
 
 _WORD = re.compile(r"\S+\s*|\s+")
@@ -506,46 +508,6 @@ def _abort(send) -> None:
 
 # ---- running it -------------------------------------------------------------------------------------------
 
-def _bound_socket(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
-    return sock
-
-
-def _uvicorn_server(app, lifespan: str = "off"):
-    import uvicorn
-
-    config = uvicorn.Config(app, log_level="critical", access_log=False, lifespan=lifespan,
-                            timeout_graceful_shutdown=1, timeout_keep_alive=30)
-    return uvicorn.Server(config)
-
-
-@contextlib.contextmanager
-def serve_asgi(app, host: str = "127.0.0.1", port: int = 0, lifespan: str = "off") -> Iterator[str]:
-    """Serve any ASGI app with uvicorn in a daemon thread on a free loopback port; yield its base URL.
-
-    ``lifespan="on"`` sends the app ASGI lifespan startup/shutdown events (to open and close resources
-    on the server's own event loop).
-    """
-    sock = _bound_socket(host, port)
-    server = _uvicorn_server(app, lifespan)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="reef-asgi")
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("ASGI test server did not start")
-        time.sleep(0.005)
-    try:
-        yield f"http://{host}:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-
-
 @contextlib.contextmanager
 def serve_fake_upstream(api_key: str | None = None, *, mode: str = "thread",
                         app: FakeUpstream | None = None) -> Iterator[str]:
@@ -581,9 +543,9 @@ def serve_fake_upstream(api_key: str | None = None, *, mode: str = "thread",
 
 def run_fake_upstream(port: int = 0, host: str = "127.0.0.1", api_key: str | None = None) -> None:
     """Serve a FakeUpstream in the foreground (blocking); prints ``FAKE_UPSTREAM <url>`` once listening."""
-    sock = _bound_socket(host, port)
+    sock = bound_socket(host, port)
     print(f"FAKE_UPSTREAM http://{host}:{sock.getsockname()[1]}", flush=True)
-    _uvicorn_server(FakeUpstream(api_key=api_key)).run(sockets=[sock])
+    uvicorn_server(FakeUpstream(api_key=api_key)).run(sockets=[sock])
 
 
 class FakeUpstreamControl:

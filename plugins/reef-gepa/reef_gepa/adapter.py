@@ -21,10 +21,9 @@ from typing import Any
 
 from gepa.core.adapter import EvaluationBatch
 
-from reef_core.surfaces.harness import inject_system, render_system_prompt
+from reef_core.api import ChatModel, inject_system, render_system_prompt
 
 from .episodes import Episode, Feedback, Verifier, as_score, task_key, task_messages
-from .models import ChatModel
 
 log = logging.getLogger("reef_gepa")
 

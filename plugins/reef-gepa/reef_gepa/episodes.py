@@ -20,10 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from reef_core.commit.evaluators import load_object
-from reef_core.errors import ConfigError, ValidationFailed
-from reef_core.observe.processor import Sample
-from reef_core.surfaces.harness import SEPARATOR
+from reef_core.api import ConfigError, load_object, Sample, SEPARATOR, ValidationFailed
 
 Verifier = Callable[[str, dict], Any]
 Feedback = Callable[[dict, str, float], str]

@@ -7,7 +7,7 @@ here and Reef's built-in ``harness`` surface.
 
 from __future__ import annotations
 
-from reef_core import hookimpl
+from reef_core.api import hookimpl
 
 
 @hookimpl

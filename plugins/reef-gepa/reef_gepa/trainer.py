@@ -51,12 +51,20 @@ from gepa.strategies.component_selector import (
     RoundRobinReflectionComponentSelector,
 )
 
-from reef_core.commit.gate import Current
-from reef_core.commit.release import scenario_key
-from reef_core.errors import ValidationFailed
-from reef_core.grow.trainer import CandidateUpdate, TrainContext, Trainer, TrainerSetup
-from reef_core.observe.processor import Batch
-from reef_core.surfaces.harness import encode_tree, validate_tree
+from reef_core.api import (
+    Batch,
+    CandidateUpdate,
+    ChatModel,
+    Current,
+    encode_tree,
+    resolve_chat_model,
+    scenario_key,
+    TrainContext,
+    Trainer,
+    TrainerSetup,
+    validate_tree,
+    ValidationFailed,
+)
 
 from .adapter import HarnessAdapter, OutputCache, TaskRunner
 from .archive import Archive
@@ -69,7 +77,6 @@ from .episodes import (
     task_episode,
     task_key,
 )
-from .models import ChatModel, resolve_chat_model
 from .options import GepaOptions
 
 log = logging.getLogger("reef_gepa")
@@ -101,9 +108,9 @@ class GepaTrainer(Trainer):
         self.seed = int(options.seed if options.seed is not None else setup.seed)
         run_async = getattr(setup, "run_async", None)
         self.task_model = task_model or resolve_chat_model(options.task_model, engine=setup.engine,
-                                                           run_async=run_async, what="task_model")
+                                                           run_async=run_async, what="gepa task_model")
         self.reflection_model = reflection_model or resolve_chat_model(
-            options.reflection_model, engine=setup.engine, run_async=run_async, what="reflection_model")
+            options.reflection_model, engine=setup.engine, run_async=run_async, what="gepa reflection_model")
         self.verifier = load_callable(options.verifier, "verifier")
         self.feedback = load_callable(options.feedback, "feedback") or default_feedback
         self.valset = load_tasks(options.valset, "valset")

@@ -22,17 +22,12 @@ import pytest
 from gepa.core.adapter import EvaluationBatch
 from gepa.core.state import GEPAState
 
-from reef_core.commit.evaluators import TaskEvaluator, python_verifier
-from reef_core.commit.gate import Candidate, run_gate
-from reef_core.commit.policies import ScoreComparison
-from reef_core.grow.trainer import TrainContext, TrainerSetup
-from reef_core.observe.processor import Batch, Sample, Segment
-from reef_core.surfaces.harness import render_system_prompt
+from reef_core.testing import python_verifier, run_gate, ScoreComparison, serve_asgi, TaskEvaluator
+from reef_core.api import Batch, Candidate, render_system_prompt, Sample, Segment, TrainContext, TrainerSetup
 from reef_gepa.examples import hash_task as H
 from reef_gepa.examples.standins import chat_app
 from reef_gepa.options import GepaOptions
 from reef_gepa.trainer import GepaTrainer
-from reef_core.testing.fake_upstream import serve_asgi
 
 TRAIN, VAL = H.train_tasks(), H.val_tasks()
 TRACE_KEYS = ("i", "selected_program_candidate", "subsample_ids", "subsample_scores", "new_subsample_scores",

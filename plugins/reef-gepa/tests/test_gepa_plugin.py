@@ -2,8 +2,7 @@
 
 import dataclasses
 
-from reef_core.config import available_recipes, compose_config
-from reef_core.plugins import PluginManager
+from reef_core.testing import available_recipes, compose_config, PluginManager
 from reef_gepa.options import GepaOptions
 
 

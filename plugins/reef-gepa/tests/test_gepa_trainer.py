@@ -9,20 +9,32 @@ import uuid
 
 import pytest
 
-from reef_core.commit.commitlog import CommitLog
-from reef_core.commit.committer import Committer
-from reef_core.commit.gate import Candidate, Current, run_gate
-from reef_core.commit.git_store import GitArtifactStore
-from reef_core.engines.upstream import UpstreamEngine
-from reef_core.errors import ConfigError, ValidationFailed
-from reef_core.grow.trainer import TrainContext, TrainerSetup
-from reef_core.observe.processor import Batch, Sample, Segment
-from reef_core.plugins import PluginManager
-from reef_core.surfaces.harness import HarnessSurface, inject_system, render_system_prompt
-from reef_core.testing.fake_upstream import serve_asgi
+from reef_core.testing import (
+    CommitLog,
+    Committer,
+    GitArtifactStore,
+    HarnessSurface,
+    PluginManager,
+    run_gate,
+    serve_asgi,
+)
+from reef_core.api import (
+    Batch,
+    Candidate,
+    ConfigError,
+    Current,
+    EngineChat,
+    inject_system,
+    render_system_prompt,
+    Sample,
+    Segment,
+    TrainContext,
+    TrainerSetup,
+    UpstreamEngine,
+    ValidationFailed,
+)
 from reef_gepa import examples as E
 from reef_gepa.examples.standins import chat_app
-from reef_gepa.models import EngineChat
 from reef_gepa.options import GepaOptions
 from reef_gepa.trainer import GepaTrainer
 

@@ -27,11 +27,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from reef_core.config.schema import TrainerConfig
-from reef_core.errors import ConfigError, ValidationFailed
-from reef_core.grow.losses import dis_weight, explained_variance, length_adaptive_lambda, skip_observation_gae
-from reef_core.grow.objective import Objective, Prepared, ValueModel, sequence_logprobs, token_sum
-from reef_core.grow.token_batch import TokenBatch
+from reef_core.api import (
+    ConfigError,
+    Objective,
+    Prepared,
+    TokenBatch,
+    TrainerConfig,
+    ValidationFailed,
+    ValueModel,
+    dis_weight,
+    explained_variance,
+    length_adaptive_lambda,
+    sequence_logprobs,
+    skip_observation_gae,
+    token_sum,
+)
 
 from reef_sao.options import SAOOptions
 

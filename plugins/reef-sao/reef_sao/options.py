@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from reef_core.errors import ConfigError
+from reef_core.api import ConfigError
 
 ADVANTAGES = ("gae", "grpo")
 

@@ -5,7 +5,7 @@ Factories import their modules on first use, so listing plugins (``reef plugins`
 
 from __future__ import annotations
 
-from reef_core import hookimpl
+from reef_core.api import hookimpl
 
 
 def make_trainer(**kwargs):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from reef_core.errors import ValidationFailed
+from reef_core.api import ValidationFailed
 
 
 def validate_sao_report(report: dict) -> dict:

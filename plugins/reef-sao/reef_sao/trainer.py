@@ -16,10 +16,7 @@ control also a multiple of ``group_size``).
 
 from __future__ import annotations
 
-from reef_core.config.schema import RecipeConfig, TrainerConfig
-from reef_core.errors import ConfigError
-from reef_core.grow.torch_backend import TorchTrainer
-from reef_core.grow.trainer import TrainerSetup
+from reef_core.api import ConfigError, RecipeConfig, TorchTrainer, TrainerConfig, TrainerSetup
 
 from reef_sao.options import ADVANTAGES, PROCESSOR_OPTIONS, SAOOptions
 

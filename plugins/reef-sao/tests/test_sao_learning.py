@@ -16,11 +16,16 @@ import time
 import pytest
 import torch
 
-from reef_core.config.schema import RecipeConfig, TrainerConfig
-from reef_core.grow.models import build_tiny_model, build_tiny_tokenizer
-from reef_core.grow.trainer import TrainContext, TrainerSetup
-from reef_core.observe.model import Record
-from reef_core.plugins import PluginManager
+from reef_core.api import (
+    Record,
+    RecipeConfig,
+    TrainContext,
+    TrainerConfig,
+    TrainerSetup,
+    build_tiny_model,
+    build_tiny_tokenizer,
+)
+from reef_core.testing import PluginManager
 from reef_sao.rollouts import sample_rollouts
 from reef_sao.schema import validate_sao_report
 from reef_sao.tasks import score, task_stream

@@ -8,12 +8,20 @@ import pytest
 import torch
 from torch import nn
 
-from reef_core.errors import ValidationFailed
-from reef_core.grow.models import build_tiny_model, build_tiny_tokenizer
-from reef_core.grow.objective import Prepared, sequence_logprobs
-from reef_core.grow.token_batch import TokenBatch, TokenRow, row_from_sample, row_from_tokens
-from reef_core.grow.torch_backend import TorchTrainer
-from reef_core.observe.processor import Sample, Segment
+from reef_core.api import (
+    build_tiny_model,
+    build_tiny_tokenizer,
+    Prepared,
+    row_from_sample,
+    row_from_tokens,
+    Sample,
+    Segment,
+    sequence_logprobs,
+    TokenBatch,
+    TokenRow,
+    TorchTrainer,
+    ValidationFailed,
+)
 from reef_sao.objectives import GRPODISObjective, SAOObjective
 from reef_sao.rollouts import sample_rollouts
 
@@ -241,11 +249,8 @@ def test_grpo_advantages_by_key_or_consecutive_groups():
 def test_a_reported_rollout_without_log_probs_is_refused_by_the_sao_trainer(tok):
     """Records from an engine that captured no log-probs: the real processor builds the sample, the trainer refuses
     it with a 400-class error (the learner drops the batch with that reason) and nothing is recomputed."""
-    from reef_core.grow.token_batch import TokenDataError
-    from reef_core.grow.trainer import TrainContext, TrainerSetup
-    from reef_core.observe.model import Record
-    from reef_core.observe.processors import PerReportProcessor
-    from reef_core.config.schema import RecipeConfig, TrainerConfig
+    from reef_core.api import Record, RecipeConfig, TokenDataError, TrainContext, TrainerConfig, TrainerSetup
+    from reef_core.testing import PerReportProcessor
     from reef_sao.trainer import make_sao_trainer
 
     trainer = make_sao_trainer(scenario="s", recipe=RecipeConfig(options={"batch_size": 1, "eps_clip_high": 5.0}),

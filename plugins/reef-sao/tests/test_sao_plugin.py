@@ -6,12 +6,16 @@ import dataclasses
 
 import pytest
 
-from reef_core.config import available_recipes, compose_config
-from reef_core.config.schema import RecipeConfig, TrainerConfig
-from reef_core.errors import ConfigError, ValidationFailed
-from reef_core.grow.models import build_tiny_model, build_tiny_tokenizer
-from reef_core.grow.trainer import TrainerSetup
-from reef_core.plugins import PluginManager
+from reef_core.api import (
+    ConfigError,
+    RecipeConfig,
+    TrainerConfig,
+    TrainerSetup,
+    ValidationFailed,
+    build_tiny_model,
+    build_tiny_tokenizer,
+)
+from reef_core.testing import PluginManager, available_recipes, compose_config
 from reef_sao.objectives import GRPODISObjective, SAOObjective
 from reef_sao.schema import validate_sao_report
 from reef_sao.tasks import Task, score, task_stream
@@ -112,7 +116,7 @@ def test_trainer_factory_builds_both_arms_and_checks_the_backend(pm, tmp_path):
         pm.create("trainer", "sao", scenario="s", recipe=recipe, trainer=dataclasses.replace(trainer_section, grad_accumulation=3),
                   context=setup)
     # The built-in `torch` trainer runs any objective named by dotted path.
-    import reef_core.builtins.trainers as builtin
+    from reef_core.testing import builtin_trainers as builtin
 
     with_builtin = PluginManager(load_entry_points=False, extra_plugins=(builtin,))
     plain = with_builtin.create(

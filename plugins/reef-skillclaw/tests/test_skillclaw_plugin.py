@@ -1,7 +1,6 @@
 """reef-skillclaw registers through the hooks and its recipe composes."""
 
-from reef_core.config import available_recipes, compose_config
-from reef_core.plugins import PluginManager
+from reef_core.testing import available_recipes, compose_config, PluginManager
 
 
 def test_skillclaw_plugin_loads_and_registers_searchpath():

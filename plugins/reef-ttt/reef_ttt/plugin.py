@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from reef_core import hookimpl
+from reef_core.api import hookimpl
 
 
 @hookimpl

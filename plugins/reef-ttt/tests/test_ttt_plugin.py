@@ -1,7 +1,6 @@
 """reef-ttt registers through the hooks and its recipe composes."""
 
-from reef_core.config import available_recipes, compose_config
-from reef_core.plugins import PluginManager
+from reef_core.testing import available_recipes, compose_config, PluginManager
 
 
 def test_ttt_plugin_loads_and_registers_searchpath():

@@ -33,18 +33,10 @@ PROMPT_FILE = "system_prompt.md"
 @contextlib.contextmanager
 def serve_reef(task_url: str, reflection_url: str, data_dir: Path, *extra: str) -> Iterator[str]:
     """A Reef server (``+recipe=gepa``) on a free loopback port, served by the task-model stand-in."""
-    from reef_core.config import compose_config
-    from reef_core.plugins import get_plugin_manager
-    from reef_core.serve.app import create_app
-    from reef_core.loop.assemble import build_deployment
-    from reef_core.testing.fake_upstream import serve_asgi
+    from reef_core.api import serve_reef as serve
 
-    pm = get_plugin_manager()
-    cfg = compose_config(["+recipe=gepa", "engine.kind=upstream", f"engine.upstream_url={task_url}",
-                          f"storage.data_dir={data_dir}",
-                          f"recipe.options.reflection_model={{url:'{reflection_url}'}}", *extra], pm)
-    deployment = build_deployment(cfg, pm)
-    with serve_asgi(create_app(deployment), lifespan="on") as url:
+    with serve(["+recipe=gepa", "engine.kind=upstream", f"engine.upstream_url={task_url}", f"storage.data_dir={data_dir}",
+                f"recipe.options.reflection_model={{url:'{reflection_url}'}}", *extra]) as url:
         yield url
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from reef_core.testing.fake_upstream import serve_asgi
+from reef_core.api import serve_asgi
 
 
 def chat_app(fn: Callable[[list[dict]], str], model: str = "stand-in") -> FastAPI:

@@ -1,25 +1,28 @@
-"""The language models GEPA calls: the task model (runs tasks) and the reflection model (rewrites text).
+"""Chat models a plugin calls: ``model(messages) -> str`` with OpenAI-style chat messages.
 
-Every model is a ``ChatModel``: ``model(messages) -> str`` with OpenAI-style chat messages. A model
-is configured (``recipe.options.task_model`` / ``reflection_model``) as one of:
+Recipes that ask a language model for something (GEPA's task and reflection models) configure it as
+one of:
 
 * ``null`` or ``served``: the deployment's engine (``TrainerSetup.engine``), the model Reef serves;
 * ``"pkg.module:function"``: a Python callable ``function(messages) -> str`` (tests, stand-ins);
 * ``{url, model, api_key_env, timeout_s, request}``: any OpenAI-compatible endpoint
   (``POST {url}/v1/chat/completions``); ``request`` holds extra body fields (temperature...).
+
+:func:`resolve_chat_model` builds one from that config.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-import httpx
-
-from reef_core.commit.evaluators import load_object
+from reef_core.dotted import load_object
 from reef_core.engines.base import EngineRequest
 from reef_core.engines.translate import translate_request, translate_response
 from reef_core.engines.upstream import UpstreamEngine
@@ -56,7 +59,10 @@ class CallableChat:
 
 
 class HttpChat:
-    """An OpenAI-compatible endpoint, called synchronously (trainers run off the event loop)."""
+    """An OpenAI-compatible endpoint, called synchronously (trainers run off the event loop).
+
+    Plain ``urllib`` (no proxy from the environment): a blocking call from a worker thread needs no
+    client library."""
 
     def __init__(self, url: str, model: str | None = None, api_key: str | None = None, timeout_s: float = 300.0,
                  request: Mapping[str, Any] | None = None):
@@ -64,21 +70,29 @@ class HttpChat:
         self.url = (base[:-3] if base.endswith("/v1") else base) + "/v1/chat/completions"
         self.model = model or "reef"
         self.extra = dict(request or {})
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.Client(timeout=timeout_s, headers=headers, trust_env=False)
+        self.timeout_s = timeout_s
+        self.headers = {"content-type": "application/json"}
+        if api_key:
+            self.headers["authorization"] = f"Bearer {api_key}"
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def __call__(self, messages: list[dict]) -> str:
-        body = {"model": self.model, **self.extra, "messages": messages}
+        body = json.dumps({"model": self.model, **self.extra, "messages": messages}).encode()
+        request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
         try:
-            response = self._client.post(self.url, json=body)
-        except httpx.HTTPError as exc:
+            with self._opener.open(request, timeout=self.timeout_s) as response:
+                payload = response.read()
+        except urllib.error.HTTPError as exc:
+            raise UpstreamError(f"{self.url} answered {exc.code}: {exc.read()[:300].decode(errors='replace')}") from exc
+        except (OSError, urllib.error.URLError) as exc:
             raise UpstreamError(f"{self.url}: {type(exc).__name__}: {exc}") from exc
-        if response.status_code >= 400:
-            raise UpstreamError(f"{self.url} answered {response.status_code}: {response.text[:300]}")
-        return reply_text(response.json())
+        try:
+            return reply_text(json.loads(payload))
+        except ValueError:
+            raise UpstreamError(f"{self.url} answered a body that is not JSON") from None
 
     def close(self) -> None:
-        self._client.close()
+        """Nothing to release (one connection per call); kept so callers may close any model."""
 
 
 class EngineChat:
@@ -94,7 +108,7 @@ class EngineChat:
     def __init__(self, engine: Any, run_async: Callable[[Any], Any] | None = None, model: str | None = None,
                  request: Mapping[str, Any] | None = None, max_tokens: int = 1024):
         if engine is None:
-            raise ConfigError("gepa: no served engine to run the model on; configure task_model/reflection_model")
+            raise ConfigError("no served engine to run the chat model on; configure an endpoint or a callable")
         self.engine = engine
         self.run_async = run_async
         self.model = model
@@ -132,7 +146,7 @@ class EngineChat:
             if self._loop is None:
                 engine = self.engine
                 self._twin = UpstreamEngine(engine.url, engine.api_key, engine.dialect, engine.timeout_s, engine.model,
-                                            name=f"{engine.name}:gepa", max_connections=8)
+                                            name=f"{engine.name}:chat", max_connections=8)
                 self._loop = _PrivateLoop()
             return self._loop
 
@@ -146,7 +160,7 @@ class _PrivateLoop:
 
     def __init__(self):
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="reef-gepa-engine", daemon=True)
+        self.thread = threading.Thread(target=self.loop.run_forever, name="reef-chat-engine", daemon=True)
         self.thread.start()
 
     def run(self, coroutine, timeout: float | None = None):
@@ -169,7 +183,7 @@ def resolve_chat_model(spec: Any, *, engine: Any = None, run_async: Callable[[An
     if isinstance(spec, str):
         func = load_object(spec)
         if not callable(func):
-            raise ConfigError(f"gepa {what}: {spec!r} is not callable")
+            raise ConfigError(f"{what}: {spec!r} is not callable")
         return CallableChat(func, spec)
     if callable(spec):
         return CallableChat(spec, getattr(spec, "__name__", what))
@@ -183,4 +197,4 @@ def resolve_chat_model(spec: Any, *, engine: Any = None, run_async: Callable[[An
         api_key = os.environ.get(str(env)) if env else None
         return HttpChat(str(spec["url"]), spec.get("model"), api_key, float(spec.get("timeout_s", 300)),
                         spec.get("request"))
-    raise ConfigError(f"gepa {what}: expected null, 'served', a dotted callable or {{url, model}}, got {spec!r}")
+    raise ConfigError(f"{what}: expected null, 'served', a dotted callable or {{url, model}}, got {spec!r}")

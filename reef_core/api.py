@@ -1,0 +1,139 @@
+"""The public API of reef-core: the one module a plugin imports.
+
+Everything a recipe, engine, trainer, evaluator or surface package needs is named here: the hook
+marker, the contracts a plugin implements or receives, the errors it may raise and the helpers it
+may call. Other ``reef_core`` modules are internal and may move between releases; a test keeps every
+package under ``plugins/`` on this line (their tests may also use ``reef_core.testing``).
+
+The torch-backed names (:class:`Objective`, :class:`TokenBatch`, the loss functions,
+:class:`TorchTrainer`, :func:`build_tiny_model`...) are imported on first use (PEP 562), so
+``import reef_core.api`` works on an install without ``reef-core[train]``.
+
+Hooks and their arguments are documented in :mod:`reef_core.hookspecs`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from reef_core import hookimpl
+from reef_core.chat import CallableChat, ChatModel, EngineChat, HttpChat, reply_text, resolve_chat_model
+from reef_core.commit.gate import Candidate, Current, Decision, EvaluationResult, Evaluator, SelectionPolicy
+from reef_core.commit.release import Release, scenario_key
+from reef_core.commit.store import ArtifactStore, FileValue
+from reef_core.dotted import load_callable, load_object
+from reef_core.engines.base import (
+    DirectResponse,
+    Engine,
+    EngineRequest,
+    EngineResponse,
+    StreamEvent,
+    TokenData,
+)
+from reef_core.engines.translate import translate_request, translate_response
+from reef_core.engines.upstream import UpstreamEngine
+from reef_core.errors import (
+    ConfigError,
+    Conflict,
+    NotFound,
+    PayloadTooLarge,
+    PluginError,
+    ReefError,
+    StorageUnavailable,
+    UnknownComponent,
+    UpstreamError,
+    UpstreamTimeout,
+    ValidationFailed,
+)
+from reef_core.grow.trainer import CandidateUpdate, TrainContext, Trainer, TrainerSetup
+from reef_core.observe.model import Record
+from reef_core.observe.processor import Batch, Processor, Sample, Segment
+from reef_core.serve.background import serve_asgi, serve_reef
+from reef_core.surfaces.base import Surface
+from reef_core.surfaces.harness import (
+    SEPARATOR,
+    encode_tree,
+    inject_system,
+    render_system_prompt,
+    validate_harness_path,
+    validate_tree,
+)
+
+# name -> module, imported on first access: these need torch (``reef-core[train]``).
+_LAZY = {
+    "Objective": "reef_core.grow.objective",
+    "Prepared": "reef_core.grow.objective",
+    "ValueModel": "reef_core.grow.objective",
+    "sequence_logprobs": "reef_core.grow.objective",
+    "token_sum": "reef_core.grow.objective",
+    "TokenBatch": "reef_core.grow.token_batch",
+    "TokenRow": "reef_core.grow.token_batch",
+    "TokenDataError": "reef_core.grow.token_batch",
+    "row_from_sample": "reef_core.grow.token_batch",
+    "row_from_tokens": "reef_core.grow.token_batch",
+    "dis_weight": "reef_core.grow.losses",
+    "explained_variance": "reef_core.grow.losses",
+    "length_adaptive_lambda": "reef_core.grow.losses",
+    "skip_observation_gae": "reef_core.grow.losses",
+    "TorchTrainer": "reef_core.grow.torch_backend",
+    "build_tiny_model": "reef_core.grow.models",
+    "build_tiny_tokenizer": "reef_core.grow.models",
+}
+
+if TYPE_CHECKING:
+    from reef_core.config.schema import (
+        EngineConfig,
+        EvaluationConfig,
+        RecipeConfig,
+        ReefConfig,
+        ServerConfig,
+        StorageConfig,
+        TrainerConfig,
+    )
+    from reef_core.grow.losses import dis_weight, explained_variance, length_adaptive_lambda, skip_observation_gae
+    from reef_core.grow.models import build_tiny_model, build_tiny_tokenizer
+    from reef_core.grow.objective import Objective, Prepared, ValueModel, sequence_logprobs, token_sum
+    from reef_core.grow.token_batch import TokenBatch, TokenDataError, TokenRow, row_from_sample, row_from_tokens
+    from reef_core.grow.torch_backend import TorchTrainer
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'reef_core.api' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+__all__ = [
+    # hooks and the config sections component factories receive
+    "hookimpl",
+    "ReefConfig", "ServerConfig", "StorageConfig", "EngineConfig", "TrainerConfig", "EvaluationConfig", "RecipeConfig",
+    # observe: what a processor receives and emits
+    "Record", "Processor", "Segment", "Sample", "Batch",
+    # grow: trainers and what they hand to the gate
+    "Trainer", "TrainerSetup", "TrainContext", "CandidateUpdate",
+    "Objective", "Prepared", "ValueModel", "sequence_logprobs", "token_sum",
+    "TokenBatch", "TokenRow", "TokenDataError", "row_from_sample", "row_from_tokens",
+    "dis_weight", "explained_variance", "length_adaptive_lambda", "skip_observation_gae",
+    "TorchTrainer", "build_tiny_model", "build_tiny_tokenizer",
+    # commit: the gate and the release chain
+    "Candidate", "Current", "Decision", "EvaluationResult", "Evaluator", "SelectionPolicy",
+    "ArtifactStore", "FileValue", "Release", "scenario_key",
+    # serve: surfaces and engines
+    "Surface", "Engine", "EngineRequest", "EngineResponse", "StreamEvent", "TokenData", "DirectResponse",
+    "UpstreamEngine", "translate_request", "translate_response",
+    # helpers
+    "load_object", "load_callable", "serve_asgi", "serve_reef",
+    "ChatModel", "CallableChat", "HttpChat", "EngineChat", "reply_text", "resolve_chat_model",
+    "SEPARATOR", "encode_tree", "inject_system", "render_system_prompt", "validate_harness_path", "validate_tree",
+    # errors
+    "ReefError", "ConfigError", "ValidationFailed", "UpstreamError", "UpstreamTimeout", "NotFound", "Conflict",
+    "PayloadTooLarge", "PluginError", "UnknownComponent", "StorageUnavailable",
+]

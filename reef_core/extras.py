@@ -1,0 +1,39 @@
+"""Optional parts of reef-core and the pip extra that installs each.
+
+``pip install reef-core`` serves through an upstream engine with SQLite and harness recipes; the
+heavy dependencies come with extras. A deployment whose config needs a missing one fails at start-up
+with a ConfigError (``reef serve`` exits 2) naming the extra, instead of an ImportError deep inside.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from reef_core.errors import ConfigError
+
+# extra -> the modules it provides (checked without importing them: torch alone takes seconds)
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "local": ("torch", "transformers", "tokenizers", "safetensors"),
+    "train": ("torch", "transformers", "safetensors", "peft"),
+    "postgres": ("psycopg",),
+    "demo": ("gguf",),
+}
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a finder that refuses the name
+        return False
+
+
+def missing(extra: str) -> list[str]:
+    return [name for name in EXTRAS[extra] if not _installed(name)]
+
+
+def require(extra: str, what: str) -> None:
+    """Raise ConfigError ``"<what> needs reef-core[<extra>]"`` when a module of ``extra`` is not installed."""
+    absent = missing(extra)
+    if absent:
+        raise ConfigError(f"{what} needs reef-core[{extra}]: pip install 'reef-core[{extra}]' "
+                          f"(not installed: {', '.join(absent)})")

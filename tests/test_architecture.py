@@ -1,0 +1,148 @@
+"""Architecture rules checked statically (by reading source with ``ast``, importing nothing).
+
+* Plugins speak to the core through one module: every ``reef_core`` import in ``plugins/*`` and the
+  third-party fixture names ``reef_core.api``; their tests and examples may also use
+  ``reef_core.testing``.
+* ``reef_core`` has no import cycles. Every import counts, function-local ones included: a
+  function-local import is still a dependency of the module that contains it, and hiding a cycle
+  inside a function only moves the failure to run time. Imports under ``if TYPE_CHECKING:`` do not
+  count (they never run).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ROOT / "reef_core"
+
+
+def _imports(path: Path, package: str, submodules: bool = True) -> list[tuple[int, str]]:
+    """(line, absolute module) for every import in ``path``, skipping ``if TYPE_CHECKING:`` blocks.
+
+    With ``submodules``, ``from pkg import name`` also yields ``pkg.name`` (it may be a submodule)."""
+    tree = ast.parse(path.read_text(), str(path))
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(child) for stmt in node.body for child in ast.walk(stmt))
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            # `from pkg import sub` may name a submodule: record it when it is one.
+            found.append((node.lineno, module))
+            if submodules:
+                found.extend((node.lineno, f"{module}.{alias.name}") for alias in node.names)
+    return found
+
+
+def _module_name(path: Path, root: Path) -> tuple[str, str]:
+    """(module, package) of a file under ``root``."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+        return ".".join(parts), ".".join(parts)
+    return ".".join(parts), ".".join(parts[:-1])
+
+
+def _plugin_sources():
+    for top in [*sorted((ROOT / "plugins").glob("reef-*")), ROOT / "tests" / "fixtures" / "reef-example-thirdparty"]:
+        for path in sorted(top.rglob("*.py")):
+            if "build" in path.relative_to(top).parts:
+                continue
+            yield top, path
+
+
+def test_plugins_import_only_the_public_api():
+    offences = []
+    scanned = 0
+    for top, path in _plugin_sources():
+        rel = path.relative_to(top).parts
+        may_use_testing = "tests" in rel or "examples" in rel and not _ships_in_wheel(top, path)
+        allowed = ("reef_core.api", "reef_core.testing") if may_use_testing else ("reef_core.api",)
+        scanned += 1
+        for line, module in _imports(path, "", submodules=False):
+            if module.partition(".")[0] != "reef_core":
+                continue
+            if module == "reef_core" or not any(module == a or module.startswith(a + ".") for a in allowed):
+                offences.append(f"{path.relative_to(ROOT)}:{line}: {module}")
+    assert scanned > 20, "the scan found no plugin sources"
+    assert not offences, "plugins must import reef_core.api only:\n" + "\n".join(sorted(set(offences)))
+
+
+def _ships_in_wheel(top: Path, path: Path) -> bool:
+    """Examples inside the importable package ship in the wheel (and so may not need test-only modules)."""
+    return path.relative_to(top).parts[0].startswith("reef_")
+
+
+def _core_graph() -> dict[str, set[str]]:
+    modules = {}
+    for path in CORE.rglob("*.py"):
+        name, package = _module_name(path, ROOT)
+        modules[name] = (path, package)
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, (path, package) in modules.items():
+        for _, target in _imports(path, package):
+            # `import a.b.c` also runs a and a.b: an edge to the deepest reef_core module named.
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(target + "."):
+                graph[name].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_reef_core_has_no_import_cycles():
+    graph = _core_graph()
+    assert len(graph) > 50
+    cycles = _cycles(graph)
+    detail = []
+    for component in cycles:
+        members = set(component)
+        detail.append(" , ".join(f"{m} -> {sorted(graph[m] & members)}" for m in component))
+    assert not cycles, "import cycles in reef_core:\n" + "\n".join(detail)
