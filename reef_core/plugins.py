@@ -84,6 +84,8 @@ class PluginManager:
         self.failures: dict[str, str] = {}
         self.info: dict[str, PluginInfo] = {}
         self._components: dict[str, dict[str, Component]] | None = None
+        # (hook, plugin) -> a pluggy caller of that plugin's implementation alone
+        self._single_callers: dict[tuple[str, str], Any] = {}
         for module_name in DEFAULT_PLUGINS:
             self._register_module(module_name, module_name, version=None, builtin=True)
         for plugin in extra_plugins:
@@ -175,7 +177,7 @@ class PluginManager:
                     found[_kind][name] = Component(_kind, name, factory, _plugin, description)
 
                 try:
-                    impl.function(**_kwargs_for(impl, register=register))
+                    self._call_one(hook_name, impl, register=register)
                 except ComponentConflict:
                     raise
                 except Exception:  # noqa: BLE001 - record the plugin as failed, keep the rest
@@ -191,6 +193,16 @@ class PluginManager:
             raise UnknownComponent(f"no {kind.replace('_', ' ')} named {name!r}; available: {available}") from None
 
     def create(self, kind: str, name: str, /, **kwargs) -> Any:
+        """Build the component ``name`` of ``kind`` with its factory's keyword arguments.
+
+        A name with a colon (``"package.module:Name"``) is an explicit dotted path instead of a registered
+        name: the object it names is called like a registered factory (a class is instantiated), or used
+        as is when it is not callable. Every kind takes such paths through this one loader."""
+        if ":" in name:
+            from .dotted import load_object
+
+            target = load_object(name)
+            return target(**kwargs) if callable(target) else target
         return self.get(kind, name).factory(**kwargs)
 
     def config_searchpath(self) -> list[str]:
@@ -206,14 +218,19 @@ class PluginManager:
         caller = getattr(self.pm.hook, hook_name)
         for impl in reversed(caller.get_hookimpls()):
             try:
-                impl.function(**_kwargs_for(impl, **kwargs))
+                self._call_one(hook_name, impl, **kwargs)
             except Exception:  # noqa: BLE001
                 log.exception("plugin %s failed in %s", impl.plugin_name, hook_name)
 
-
-def _kwargs_for(impl, **kwargs):
-    # pluggy lets an implementation accept a subset of the spec's arguments.
-    return {name: kwargs[name] for name in impl.argnames if name in kwargs}
+    def _call_one(self, hook_name: str, impl, **kwargs) -> Any:
+        """Call one plugin's implementation of a hook through pluggy (so tracing and pluggy's argument
+        matching apply), keeping each plugin's failure its own."""
+        key = (hook_name, impl.plugin_name)
+        caller = self._single_callers.get(key)
+        if caller is None:
+            others = [p for p in self.pm.get_plugins() if p is not impl.plugin]
+            caller = self._single_callers[key] = self.pm.subset_hook_caller(hook_name, remove_plugins=others)
+        return caller(**kwargs)
 
 
 def _env_list(var: str) -> list[str] | None:

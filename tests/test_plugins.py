@@ -120,3 +120,27 @@ def test_allow_and_block_lists(tmp_path):
     assert names == {"gepa"}
     recipes = _reef(["recipes", "--json"], {"REEF_LOAD_PLUGINS": "gepa"}, tmp_path)
     assert list(json.loads(recipes.stdout)) == ["gepa"]
+
+
+def test_trace_plugins_traces_registration_and_lifecycle_hooks(monkeypatch, caplog):
+    """REEF_TRACE_PLUGINS logs every hook call, the registration hooks and the lifecycle hooks included
+    (they are called through pluggy, one plugin at a time, never by calling the function directly)."""
+    seen = []
+
+    class Traced:
+        @hookimpl
+        def reef_register_processors(self, register):
+            register("traced", lambda **_: None)
+
+        @hookimpl
+        def reef_report_accepted(self, record):
+            seen.append(record)
+
+    monkeypatch.setenv("REEF_TRACE_PLUGINS", "1")
+    caplog.set_level("INFO", logger="reef.plugins")
+    pm = PluginManager(load_entry_points=False, extra_plugins=(Traced(),))
+    assert pm.get("processor", "traced").plugin.startswith("<")
+    pm.notify("reef_report_accepted", record="s", references=[])
+    assert seen == ["s"]
+    traced = caplog.text
+    assert "reef_register_processors" in traced and "reef_report_accepted" in traced

@@ -19,7 +19,12 @@ def dry_run(cfg, output_dir: Path) -> dict:  # cfg: the job's ReefConfig
                        ("surface", recipe.surface), ("report_schema", recipe.report_schema),
                        ("engine", cfg.engine.kind), ("selection_policy", cfg.evaluation.policy),
                        ("evaluator", cfg.evaluation.evaluator)):
-        if name:
+        if name and ":" in name:  # an explicit dotted path: it must import
+            from ..dotted import load_object
+
+            load_object(name)
+            checks[kind] = name
+        elif name:
             pm.get(kind, name)  # raises UnknownComponent with the available names
             checks[kind] = name
     output_dir.mkdir(parents=True, exist_ok=True)

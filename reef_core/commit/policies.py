@@ -221,15 +221,8 @@ POLICIES = {
 
 
 def make_policy(name: str, **options):
-    """A built-in policy by name, or a custom one by dotted path (an object or factory with ``decide``)."""
+    """A built-in policy by name (the built-ins register these through ``reef_register_selection_policies``;
+    a custom ``module:Name`` policy is loaded by ``PluginManager.create``)."""
     if name in POLICIES:
         return POLICIES[name](**options)
-    if ":" in name or "." in name:
-        from reef_core.commit.evaluators import load_object
-
-        obj = load_object(name)
-        policy = obj(**options) if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "decide")) else obj
-        if not hasattr(policy, "decide"):
-            raise ConfigError(f"{name!r} has no decide(candidate, evaluation) method")
-        return policy
     raise ConfigError(f"unknown selection policy {name!r}; built-ins: {', '.join(POLICIES)}")

@@ -35,7 +35,7 @@ from ..commit.committer import Committer
 from ..commit.crashpoints import crash_point
 from ..commit.gate import Candidate, Decision, EvaluationResult, run_gate
 from ..commit.release import Release
-from ..errors import Conflict, NotFound, ReefError
+from ..errors import ConfigError, Conflict, NotFound, ReefError, ValidationFailed
 from ..grow.trainer import CandidateUpdate, TrainContext, Trainer, TrainerSetup
 from .ports import LearnerPorts, LearnerSettings
 
@@ -259,20 +259,24 @@ class ScenarioLearner:
         options = cfg.options
         policy_options = options.get("policy", {}) if isinstance(options.get("policy"), dict) else {}
         evaluator_options = options.get("evaluator", {}) if isinstance(options.get("evaluator"), dict) else {}
+        empty = EvaluationResult(evaluator="none", version="0", metrics={}, scores=[])
+        if self.surface is not None:
+            try:  # a release its surface could not serve is never published
+                self.surface.validate(update.files)
+            except ValidationFailed as exc:
+                return Decision(decision="reject", policy=cfg.policy, evaluation=empty, metrics={},
+                                reason=f"the {self.surface.kind} surface refused the candidate: {exc.message}")
         try:
-            if ":" in cfg.policy:  # a custom policy by dotted path ("package.module:Policy")
-                from ..commit.policies import make_policy
-
-                policy = make_policy(cfg.policy, **policy_options)
-            else:
-                policy = create("selection_policy", cfg.policy, **policy_options)
+            # Registered names, or an explicit "package.module:Name" (PluginManager.create loads those).
+            policy = create("selection_policy", cfg.policy, **policy_options)
+            if not hasattr(policy, "decide"):
+                raise ConfigError(f"selection policy {cfg.policy!r} has no decide(candidate, evaluation) method")
             if cfg.evaluator:
                 evaluator = create("evaluator", cfg.evaluator, tasks=update.eval_tasks,
                                       run=self.trainer.run_task, options=evaluator_options)
             else:
                 evaluator = _NoEvaluation()
         except Exception as exc:  # noqa: BLE001 - a broken gate rejects (fail closed)
-            empty = EvaluationResult(evaluator="none", version="0", metrics={}, scores=[])
             return Decision(decision="reject", policy=cfg.policy, reason=f"gate setup failed: {exc}",
                             evaluation=empty, metrics={})
         return run_gate(evaluator, policy, candidate)

@@ -128,9 +128,21 @@ def test_floor_needs_every_task():
 
 def test_make_policy():
     assert make_policy("score_comparison", min_win_margin=2).min_win_margin == 2
-    assert make_policy("reef_core.commit.policies:Always").name == "always"
     with pytest.raises(ConfigError):
         make_policy("nope")
+
+
+def test_policies_resolve_through_the_registry_or_one_dotted_loader():
+    from reef_core.plugins import PluginManager
+
+    pm = PluginManager(load_entry_points=False)
+    assert pm.create("selection_policy", "score_comparison", min_win_margin=2).min_win_margin == 2
+    assert pm.create("selection_policy", "reef_core.commit.policies:Always").name == "always"
+    assert pm.create("selection_policy", "reef_core.commit.policies:floor", floor_score=0.5).floor_score == 0.5
+    with pytest.raises(ConfigError, match="available: always"):
+        pm.create("selection_policy", "reef_core.commit.policies.Always")  # a dotted path needs its colon
+    with pytest.raises(ConfigError, match="cannot import"):
+        pm.create("evaluator", "no_such_module:Evaluator")
 
 
 # ------------------------------------------------------------------------------- evaluators

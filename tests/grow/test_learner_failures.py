@@ -13,6 +13,7 @@ from reef_core.plugins import PluginManager
 from reef_core.serve.app import create_app
 from reef_core.loop.assemble import build_deployment
 from reef_core.testing.fake_upstream import serve_asgi
+from reef_core.testing.fixtures import wait_until
 
 
 class ExplodingTrainer(Trainer):
@@ -56,3 +57,43 @@ def test_failing_batch_is_dropped_after_retries(tmp_path, fake_upstream_url):
         # Serving was never affected.
         assert httpx.post(f"{url}/v1/chat/completions", headers=headers,
                           json={"model": "m", "messages": [{"role": "user", "content": "still"}]}).status_code == 200
+
+
+class BadTreeTrainer(Trainer):
+    """Proposes a harness tree the harness surface cannot serve (a path escaping the tree)."""
+
+    artifact_kind = "harness"
+
+    def train(self, batch, ctx):
+        from reef_core.grow.trainer import CandidateUpdate
+
+        return CandidateUpdate(files={"../outside.md": b"escape"})
+
+
+class BadTreePlugin:
+    @staticmethod
+    @hookimpl
+    def reef_register_trainers(register):
+        register("bad_tree", lambda **_: BadTreeTrainer())
+
+
+def test_candidate_its_surface_refuses_is_rejected_not_published(tmp_path, fake_upstream_url):
+    """Surface.validate is the last check before a release is written: a refused candidate is a
+    rejection in the commit log, and no release exists."""
+    pm = PluginManager(extra_plugins=(BadTreePlugin,))
+    cfg = compose_config(["engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}",
+                          f"storage.data_dir={tmp_path}", "recipe.processor=per_report", "recipe.surface=harness",
+                          "recipe.trainer=bad_tree", "+recipe.processor_options.batch_size=1"], pm)
+    with serve_asgi(create_app(build_deployment(cfg, pm)), lifespan="on") as url:
+        headers = {"x-reef-scenario": "refused"}
+        chat = httpx.post(f"{url}/v1/chat/completions", headers=headers,
+                          json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        receipt = chat.headers["x-reef-agent-record-id"]
+        assert httpx.post(f"{url}/reef/report", headers=headers,
+                          json={"score": 1, "references": [receipt]}).status_code == 200
+        commits = wait_until(lambda: httpx.get(f"{url}/reef/scenarios/refused/commits").json()["commits"],
+                             timeout=60)
+        assert len(commits) == 1 and commits[0]["release_id"] is None
+        assert "harness surface refused the candidate" in commits[0]["decision"]["reason"]
+        releases = httpx.get(f"{url}/reef/scenarios/refused/releases").json()["releases"]
+        assert not any(r["operation"] == "training" for r in releases)
