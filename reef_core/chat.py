@@ -22,6 +22,7 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from reef_core.content import content_text
 from reef_core.dotted import load_object
 from reef_core.engines.base import EngineRequest
 from reef_core.engines.translate import translate_request, translate_response
@@ -39,9 +40,8 @@ def reply_text(body: Any) -> str:
         content = body["choices"][0]["message"].get("content")
     except (KeyError, IndexError, TypeError, AttributeError):
         raise UpstreamError("the model answered without a chat completion message") from None
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return content or ""
+    # The reply's words; a reply of other parts (audio...) has no text for the caller.
+    return content_text(content, non_text="skip")
 
 
 class CallableChat:

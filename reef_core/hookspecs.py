@@ -1,7 +1,8 @@
 """The plugin author's API: every hook a Reef plugin may implement.
 
-A plugin is any module or object whose functions are decorated with ``reef_core.hookimpl`` and
-whose names match the specs below. Installed packages expose plugins through the ``reef``
+A plugin is any module or object whose functions are decorated with ``reef_core.api.hookimpl`` and
+whose names match the specs below. ``reef_core.api`` is the only module a plugin imports: the
+contracts named here (Processor, Trainer, Surface, Engine, ArtifactStore...) all live there. Installed packages expose plugins through the ``reef``
 entry-point group::
 
     [project.entry-points.reef]
@@ -45,7 +46,7 @@ def reef_register_processors(register):
     ``recipe.processor_options`` as a plain dict; ``serving_version()`` returns the version now
     serving the scenario; ``judge`` scores next-state pairs; ``load_records(ids)`` reads stored
     records back by id, so a processor holds ids rather than bodies) and returns an object
-    implementing ``reef_core.observe.processor.Processor``: it ingests every stored
+    implementing ``reef_core.api.Processor``: it ingests every stored
     record of its scenario in order (inference and report), never blocks the request path, and
     exposes ``ready()``, ``pending_batch()`` (the same batch until acknowledged),
     ``acknowledge(batch_id) -> consumed record ids``, ``release(batch_id)`` and ``status()``.
@@ -59,10 +60,9 @@ def reef_register_trainers(register):
     """Register trainers: turn a ready batch into a candidate update.
 
     The factory is called as ``factory(scenario=..., recipe=<RecipeConfig>, trainer=<TrainerConfig>,
-    context=<reef_core.grow.trainer.TrainerSetup>)`` (the dataclasses of ``reef_core.config.schema``;
-    ``recipe.options`` is a plain dict the trainer validates) and returns a
-    ``reef_core.grow.trainer.Trainer``. Weight recipes usually return a
-    ``reef_core.grow.torch_backend.TorchTrainer`` running their objective (a loss over token-level
+    context=<TrainerSetup>)`` (all three in ``reef_core.api``; ``recipe.options`` is a plain dict the
+    trainer validates) and returns a ``reef_core.api.Trainer``. Weight recipes usually return a
+    ``reef_core.api.TorchTrainer`` running their objective (a loss over token-level
     samples with rollout log-probs and masks); harness recipes return a trainer whose candidates
     are new text trees.
     """
@@ -76,7 +76,8 @@ def reef_register_evaluators(register):
     options=<dict>)``. Evaluation is the first half of the gate; it must be idempotent per
     candidate id. Built-ins:
     ``exact_match``, ``regex``, ``json_schema``, ``python`` (a verifier named by dotted path) and
-    ``replay`` (held-out recorded tasks with their reported scores).
+    ``replay`` (held-out recorded tasks with their reported scores). ``evaluation.evaluator`` names
+    one, or is an explicit ``package.module:factory`` path called the same way.
     """
 
 
@@ -87,6 +88,8 @@ def reef_register_selection_policies(register):
     The factory takes the policy's options as keyword arguments (``evaluation.options.policy``).
     The second half of the gate: ``select`` or ``reject`` with a reason. Exceptions reject
     (fail closed). Built-ins: ``always``, ``score_comparison``, ``paired_confidence``, ``floor``.
+    ``evaluation.policy`` names the selection policy, or is an explicit ``package.module:Name`` path
+    (a class or factory taking the same options, or an object with ``decide``).
     """
 
 
@@ -94,7 +97,8 @@ def reef_register_selection_policies(register):
 def reef_register_artifact_stores(register):
     """Register artifact stores: where releases live (the built-in is ``git``, git + git-lfs).
 
-    The factory is called as ``factory(config=<storage section>, data_dir=<Path>)``.
+    The factory is called as ``factory(config=<storage section>, data_dir=<Path>)`` and returns a
+    ``reef_core.api.ArtifactStore``; the committer, recovery and ``reef gc`` use nothing else.
     """
 
 
@@ -103,11 +107,12 @@ def reef_register_surfaces(register):
     """Register surfaces: how a published release reaches live requests.
 
     The factory is called once per deployment as ``factory(ports=<ServingPorts>, options=<dict>)``
-    and returns a ``reef_core.surfaces.base.Surface``. ``ports`` (``reef_core.loop.ports``) holds
+    and returns a ``reef_core.api.Surface``. ``ports`` (``reef_core.api.ServingPorts``) holds
     what a surface may use: ``engine``, ``artifacts``, ``run_async(coroutine)`` (run on the
-    server's event loop from a learner worker) and ``load_base_model()``. A surface may validate a release before
-    publication, load it into the runtime (weights), rewrite requests (inject an adapter or a
-    system prompt) and expose a text tree (harness). Built-ins: ``weights``, ``harness``.
+    server's event loop from a learner worker) and ``load_base_model()``. A surface validates a
+    candidate before publication (``validate(files)``: a refusal rejects the candidate), loads it
+    into the runtime (weights), rewrites requests (inject an adapter or a
+    system prompt) and exposes a text tree (harness). Built-ins: ``weights``, ``harness``.
     """
 
 
@@ -116,7 +121,7 @@ def reef_register_engines(register):
     """Register inference engines (``engine.kind`` in config).
 
     The factory is called as ``factory(config=<engine section>, data_dir=<Path>)`` and returns a
-    ``reef_core.engines.base.Engine``. Built-ins: ``upstream`` (any OpenAI- or
+    ``reef_core.api.Engine``. Built-ins: ``upstream`` (any OpenAI- or
     Anthropic-compatible endpoint) and ``local`` (an embedded transformers model).
     """
 

@@ -1,7 +1,7 @@
 """Built-in processors (registered through hooks): ``per_report``, ``grouped``, ``grid`` and ``next_state``.
 
 Every factory is called as ``factory(*, scenario, options, serving_version, judge=None, load_records=None,
-**context)`` and returns a ``reef_core.observe.processor.Processor``. ``options`` come from the recipe config
+**context)`` and returns a ``reef_core.api.Processor``. ``options`` come from the recipe config
 (``recipe.processor_options``, a dict); keys may be snake_case or kebab-case (``max-staleness``), unknown keys are a
 :class:`ConfigError`. ``load_records(ids)`` reads stored records back by id (processors hold ids, not bodies). Extra
 context keywords are accepted and ignored, so the host may pass more than a processor needs.

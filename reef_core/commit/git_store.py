@@ -19,7 +19,8 @@ Publishing is split into steps so a caller can put its own commit point in betwe
     hold()     instead of advancing, keep it for review under refs/reef/releases/<sha>
     discard()  drop a staged release that lost or was abandoned
 
-:meth:`publish`, :meth:`rollback` and :meth:`promote` run stage + advance in one call.
+The committer is the one caller that publishes (it writes the commit-log row between the steps);
+tests of the store alone use :mod:`reef_core.testing.chain`.
 """
 
 from __future__ import annotations
@@ -681,58 +682,6 @@ class GitArtifactStore:
             return False
         self._refs.transaction([RefUpdate(STAGED + sha, ZERO, sha)])
         return True
-
-    def publish(
-        self,
-        scenario: str,
-        files: Mapping[str, FileValue],
-        *,
-        expected_parent: str | None,
-        operation: str = "training",
-        source: dict | None = None,
-        metrics: dict | None = None,
-        evaluation: dict | None = None,
-        hold: bool = False,
-        log_row: dict | None = None,
-    ) -> Release:
-        """Publish ``files`` as the scenario's next release (CAS on ``expected_parent``).
-
-        ``expected_parent=None`` creates the scenario. ``hold=True`` (``publish: review``)
-        keeps the release pending under ``refs/reef/releases/<sha>`` instead of serving it
-        (no head moves, so ``expected_parent`` is only checked when staging).
-        Raises Conflict when the head moved.
-        """
-        staged = self.stage(
-            scenario,
-            files,
-            expected_parent=expected_parent,
-            operation=operation,
-            source=source,
-            metrics=metrics,
-            evaluation=evaluation,
-            log_row=log_row,
-        )
-        return self._finish(staged, hold=hold)
-
-    def _finish(self, staged: Release, *, hold: bool = False) -> Release:
-        try:
-            if hold:
-                return self.hold(staged.release_id)
-            return self.advance(staged.scenario, staged.release_id, expected_head=staged.parent_release_id)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self.discard(staged.release_id)
-            raise
-
-    def rollback(self, scenario: str, release_id: str, *, expected_head: str | None) -> Release:
-        """Republish an earlier restorable release's content as a NEW head (``rollback``)."""
-        staged = self.stage_republish(scenario, release_id, expected_parent=expected_head, operation="rollback")
-        return self._finish(staged)
-
-    def promote(self, scenario: str, release_id: str, *, expected_head: str | None) -> Release:
-        """Serve a pending (review-held) release through the republish path (``promote``)."""
-        staged = self.stage_republish(scenario, release_id, expected_parent=expected_head, operation="promote")
-        return self._finish(staged)
 
     def archive(self, scenario: str, *, expected_head: str | None = None) -> str:
         """Move the scenario ref to ``refs/reef/archived/<b64>/<timestamp>``; return that ref.

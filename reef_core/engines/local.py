@@ -40,6 +40,7 @@ from typing import Any, AsyncIterator, Callable
 import torch
 
 from reef_core.config.schema import EngineConfig
+from reef_core.content import content_text
 from reef_core.engines.base import (
     TOKENS_EVENT,
     Engine,
@@ -92,19 +93,8 @@ def _num(body: dict, key: str, default, kind, lo=None, hi=None):
 
 
 def _flatten(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        out = []
-        for p in content:
-            if isinstance(p, dict) and p.get("type") == "text":
-                out.append(p.get("text", ""))
-            else:
-                raise ValidationFailed("the local engine takes text content only")
-        return "".join(out)
-    raise ValidationFailed("message content must be a string or a list of text parts")
+    # The embedded model reads text only: any other part is refused, never silently dropped.
+    return content_text(content, non_text="raise", where="the local engine's message content")
 
 
 def _chat_messages(body: dict) -> list[dict]:

@@ -20,7 +20,18 @@ import uuid
 from typing import Any
 
 from reef_core.engines.base import StreamEvent
+from reef_core.content import content_text
 from reef_core.errors import UpstreamError, ValidationFailed
+
+
+def _text_of(content: Any, where: str) -> str:
+    # Translation refuses what it cannot carry to the other dialect rather than dropping it.
+    return content_text(content, non_text="raise", where=where)
+
+
+def _tool_result_text(content: Any, where: str) -> str:
+    # Anthropic tool results become one OpenAI tool message: their text blocks, one per line.
+    return content_text(content, non_text="raise", separator="\n", where=where)
 
 DEFAULT_MAX_TOKENS = 4096
 
@@ -63,22 +74,6 @@ def stop_to_finish_reason(stop_reason: str | None) -> str | None:
 # content helpers
 
 
-def _text_of(content: Any, where: str) -> str:
-    """Plain text of an OpenAI content value (string or list of text parts)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if isinstance(p, dict) and p.get("type") == "text":
-                parts.append(p.get("text", ""))
-            else:
-                raise ValidationFailed(f"{where}: only text content can be translated here")
-        return "".join(parts)
-    raise ValidationFailed(f"{where}: content must be a string or a list of parts")
-
 
 def _openai_part_to_block(part: Any, where: str) -> dict:
     if not isinstance(part, dict):
@@ -114,24 +109,6 @@ def _anthropic_block_to_part(block: dict, where: str) -> dict:
     raise ValidationFailed(f"{where}: content block type {kind!r} cannot be translated to OpenAI")
 
 
-def _tool_result_text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for b in content:
-            if isinstance(b, dict) and b.get("type") == "text":
-                texts.append(b.get("text", ""))
-            else:
-                raise ValidationFailed(f"{where}: only text tool results can be translated to OpenAI")
-        return "\n".join(texts)
-    raise ValidationFailed(f"{where}: bad tool_result content")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# requests
 
 def openai_to_anthropic_request(body: dict, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> dict:
     """Translate an OpenAI chat.completions request body into an Anthropic messages body.
@@ -437,8 +414,8 @@ def openai_to_anthropic_response(body: dict) -> dict:
     msg = choice.get("message") or {}
     content: list[dict] = []
     text = msg.get("content")
-    if isinstance(text, list):
-        text = "".join(p.get("text", "") for p in text if isinstance(p, dict))
+    if isinstance(text, list):  # a provider's typed reply: its text parts (others have no Anthropic twin here)
+        text = content_text(text, non_text="skip")
     calls = msg.get("tool_calls") or []
     if text or not calls:
         content.append({"type": "text", "text": text or ""})

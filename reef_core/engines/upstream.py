@@ -33,6 +33,7 @@ from reef_core.engines.base import (
     StreamEvent,
     relay_status,
 )
+from reef_core.content import content_text
 from reef_core.engines.sse import SSEDecoder, parse_data
 from reef_core.engines.translate import error_body, error_message
 from reef_core.errors import UpstreamError, UpstreamTimeout, ValidationFailed
@@ -311,10 +312,7 @@ def estimate_tokens(body: dict) -> int:
     chars = 0
     for m in body.get("messages") or []:
         content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, str):
-            chars += len(content)
-        elif isinstance(content, list):
-            chars += sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+        chars += len(content_text(content, non_text="skip"))  # an estimate: non-text parts are not counted
         chars += len(json.dumps(m.get("tool_calls"))) if isinstance(m, dict) and m.get("tool_calls") else 0
         chars += 4 * 4  # role markers and separators: about four tokens per message
     if body.get("tools"):

@@ -47,6 +47,7 @@ import time
 from collections import deque
 from typing import Any, Iterator
 
+from reef_core.content import content_text
 from reef_core.serve.background import bound_socket, serve_asgi, uvicorn_server
 
 __all__ = ["FakeUpstream", "serve_fake_upstream", "run_fake_upstream", "serve_asgi", "FakeUpstreamControl"]
@@ -67,18 +68,8 @@ def _count(text: str) -> int:
 
 
 def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        out = []
-        for p in content:
-            if isinstance(p, dict):
-                if p.get("type") == "text":
-                    out.append(p.get("text", ""))
-                elif p.get("type") == "tool_result":
-                    out.append(_text(p.get("content")))
-        return " ".join(out)
-    return ""
+    # The fake echoes words: tool results count as words too, images and other parts do not.
+    return content_text(content, separator=" ", tool_results=True)
 
 
 class _Abort(Exception):

@@ -46,15 +46,19 @@ import uuid
 import httpx
 
 
-def wait_until(predicate, timeout: float = 300.0, interval: float = 0.1):
-    """Poll ``predicate`` until it returns something truthy (and return that); fail after ``timeout`` s."""
+def wait_until(predicate, timeout: float = 300.0, interval: float = 0.1, what: str = "condition"):
+    """Poll ``predicate`` until it returns something truthy (and return that); fail after ``timeout`` s.
+
+    The one polling helper of the test suite: a test waits for what it cannot be notified of with a
+    deadline, never with a bare sleep."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         value = predicate()
         if value:
             return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout:g} s")
         time.sleep(interval)
-    raise AssertionError(f"condition not reached within {timeout:g} s")
 
 
 def free_port() -> int:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from reef_core.commit.git_store import GitArtifactStore
+from reef_core.testing.chain import publish
 
 ROOT = Path(__file__).resolve().parents[2]
 RACERS = 8
@@ -18,6 +19,7 @@ WORKER = r"""
 import sys
 from reef_core.commit.git_store import GitArtifactStore
 from reef_core.errors import Conflict
+from reef_core.testing.chain import publish
 
 repo, work, me = sys.argv[1], sys.argv[2], sys.argv[3]
 store = GitArtifactStore(repo, work)
@@ -25,7 +27,7 @@ print("ready", flush=True)
 for line in sys.stdin:
     _, parent, rnd = line.split()
     try:
-        rel = store.publish("race", {"who.txt": f"{me}/{rnd}".encode()}, expected_parent=parent)
+        rel = publish(store, "race", {"who.txt": f"{me}/{rnd}".encode()}, expected_parent=parent)
         print("won", rel.release_id, flush=True)
     except Conflict:
         print("lost", flush=True)
@@ -35,7 +37,7 @@ for line in sys.stdin:
 def test_exactly_one_winner_per_parent(tmp_path):
     repo = tmp_path / "artifacts.git"
     store = GitArtifactStore(repo, tmp_path / "w-main")
-    genesis = store.publish("race", {"who.txt": b"genesis"}, expected_parent=None, operation="creation")
+    genesis = publish(store, "race", {"who.txt": b"genesis"}, expected_parent=None, operation="creation")
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", WORKER, str(repo), str(tmp_path / f"w{i}"), str(i)],

@@ -6,6 +6,7 @@ import pytest
 
 from reef_core.commit import CommitLog, Committer, reconcile
 from reef_core.errors import Conflict, StorageUnavailable
+from reef_core.testing.chain import publish
 
 S = "agent"
 
@@ -63,8 +64,8 @@ def test_crash_before_review_hold_finishes_the_hold(release_store, log, base):
 def test_head_ahead_of_log_is_adopted_from_the_manifest(release_store, log, base):
     # Head moved with no row: once with the intended row embedded, once with none at all.
     embedded = {"operation": "training", "consumed_ids": ["r5"], "metrics": {"loss": 0.1}, "step": 2}
-    r2 = release_store.publish(S, {"p": b"v2"}, expected_parent=base.release_id, log_row=embedded)
-    r3 = release_store.publish(S, {"p": b"v3"}, expected_parent=r2.release_id)
+    r2 = publish(release_store, S, {"p": b"v2"}, expected_parent=base.release_id, log_row=embedded)
+    r3 = publish(release_store, S, {"p": b"v3"}, expected_parent=r2.release_id)
     result = reconcile(release_store, log, S)
     assert result.head == r3.release_id and result.step == 3
     rows = log.rows()
@@ -76,7 +77,7 @@ def test_head_ahead_of_log_is_adopted_from_the_manifest(release_store, log, base
 
 def test_diverged_chain_is_reported(release_store, log, base):
     release_store.archive(S)
-    release_store.publish(S, {"p": b"unrelated"}, expected_parent=None)
+    publish(release_store, S, {"p": b"unrelated"}, expected_parent=None)
     with pytest.raises(StorageUnavailable, match="diverged"):
         reconcile(release_store, log, S)
 

@@ -9,6 +9,7 @@ import pytest
 
 from reef_core.commit import GitArtifactStore, RetentionPolicy, plan_gc, run_gc
 from reef_core.errors import Conflict, ValidationFailed
+from reef_core.testing.chain import promote, publish, rollback
 
 
 def w(seed: int) -> bytes:
@@ -23,11 +24,11 @@ def _template(tmp_path_factory):
     """
     root = tmp_path_factory.mktemp("retention")
     s = GitArtifactStore(root / "artifacts.git", root / "work")
-    c1 = s.publish("s", {"m.safetensors": w(1), "cfg.json": b"1"}, expected_parent=None)
-    c2 = s.publish("s", {"m.safetensors": w(2), "cfg.json": b"2"}, expected_parent=c1.release_id)
-    c3 = s.publish("s", {"m.safetensors": w(3), "cfg.json": b"3"}, expected_parent=c2.release_id)
-    held = s.publish("s", {"m.safetensors": w(4)}, expected_parent=c3.release_id, hold=True)
-    head = s.rollback("s", c1.release_id, expected_head=c3.release_id)
+    c1 = publish(s, "s", {"m.safetensors": w(1), "cfg.json": b"1"}, expected_parent=None)
+    c2 = publish(s, "s", {"m.safetensors": w(2), "cfg.json": b"2"}, expected_parent=c1.release_id)
+    c3 = publish(s, "s", {"m.safetensors": w(3), "cfg.json": b"3"}, expected_parent=c2.release_id)
+    held = publish(s, "s", {"m.safetensors": w(4)}, expected_parent=c3.release_id, hold=True)
+    head = rollback(s, "s", c1.release_id, expected_head=c3.release_id)
     return root / "artifacts.git", {"c1": c1, "c2": c2, "c3": c3, "held": held, "head": head}
 
 
@@ -79,7 +80,7 @@ def test_gc_prunes_weights_but_keeps_the_chain(release_store, history):
     assert not rows[history["c3"].release_id].restorable
     assert rows[history["c2"].release_id].restorable and rows[history["head"].release_id].restorable
     with pytest.raises(Conflict, match="not restorable"):
-        release_store.rollback("s", history["c3"].release_id, expected_head=history["head"].release_id)
+        rollback(release_store, "s", history["c3"].release_id, expected_head=history["head"].release_id)
     with pytest.raises(Conflict):
         release_store.read_files(history["c3"].release_id)
     assert release_store.read_files(history["c2"].release_id)["m.safetensors"] == w(2)
@@ -92,7 +93,7 @@ def test_gc_prunes_weights_but_keeps_the_chain(release_store, history):
 def test_gc_rechecks_under_its_lock_and_removes_orphans(release_store, history):
     plan = plan_gc(release_store, RetentionPolicy(keep_last=1))
     # After planning, the held candidate is promoted: its weights are current now.
-    release_store.promote("s", history["held"].release_id, expected_head=history["head"].release_id)
+    promote(release_store, "s", history["held"].release_id, expected_head=history["head"].release_id)
     assert run_gc(release_store, plan, dry_run=False).deleted_objects == []
     assert release_store.read_files(release_store.head("s").release_id)["m.safetensors"] == w(4)
     # A staged-then-abandoned release leaves an orphan object: GC removes it.

@@ -12,6 +12,7 @@ import pytest
 from reef_core.commit import GitArtifactStore, check_git_lfs
 from reef_core.commit.release import scenario_ref
 from reef_core.errors import ConfigError, Conflict, NotFound, ValidationFailed
+from reef_core.testing.chain import promote, publish, rollback
 
 LFS_POINTER_HEADER = "version https://git-lfs.github.com/spec/v1"
 
@@ -43,9 +44,9 @@ def test_missing_git_lfs_is_a_clear_config_error(tmp_path, monkeypatch):
 
 def test_publish_chain_manifest_and_cas(release_store, git):
     s = release_store
-    r1 = s.publish("agent/a", {"prompt.md": b"v1"}, expected_parent=None, operation="creation")
+    r1 = publish(s, "agent/a", {"prompt.md": b"v1"}, expected_parent=None, operation="creation")
     assert r1.current and r1.parent_release_id is None and r1.operation == "creation"
-    r2 = s.publish(
+    r2 = publish(s, 
         "agent/a",
         {"prompt.md": b"v2", "sub/dir/x.txt": b"x"},
         expected_parent=r1.release_id,
@@ -67,9 +68,9 @@ def test_publish_chain_manifest_and_cas(release_store, git):
     assert git("rev-parse", scenario_ref("agent/a"), cwd=s.git_dir).strip() == r2.release_id
     assert git("rev-parse", "refs/reef/head", cwd=s.git_dir).strip() == r2.release_id
     with pytest.raises(Conflict):
-        s.publish("agent/a", {"prompt.md": b"v3"}, expected_parent=r1.release_id)
+        publish(s, "agent/a", {"prompt.md": b"v3"}, expected_parent=r1.release_id)
     with pytest.raises(Conflict):
-        s.publish("agent/a", {"prompt.md": b"v3"}, expected_parent=None)
+        publish(s, "agent/a", {"prompt.md": b"v3"}, expected_parent=None)
     assert s.head("agent/a").release_id == r2.release_id
     assert s.staged() == []  # losers leave nothing in flight
     rows = s.releases("agent/a")
@@ -84,9 +85,9 @@ def test_invalid_input_and_unknown_ids(release_store):
     s = release_store
     for bad in ({"../x": b""}, {"reef-artifact.json": b""}, {".gitattributes": b""}, {".git/config": b""}):
         with pytest.raises(ValidationFailed):
-            s.publish("s", bad, expected_parent=None)
+            publish(s, "s", bad, expected_parent=None)
     with pytest.raises(ValidationFailed):
-        s.publish("s", {"a": b"1", "a/b": b"2"}, expected_parent=None)
+        publish(s, "s", {"a": b"1", "a/b": b"2"}, expected_parent=None)
     with pytest.raises(NotFound):
         s.get("0" * 40)
     with pytest.raises(NotFound):
@@ -97,7 +98,7 @@ def test_invalid_input_and_unknown_ids(release_store):
 def test_lfs_pointer_in_git_and_clone_restores_bytes(release_store, tmp_path, git):
     s = release_store
     blob = weights(2_000_000, seed=1)
-    rel = s.publish(
+    rel = publish(s, 
         "lora",
         {"adapter/model.safetensors": blob, "adapter/config.json": b'{"r": 8}'},
         expected_parent=None,
@@ -134,7 +135,7 @@ def test_lfs_pointer_in_git_and_clone_restores_bytes(release_store, tmp_path, gi
 def test_file_values_may_be_paths(release_store, tmp_path):
     src = tmp_path / "big.bin"
     src.write_bytes(weights(100_000, seed=2))
-    rel = release_store.publish("s", {"w.bin": src, "empty.pt": b""}, expected_parent=None)
+    rel = publish(release_store, "s", {"w.bin": src, "empty.pt": b""}, expected_parent=None)
     assert rel.files["w.bin"]["lfs"] and rel.files["empty.pt"]["size"] == 0
     assert release_store.read_files(rel.release_id) == {"w.bin": src.read_bytes(), "empty.pt": b""}
 
@@ -142,12 +143,12 @@ def test_file_values_may_be_paths(release_store, tmp_path):
 def test_rollback_republishes_same_content_and_keeps_history(release_store, git):
     s = release_store
     w1, w2 = weights(50_000, 3), weights(50_000, 4)
-    r1 = s.publish("s", {"m.safetensors": w1, "cfg": b"1"}, expected_parent=None, metrics={"score": 1})
-    r2 = s.publish("s", {"m.safetensors": w2, "cfg": b"2"}, expected_parent=r1.release_id)
+    r1 = publish(s, "s", {"m.safetensors": w1, "cfg": b"1"}, expected_parent=None, metrics={"score": 1})
+    r2 = publish(s, "s", {"m.safetensors": w2, "cfg": b"2"}, expected_parent=r1.release_id)
     assert r1.content_id != r2.content_id
     with pytest.raises(Conflict):  # stale expected head
-        s.rollback("s", r1.release_id, expected_head=r1.release_id)
-    rb = s.rollback("s", r1.release_id, expected_head=r2.release_id)
+        rollback(s, "s", r1.release_id, expected_head=r1.release_id)
+    rb = rollback(s, "s", r1.release_id, expected_head=r2.release_id)
     assert rb.release_id not in (r1.release_id, r2.release_id)
     assert rb.content_id == r1.content_id
     assert rb.operation == "rollback" and rb.parent_release_id == r2.release_id
@@ -161,16 +162,16 @@ def test_rollback_republishes_same_content_and_keeps_history(release_store, git)
     for old in (r1, r2):
         git("merge-base", "--is-ancestor", old.release_id, rb.release_id, cwd=s.git_dir)
     with pytest.raises(NotFound):
-        s.rollback("s", "f" * 40, expected_head=rb.release_id)
-    other = s.publish("other", {"x": b"1"}, expected_parent=None)
+        rollback(s, "s", "f" * 40, expected_head=rb.release_id)
+    other = publish(s, "other", {"x": b"1"}, expected_parent=None)
     with pytest.raises(NotFound):  # a release of another scenario
-        s.rollback("s", other.release_id, expected_head=rb.release_id)
+        rollback(s, "s", other.release_id, expected_head=rb.release_id)
 
 
 def test_review_hold_then_promote(release_store, git):
     s = release_store
-    base = s.publish("s", {"p": b"base"}, expected_parent=None)
-    held = s.publish("s", {"p": b"candidate"}, expected_parent=base.release_id, hold=True, metrics={"win": 3})
+    base = publish(s, "s", {"p": b"base"}, expected_parent=None)
+    held = publish(s, "s", {"p": b"candidate"}, expected_parent=base.release_id, hold=True, metrics={"win": 3})
     assert held.pending and not held.current
     assert s.head("s").release_id == base.release_id  # serving did not change
     assert git("rev-parse", f"refs/reef/releases/{held.release_id}", cwd=s.git_dir).strip() == held.release_id
@@ -180,25 +181,25 @@ def test_review_hold_then_promote(release_store, git):
         (base.release_id, False, True),
     ]
     with pytest.raises(Conflict):  # pending releases are promoted, not rolled back to
-        s.rollback("s", held.release_id, expected_head=base.release_id)
+        rollback(s, "s", held.release_id, expected_head=base.release_id)
     with pytest.raises(Conflict):
-        s.promote("s", base.release_id, expected_head=base.release_id)
-    promoted = s.promote("s", held.release_id, expected_head=base.release_id)
+        promote(s, "s", base.release_id, expected_head=base.release_id)
+    promoted = promote(s, "s", held.release_id, expected_head=base.release_id)
     assert promoted.operation == "promote" and promoted.current
     assert promoted.content_id == held.content_id and promoted.metrics == {"win": 3}
     assert s.read_files(promoted.release_id) == {"p": b"candidate"}
     assert s.get(held.release_id).pending is False
     with pytest.raises(Conflict):  # promoting twice
-        s.promote("s", held.release_id, expected_head=promoted.release_id)
+        promote(s, "s", held.release_id, expected_head=promoted.release_id)
     ops = [(r.operation, r.pending, r.current) for r in s.releases("s")]
     assert ops == [("promote", False, True), ("training", False, False), ("training", False, False)]
 
 
 def test_archive_moves_the_ref_and_destroys_nothing(release_store, git):
     s = release_store
-    r1 = s.publish("gone", {"a": b"1"}, expected_parent=None)
-    r2 = s.publish("gone", {"a": b"2"}, expected_parent=r1.release_id)
-    s.publish("kept", {"a": b"k"}, expected_parent=None)
+    r1 = publish(s, "gone", {"a": b"1"}, expected_parent=None)
+    r2 = publish(s, "gone", {"a": b"2"}, expected_parent=r1.release_id)
+    publish(s, "kept", {"a": b"k"}, expected_parent=None)
     with pytest.raises(Conflict):
         s.archive("gone", expected_head=r1.release_id)
     ref = s.archive("gone", expected_head=r2.release_id)
@@ -210,7 +211,7 @@ def test_archive_moves_the_ref_and_destroys_nothing(release_store, git):
     assert s.get(r1.release_id).state == "archived"
     with pytest.raises(NotFound):
         s.archive("gone")
-    fresh = s.publish("gone", {"a": b"new"}, expected_parent=None)  # the name can be reused
+    fresh = publish(s, "gone", {"a": b"new"}, expected_parent=None)  # the name can be reused
     assert fresh.parent_release_id is None
 
 
@@ -221,23 +222,23 @@ def test_remote_repository_through_a_mirror(tmp_path, git):
     a = GitArtifactStore(url, tmp_path / "wa")
     b = GitArtifactStore(url, tmp_path / "wb")
     blob = weights(30_000, 5)
-    r1 = a.publish("s", {"m.bin": blob}, expected_parent=None)
+    r1 = publish(a, "s", {"m.bin": blob}, expected_parent=None)
     assert git("rev-parse", scenario_ref("s"), cwd=remote).strip() == r1.release_id
     assert (remote / "lfs" / "objects" / r1.files["m.bin"]["sha256"][:2]).is_dir()
     # The second machine sees the release, reads the LFS bytes, and loses a stale race.
     assert b.head("s").release_id == r1.release_id
     assert b.read_files(r1.release_id) == {"m.bin": blob}
-    r2 = b.publish("s", {"m.bin": b"plain"}, expected_parent=r1.release_id)
+    r2 = publish(b, "s", {"m.bin": b"plain"}, expected_parent=r1.release_id)
     with pytest.raises(Conflict):
-        a.publish("s", {"m.bin": b"stale"}, expected_parent=r1.release_id)
-    rb = a.rollback("s", r1.release_id, expected_head=r2.release_id)
+        publish(a, "s", {"m.bin": b"stale"}, expected_parent=r1.release_id)
+    rb = rollback(a, "s", r1.release_id, expected_head=r2.release_id)
     assert rb.content_id == r1.content_id
     assert [r.release_id for r in b.releases("s")] == [rb.release_id, r2.release_id, r1.release_id]
 
 
 def test_cas_on_the_ref_decides_between_two_staged_releases(release_store, git):
     s = release_store
-    base = s.publish("s", {"a": b"0"}, expected_parent=None)
+    base = publish(s, "s", {"a": b"0"}, expected_parent=None)
     one = s.stage("s", {"a": b"1"}, expected_parent=base.release_id)
     two = s.stage("s", {"a": b"2"}, expected_parent=base.release_id)  # both saw the same head
     assert {r.release_id for r in s.staged("s")} == {one.release_id, two.release_id}

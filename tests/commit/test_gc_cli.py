@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from reef_core.commit.git_store import GitArtifactStore
+from reef_core.testing.chain import publish
 
 
 def reef_gc(data_dir, *args):
@@ -19,10 +20,10 @@ def reef_gc(data_dir, *args):
 
 def test_gc_dry_run_then_prune(tmp_path):
     store = GitArtifactStore(tmp_path / "artifacts.git", tmp_path / "artifacts-work")
-    head = store.publish("s", {"model.safetensors": os.urandom(4096)}, expected_parent=None)
-    held = [store.publish("s", {"model.safetensors": os.urandom(4096)}, expected_parent=head.release_id, hold=True)
+    head = publish(store, "s", {"model.safetensors": os.urandom(4096)}, expected_parent=None)
+    held = [publish(store, "s", {"model.safetensors": os.urandom(4096)}, expected_parent=head.release_id, hold=True)
             for _ in range(3)]
-    head = store.publish("s", {"model.safetensors": os.urandom(4096)}, expected_parent=head.release_id)
+    head = publish(store, "s", {"model.safetensors": os.urandom(4096)}, expected_parent=head.release_id)
 
     plan = reef_gc(tmp_path, "--dry-run", "storage.retention.keep_last=2")
     assert plan["dry_run"] is True

@@ -3,14 +3,13 @@ and helpers that read back every record of a scenario through the records route.
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import httpx
 import pytest
 
 from reef_core.testing.fake_upstream import FakeUpstreamControl
-from reef_core.testing.fixtures import ReefProcess
+from reef_core.testing.fixtures import ReefProcess, wait_until
 
 #: engine.timeout_s of the shared server: small, so a stalled provider turns into a 504 quickly, yet well above
 #: what a healthy call takes on a loaded 2-core CI box.
@@ -59,18 +58,6 @@ def all_records(url: str, scenario: str) -> list[dict]:
         if page["next_after_sequence"] is None:
             return rows
         after = page["next_after_sequence"]
-
-
-def wait_until(predicate, timeout: float = 30, what: str = "condition"):
-    """Poll ``predicate`` until it returns a true value (returned), or fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture

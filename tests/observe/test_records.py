@@ -20,6 +20,7 @@ import sqlalchemy as sa
 
 from reef_core.errors import Conflict, NotFound, StorageUnavailable, ValidationFailed
 from reef_core.observe.records import Record, RecordStore
+from reef_core.testing.fixtures import wait_until
 
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
@@ -73,15 +74,6 @@ def inference(record_id: str, scenario: str = "s", **fields) -> Record:
 def report(record_id: str, references: list[str], scenario: str = "s", score: float = 1.0) -> Record:
     return Record(record_id=record_id, scenario=scenario, kind="report", payload={"score": score},
                   references=references)
-
-
-def wait_until(predicate, timeout: float = 15.0) -> None:
-    """Poll a condition the test cannot be notified of (the writer's progress), failing after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.002)
 
 
 # -- the Record type -----------------------------------------------------------------------------------------------
@@ -320,9 +312,9 @@ def test_a_full_write_queue_fails_fast(tmp_path):
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:
             first = pool.submit(store.append_sync, inference("first"))
-            wait_until(lambda: store.stats.batches == 1)
+            wait_until(lambda: store.stats.batches == 1, timeout=15, interval=0.002)
             second = pool.submit(store.append_sync, inference("second"))
-            wait_until(lambda: store.stats.pending == 1)
+            wait_until(lambda: store.stats.pending == 1, timeout=15, interval=0.002)
             with pytest.raises(StorageUnavailable, match="queue full"):
                 store.append_sync(inference("third"))
             db.execute("COMMIT")

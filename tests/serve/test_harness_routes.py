@@ -19,6 +19,7 @@ from reef_core.observe.model import Scenario
 from reef_core.serve.app import create_app
 from reef_core.surfaces.harness import HarnessSurface
 from reef_core.testing.fake_upstream import serve_asgi
+from reef_core.testing.chain import publish
 
 SECRET = "TOP-SECRET-DO-NOT-SERVE"
 H = {"x-reef-scenario": "harn"}
@@ -81,7 +82,7 @@ class HarnessRouteDeployment:
         pass
 
     def publish(self, scenario, files, parent=None, evaluation=None):
-        release = self.artifacts.inner.publish(scenario, files, expected_parent=parent,
+        release = publish(self.artifacts.inner, scenario, files, expected_parent=parent,
                                                metrics={"val_mean": len(files)}, evaluation=evaluation)
         self.harness.activate(scenario, release.release_id, files=lambda: self.artifacts.inner.read_files(
             release.release_id))

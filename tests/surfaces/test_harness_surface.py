@@ -18,6 +18,7 @@ from reef_core.surfaces.harness import (
     validate_harness_path,
     validate_tree,
 )
+from reef_core.testing.chain import publish
 
 PROMPT = "You are the current harness."
 
@@ -146,8 +147,8 @@ def test_surface_options_are_checked():
 
 def test_surface_restores_head_from_artifact_store(tmp_path):
     store = GitArtifactStore(tmp_path / "artifacts.git", tmp_path / "work")
-    first = store.publish("s", {"system_prompt.md": b"First."}, expected_parent=None)
-    second = store.publish("s", {"system_prompt.md": "Second é.".encode()}, expected_parent=first.release_id)
+    first = publish(store, "s", {"system_prompt.md": b"First."}, expected_parent=None)
+    second = publish(store, "s", {"system_prompt.md": "Second é.".encode()}, expected_parent=first.release_id)
     surface = HarnessSurface(store, {"inject": "system"})  # the one port the surface reads
     assert surface.serving_version("s") == second.release_id  # loaded on first use
     assert surface.system_text("s") == "Second é."

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from reef_core.api import ConfigError, load_object, Sample, SEPARATOR, ValidationFailed
+from reef_core.api import ConfigError, content_text, load_object, Sample, SEPARATOR, ValidationFailed
 
 Verifier = Callable[[str, dict], Any]
 Feedback = Callable[[dict, str, float], str]
@@ -74,14 +74,6 @@ def task_messages(task: Mapping) -> list[dict]:
         if key in task:
             return [{"role": "user", "content": str(task[key])}]
     raise ValidationFailed(f"task {task_key(task)} has no messages or input")
-
-
-def content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return "" if content is None else str(content)
 
 
 def input_text(messages: Sequence[Mapping]) -> str:

@@ -14,6 +14,7 @@ import hashlib
 import json
 from typing import Any
 
+from reef_core.content import content_text
 from reef_core.observe.model import Record
 
 #: Inference routes that produce a chat exchange (``count_tokens`` records are not trainable).
@@ -25,22 +26,8 @@ class UnusableRecord(ValueError):
 
 
 def _text(content: Any) -> str:
-    """Plain text of an OpenAI content value or a list of Anthropic/OpenAI text parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
-                parts.append(str(part.get("text") or ""))
-        return "".join(parts)
-    if isinstance(content, dict) and content.get("type") == "text":
-        return str(content.get("text") or "")
-    return ""
+    # A conversation sample keeps the words; images and other non-text parts carry no text to learn from.
+    return content_text(content, non_text="skip")
 
 
 def _arguments(value: Any) -> str:
