@@ -6,8 +6,9 @@ may call. Other ``reef_core`` modules are internal and may move between releases
 package under ``plugins/`` on this line (their tests may also use ``reef_core.testing``).
 
 The torch-backed names (:class:`Objective`, :class:`TokenBatch`, the loss functions,
-:class:`TorchTrainer`, :func:`build_tiny_model`...) are imported on first use (PEP 562), so
-``import reef_core.api`` works on an install without ``reef-core[train]``.
+:class:`TorchTrainer`, :func:`build_tiny_model`...) and the HTTP clients (:class:`UpstreamEngine`,
+the chat models) are imported on first use (PEP 562), so ``import reef_core.api`` is cheap and works
+on an install without ``reef-core[train]``.
 
 Hooks and their arguments are documented in :mod:`reef_core.hookspecs`.
 """
@@ -18,7 +19,6 @@ import importlib
 from typing import TYPE_CHECKING
 
 from reef_core import hookimpl
-from reef_core.chat import CallableChat, ChatModel, EngineChat, HttpChat, reply_text, resolve_chat_model
 from reef_core.commit.gate import Candidate, Current, Decision, EvaluationResult, Evaluator, SelectionPolicy
 from reef_core.commit.release import Release, scenario_key
 from reef_core.commit.store import ArtifactStore, FileValue
@@ -33,7 +33,6 @@ from reef_core.engines.base import (
     TokenData,
 )
 from reef_core.engines.translate import translate_request, translate_response
-from reef_core.engines.upstream import UpstreamEngine
 from reef_core.errors import (
     ConfigError,
     Conflict,
@@ -61,8 +60,24 @@ from reef_core.surfaces.harness import (
     validate_tree,
 )
 
-# name -> module, imported on first access: these need torch (``reef-core[train]``).
+# name -> module, imported on first access: the torch-backed names need ``reef-core[train]``, and the
+# HTTP client stack (aiohttp) is not worth importing for every plugin that only registers hooks.
 _LAZY = {
+    # the typed config sections a component factory receives (composed once at start-up)
+    "ReefConfig": "reef_core.config.schema",
+    "ServerConfig": "reef_core.config.schema",
+    "StorageConfig": "reef_core.config.schema",
+    "EngineConfig": "reef_core.config.schema",
+    "TrainerConfig": "reef_core.config.schema",
+    "EvaluationConfig": "reef_core.config.schema",
+    "RecipeConfig": "reef_core.config.schema",
+    "UpstreamEngine": "reef_core.engines.upstream",
+    "ChatModel": "reef_core.chat",
+    "CallableChat": "reef_core.chat",
+    "HttpChat": "reef_core.chat",
+    "EngineChat": "reef_core.chat",
+    "reply_text": "reef_core.chat",
+    "resolve_chat_model": "reef_core.chat",
     "Objective": "reef_core.grow.objective",
     "Prepared": "reef_core.grow.objective",
     "ValueModel": "reef_core.grow.objective",
@@ -83,6 +98,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from reef_core.chat import CallableChat, ChatModel, EngineChat, HttpChat, reply_text, resolve_chat_model
     from reef_core.config.schema import (
         EngineConfig,
         EvaluationConfig,
@@ -92,6 +108,7 @@ if TYPE_CHECKING:
         StorageConfig,
         TrainerConfig,
     )
+    from reef_core.engines.upstream import UpstreamEngine
     from reef_core.grow.losses import dis_weight, explained_variance, length_adaptive_lambda, skip_observation_gae
     from reef_core.grow.models import build_tiny_model, build_tiny_tokenizer
     from reef_core.grow.objective import Objective, Prepared, ValueModel, sequence_logprobs, token_sum

@@ -69,7 +69,7 @@ def test_plugins_import_only_the_public_api():
     scanned = 0
     for top, path in _plugin_sources():
         rel = path.relative_to(top).parts
-        may_use_testing = "tests" in rel or "examples" in rel and not _ships_in_wheel(top, path)
+        may_use_testing = "tests" in rel or ("examples" in rel and not _ships_in_wheel(top, path))
         allowed = ("reef_core.api", "reef_core.testing") if may_use_testing else ("reef_core.api",)
         scanned += 1
         for line, module in _imports(path, "", submodules=False):

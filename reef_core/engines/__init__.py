@@ -21,8 +21,6 @@ from reef_core.engines.base import (
     StreamEvent,
     TokenData,
 )
-from reef_core.engines.bridge import DialectBridge
-from reef_core.engines.upstream import UpstreamEngine
 
 __all__ = [
     "HEADERS_EVENT", "RELAYED_STATUSES", "TOKENS_EVENT", "Dialect", "DirectResponse", "Engine", "EngineRequest",
@@ -30,9 +28,15 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name == "LocalEngine":  # lazy: torch is heavy and proxy-only deployments do not need it
-        from reef_core.engines.local import LocalEngine
+# Imported on first use: torch (LocalEngine) is an extra, and the HTTP client stack (aiohttp) is not
+# worth importing for a plugin that only needs the Engine contract.
+_LAZY = {"LocalEngine": "reef_core.engines.local", "UpstreamEngine": "reef_core.engines.upstream",
+         "DialectBridge": "reef_core.engines.bridge"}
 
-        return LocalEngine
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(name)

@@ -52,6 +52,8 @@ async def _harness_surface(request: Request) -> tuple[Any, str, Any]:
 def _requested_release(request: Request) -> str | None:
     params = request.query_params
     release_id = params.get("release_id")
+    # ``?version=`` is the legacy name older clients send (upstream-reef.md); in Reef a version is what
+    # an engine serves, and a release in the chain is a release_id.
     version = params.get("version")
     if release_id and version and release_id != version:
         raise ValidationFailed("release_id and version name different releases")

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from reef_core.api import ConfigError, content_text, load_object, Sample, SEPARATOR, ValidationFailed
+from reef_core.api import SEPARATOR, ConfigError, Sample, ValidationFailed, content_text, load_object
 
 Verifier = Callable[[str, dict], Any]
 Feedback = Callable[[dict, str, float], str]

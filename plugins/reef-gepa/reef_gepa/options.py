@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from reef_core.api import ConfigError, validate_harness_path, ValidationFailed
+from reef_core.api import ConfigError, ValidationFailed, validate_harness_path
 
 SELECTORS = ("pareto", "current_best", "epsilon_greedy", "top_k_pareto")
 MODULE_SELECTORS = ("round_robin", "all")

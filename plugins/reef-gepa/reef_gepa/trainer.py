@@ -56,14 +56,14 @@ from reef_core.api import (
     CandidateUpdate,
     ChatModel,
     Current,
-    encode_tree,
-    resolve_chat_model,
-    scenario_key,
     TrainContext,
     Trainer,
     TrainerSetup,
-    validate_tree,
     ValidationFailed,
+    encode_tree,
+    resolve_chat_model,
+    scenario_key,
+    validate_tree,
 )
 
 from .adapter import HarnessAdapter, OutputCache, TaskRunner

@@ -22,8 +22,8 @@ import pytest
 from gepa.core.adapter import EvaluationBatch
 from gepa.core.state import GEPAState
 
-from reef_core.testing import python_verifier, run_gate, ScoreComparison, serve_asgi, TaskEvaluator
-from reef_core.api import Batch, Candidate, render_system_prompt, Sample, Segment, TrainContext, TrainerSetup
+from reef_core.api import Batch, Candidate, Sample, Segment, TrainContext, TrainerSetup, render_system_prompt
+from reef_core.testing import ScoreComparison, TaskEvaluator, python_verifier, run_gate, serve_asgi
 from reef_gepa.examples import hash_task as H
 from reef_gepa.examples.standins import chat_app
 from reef_gepa.options import GepaOptions

@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from reef_core.testing import available_recipes, compose_config, PluginManager
+from reef_core.testing import PluginManager, available_recipes, compose_config
 from reef_gepa.options import GepaOptions
 
 

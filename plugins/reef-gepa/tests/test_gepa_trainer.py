@@ -24,14 +24,14 @@ from reef_core.api import (
     ConfigError,
     Current,
     EngineChat,
-    inject_system,
-    render_system_prompt,
     Sample,
     Segment,
     TrainContext,
     TrainerSetup,
     UpstreamEngine,
     ValidationFailed,
+    inject_system,
+    render_system_prompt,
 )
 from reef_gepa import examples as E
 from reef_gepa.examples.standins import chat_app

@@ -1,6 +1,6 @@
 """reef-openclaw registers through the hooks and its recipe composes."""
 
-from reef_core.testing import available_recipes, compose_config, PluginManager
+from reef_core.testing import PluginManager, available_recipes, compose_config
 
 
 def test_openclaw_plugin_loads_and_registers_searchpath():

@@ -9,18 +9,18 @@ import torch
 from torch import nn
 
 from reef_core.api import (
-    build_tiny_model,
-    build_tiny_tokenizer,
     Prepared,
-    row_from_sample,
-    row_from_tokens,
     Sample,
     Segment,
-    sequence_logprobs,
     TokenBatch,
     TokenRow,
     TorchTrainer,
     ValidationFailed,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    row_from_sample,
+    row_from_tokens,
+    sequence_logprobs,
 )
 from reef_sao.objectives import GRPODISObjective, SAOObjective
 from reef_sao.rollouts import sample_rollouts
