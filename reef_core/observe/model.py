@@ -51,7 +51,10 @@ def check_identifier(what: str, value: Any) -> str:
 class Record:
     """One stored interaction (``inference``) or client report (``report``).
 
-    ``sequence`` is ``None`` until the store assigns it; ``content_hash`` is computed when not given.
+    ``record_id`` is the receipt: clients see it as ``agent_record_id`` (header
+    ``x-reef-agent-record-id``, report references). ``version`` is what the engine served the
+    inference with, not a release of the chain (those are ``release_id``s). ``sequence`` is ``None``
+    until the store assigns it; ``content_hash`` is computed when not given.
     """
 
     record_id: str
