@@ -71,6 +71,9 @@ _LAZY = {
     "TrainerConfig": "reef_core.config.schema",
     "EvaluationConfig": "reef_core.config.schema",
     "RecipeConfig": "reef_core.config.schema",
+    # what a surface factory receives: the engine, the artifact store, run_async, the base-model loader
+    "ServingPorts": "reef_core.loop.ports",
+    "RunAsync": "reef_core.loop.ports",
     "UpstreamEngine": "reef_core.engines.upstream",
     "ChatModel": "reef_core.chat",
     "CallableChat": "reef_core.chat",
@@ -109,6 +112,7 @@ if TYPE_CHECKING:
         TrainerConfig,
     )
     from reef_core.engines.upstream import UpstreamEngine
+    from reef_core.loop.ports import RunAsync, ServingPorts
     from reef_core.grow.losses import dis_weight, explained_variance, length_adaptive_lambda, skip_observation_gae
     from reef_core.grow.models import build_tiny_model, build_tiny_tokenizer
     from reef_core.grow.objective import Objective, Prepared, ValueModel, sequence_logprobs, token_sum
@@ -145,7 +149,7 @@ __all__ = [
     "Candidate", "Current", "Decision", "EvaluationResult", "Evaluator", "SelectionPolicy",
     "ArtifactStore", "FileValue", "Release", "scenario_key",
     # serve: surfaces and engines
-    "Surface", "Engine", "EngineRequest", "EngineResponse", "StreamEvent", "TokenData", "DirectResponse",
+    "Surface", "ServingPorts", "RunAsync", "Engine", "EngineRequest", "EngineResponse", "StreamEvent", "TokenData", "DirectResponse",
     "UpstreamEngine", "translate_request", "translate_response",
     # helpers
     "load_object", "load_callable", "serve_asgi", "serve_reef", "content_text",
