@@ -39,6 +39,10 @@ class Records:
             self.consumed.setdefault(rid, step)
         return len(ids)
 
+    def get_many(self, ids):
+        by_id = {r.record_id: r for r in self.rows}
+        return [by_id.get(rid) for rid in ids]
+
 
 class EveryRecord(Processor):
     """One batch per ingested record."""
