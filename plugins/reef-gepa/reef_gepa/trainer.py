@@ -52,7 +52,7 @@ from gepa.strategies.component_selector import (
 )
 
 from reef_core.commit.gate import Current
-from reef_core.commit.release import scenario_key
+from reef_core.commit.release import scenario_path
 from reef_core.errors import ValidationFailed
 from reef_core.grow.trainer import CandidateUpdate, TrainContext, Trainer, TrainerSetup
 from reef_core.observe.processor import Batch
@@ -112,7 +112,7 @@ class GepaTrainer(Trainer):
         self.train_episodes = [task_episode(t) for t in self.trainset] if self.trainset is not None else None
         self.runner = TaskRunner(self.task_model, self.verifier, self.feedback, options.system_files,
                                  OutputCache(int(options.output_cache_size)))
-        self.directory = Path(setup.data_dir) / "gepa" / scenario_key(scenario)
+        self.directory = scenario_path(Path(setup.data_dir) / "gepa", scenario)
         self.fingerprint = {
             "components": list(options.components),
             "system_files": list(options.system_files),
