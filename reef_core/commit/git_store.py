@@ -158,7 +158,11 @@ class GitArtifactStore:
 
     def _rename_legacy_refs(self) -> None:
         """Move refs keyed by base64 of the name (earlier versions) to digest keys, in one transaction."""
-        snap = self._snapshot()
+        try:
+            snap = self._snapshot()
+        except StorageUnavailable as exc:  # an unreachable remote must not stop start-up; renamed on a later open
+            log.warning("release refs not checked for legacy keys: %s", exc.message)
+            return
         updates = []
         for ref, sha in snap.items():
             for prefix in (SCENARIOS, ARCHIVED):

@@ -129,6 +129,18 @@ class Deployment:
             self._scenarios[name] = found
             return found
 
+    def serves_a_seed(self, scenario: Scenario) -> bool:
+        """Whether a new scenario of this recipe is served from a creation release its trainer seeds (a harness
+        recipe with a trainer), so it must exist before its first request is answered."""
+        surface = self.surface_for(scenario)
+        return (surface is not None and getattr(surface, "kind", None) == "harness"
+                and bool(self.recipe(scenario).config.get("trainer")))
+
+    async def create_scenario(self, name: str) -> Scenario:
+        """Store a new scenario (bound to its recipe) and start it. Only for a request that passed every check."""
+        await asyncio.to_thread(self.store.get_or_create_scenario, name, self.recipe_for_new_scenario(name))
+        return await self.resolve(name)
+
     def is_active(self, name: str) -> bool:
         """Whether ``name`` is a stored scenario running here (False for a provisional binding)."""
         return name in self._scenarios

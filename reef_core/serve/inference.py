@@ -5,7 +5,8 @@ the scenario without creating it (a new name gets a provisional binding to its r
 serving version → call the engine (translating dialects when the engine speaks the other one) →
 append the record and wait until it is durable (the first record of a new scenario creates it, in
 the same transaction) → reply with ``x-reef-agent-record-id``. A refused request, and a relayed
-provider error, store nothing and create nothing.
+provider error, store nothing and create nothing (except that a recipe serving a seed release
+creates its scenario once the request has passed the door: see ``Deployment.serves_a_seed``).
 
 Streams relay events as they arrive and hold the terminal event: the record is stored first,
 then the receipt goes out in-band (an extra OpenAI chunk before ``[DONE]``; a ``reef`` field on
@@ -139,6 +140,11 @@ class InferenceCall:
         self.engine_dialect = self.client_dialect if self.client_dialect in engine.dialects else engine.dialects[0]
         engine_route = self.route if self.engine_dialect == self.client_dialect else (
             "chat" if self.engine_dialect == "openai" else "messages")
+        if not dep.is_active(self.scenario.name) and dep.serves_a_seed(self.scenario):
+            # The recipe serves its first request from a seed release (a harness trainer's initial files): create
+            # the scenario now, once the whole request, body included, has passed the door.
+            translate_request(body, self.client_dialect, self.engine_dialect, max_new_tokens)
+            self.scenario = await dep.create_scenario(self.scenario.name)
         # A harness surface may shape the request (e.g. the current system prompt). A scenario not stored yet has
         # no release to serve, and asking its surface would leave state behind for a request that may be refused.
         surface = dep.surface_for(self.scenario) if dep.is_active(self.scenario.name) else None
