@@ -134,7 +134,7 @@ class Deployment:
         recipe with a trainer), so it must exist before its first request is answered."""
         surface = self.surface_for(scenario)
         return (surface is not None and getattr(surface, "kind", None) == "harness"
-                and bool(self.recipe(scenario).config.get("trainer")))
+                and bool(self.recipe(scenario).config.trainer))
 
     async def create_scenario(self, name: str) -> Scenario:
         """Store a new scenario (bound to its recipe) and start it. Only for a request that passed every check."""

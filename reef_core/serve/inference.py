@@ -143,7 +143,6 @@ class InferenceCall:
         if not dep.is_active(self.scenario.name) and dep.serves_a_seed(self.scenario):
             # The recipe serves its first request from a seed release (a harness trainer's initial files): create
             # the scenario now, once the whole request, body included, has passed the door.
-            translate_request(body, self.client_dialect, self.engine_dialect, max_new_tokens)
             self.scenario = await dep.create_scenario(self.scenario.name)
         # A harness surface may shape the request (e.g. the current system prompt). A scenario not stored yet has
         # no release to serve, and asking its surface would leave state behind for a request that may be refused.
