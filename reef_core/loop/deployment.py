@@ -156,10 +156,6 @@ class Deployment:
         self._quarantined[name] = reason
         log.error("scenario %r quarantined: %s", name, reason, exc_info=not isinstance(exc, ReefError))
 
-    def quarantined(self, name: str) -> str | None:
-        """Why ``name`` is quarantined, or None."""
-        return self._quarantined.get(name)
-
     def report_schema(self, scenario: Scenario):
         """The recipe's report validator for this scenario, or None."""
         name = self.recipe(scenario).config.report_schema
