@@ -167,6 +167,9 @@ def test_report_ids_outside_the_grammar_are_400_and_store_nothing(server, bad_id
         response = report(server, "reports", body)
         assert response.status_code == 400, response.text
     assert len(records(server, "reports")) == before
+    # The same grammar at the path: an id no row holds and the grammar refuses is a 400, not a 404.
+    path_id = httpx.get(f"{server.url}/reef/scenarios/reports/records/{quote(bad_id, safe='')}", timeout=30)
+    assert path_id.status_code in (400, 404) and (path_id.status_code == 400) == ("/" not in bad_id)
 
 
 def test_header_names_are_utf8_and_bad_names_are_400(server):
@@ -177,6 +180,9 @@ def test_header_names_are_utf8_and_bad_names_are_400(server):
         response = chat(server, raw)
         assert response.status_code == 400 and "x-reef-scenario" in response.text, (raw, response.text)
     assert scenario_names(server) == {"café"}
+    # A path name the rule refuses and no row holds is a 400; a valid unknown one a 404.
+    assert httpx.get(f"{server.url}/reef/scenarios/tab%09x/status", timeout=30).status_code == 400
+    assert httpx.get(f"{server.url}/reef/scenarios/unknown/status", timeout=30).status_code == 404
 
 
 def test_restart_after_bad_names_and_refused_requests(server, fake_upstream_url):
