@@ -15,6 +15,7 @@ from reef_core.commit.commitlog import CommitLog
 from reef_core.errors import ValidationFailed
 from reef_core.observe.names import MAX_SCENARIO_BYTES, check_record_id, check_scenario_name
 from reef_core.testing.fake_upstream import FakeUpstreamControl
+from reef_core.testing.fixtures import wait_until
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -148,6 +149,7 @@ def refused_requests(server, upstream: FakeUpstreamControl) -> list[tuple[str, h
 
 def test_refused_requests_create_no_scenario_log_or_learner(server, fake_upstream_url):
     assert chat(server, "existing").status_code == 200
+    wait_until(lambda: "existing" in learners(server), timeout=60)
     logs, running = commit_logs(server), learners(server)
     for scenario, response in refused_requests(server, FakeUpstreamControl(fake_upstream_url)):
         assert 400 <= response.status_code < 500, (scenario, response.text)
@@ -156,7 +158,8 @@ def test_refused_requests_create_no_scenario_log_or_learner(server, fake_upstrea
     assert learners(server) == running
     # The first stored record creates the scenario (and only then its learner and log).
     assert chat(server, "bad-tag").status_code == 200
-    assert "bad-tag" in scenario_names(server) and "bad-tag" in learners(server)
+    assert "bad-tag" in scenario_names(server)
+    wait_until(lambda: "bad-tag" in learners(server), timeout=60)  # started once the record is durable
 
 
 @pytest.mark.parametrize("bad_id", ["a\r\nb", "é", "a/b", "a b"])
