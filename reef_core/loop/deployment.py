@@ -231,12 +231,15 @@ class Deployment:
         A caller cancelled meanwhile (its client went away) changes nothing: the write is queued at once, and
         plugins and learner hear of the record when it is durable, whether or not anyone still waits for it.
         The first record of a new scenario creates its row in the same transaction (its learner starts once the
-        record is durable), so only a stored record creates a scenario."""
+        record is durable, before a caller still waiting returns), so only a stored record creates a scenario."""
         new_recipe = None if record.scenario in self._scenarios else self.recipe_for_new_scenario(record.scenario)
         durable = self.store.submit(record, idempotency_key, check_references=check_references,
                                     new_scenario_recipe=new_recipe)
         durable.add_done_callback(self._announce)
-        return (await asyncio.shield(durable))[0]
+        stored = (await asyncio.shield(durable))[0]
+        if stored.scenario not in self._scenarios:  # a caller still waiting sees the new scenario running
+            await self._start_new_scenario(stored.scenario, stored.record_id)
+        return stored
 
     async def _start_new_scenario(self, name: str, record_id: str) -> None:
         try:
