@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from reef_core import hookimpl
 from reef_core.commit.gate import Candidate, Current, Decision, EvaluationResult, Evaluator, SelectionPolicy
-from reef_core.commit.release import Release, scenario_key
+from reef_core.commit.release import Release, scenario_key, scenario_path
 from reef_core.commit.store import ArtifactStore, FileValue
 from reef_core.content import content_text
 from reef_core.dotted import load_callable, load_object
@@ -147,7 +147,7 @@ __all__ = [
     "TorchTrainer", "build_tiny_model", "build_tiny_tokenizer",
     # commit: the gate and the release chain
     "Candidate", "Current", "Decision", "EvaluationResult", "Evaluator", "SelectionPolicy",
-    "ArtifactStore", "FileValue", "Release", "scenario_key",
+    "ArtifactStore", "FileValue", "Release", "scenario_key", "scenario_path",
     # serve: surfaces and engines
     "Surface", "ServingPorts", "RunAsync", "Engine", "EngineRequest", "EngineResponse", "StreamEvent", "TokenData", "DirectResponse",
     "UpstreamEngine", "translate_request", "translate_response",

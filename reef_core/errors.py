@@ -85,3 +85,11 @@ class UpstreamTimeout(UpstreamError):
 class StorageUnavailable(ReefError):
     status = 503
     code = "storage_unavailable"
+
+
+class ScenarioQuarantined(ReefError):
+    """The scenario's stored state could not be loaded (learner, recovery or validation failed); it serves nothing
+    until fixed or archived, while every other scenario serves."""
+
+    status = 503
+    code = "scenario_quarantined"

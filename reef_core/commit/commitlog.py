@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from reef_core.commit.release import scenario_key
+from reef_core.commit.release import scenario_path
 from reef_core.errors import Conflict, StorageUnavailable, ValidationFailed
 
 _KNOWN = ("operation", "release_id", "consumed_ids", "algorithm_state", "metrics", "evaluation", "decision")
@@ -169,8 +169,8 @@ class CommitLog:
 
     @classmethod
     def for_scenario(cls, root: str | os.PathLike, scenario: str, *, writer: bool = True) -> "CommitLog":
-        """The log of ``scenario`` under ``root`` (file name: urlsafe-base64 of the name)."""
-        return cls(Path(root) / f"{scenario_key(scenario)}.jsonl", writer=writer)
+        """The log of ``scenario`` under ``root`` (file name: the name's digest, see ``scenario_path``)."""
+        return cls(scenario_path(root, scenario, ".jsonl"), writer=writer)
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -60,7 +60,8 @@ from reef_core.commit.release import (
     is_lfs_path,
     normalize_release_id,
     parse_lfs_pointer,
-    scenario_from_key,
+    is_scenario_key,
+    scenario_from_legacy_key,
     scenario_key,
     scenario_ref,
     validate_path,
@@ -140,6 +141,7 @@ class GitArtifactStore:
         lfs_root = (self.git.git_dir / storage) if storage else self.git.git_dir / "lfs"
         self.media_dir = lfs_root / "objects"
         self._lock_path = self.git.git_dir / "reef-gc.lock"
+        self._rename_legacy_refs()
 
     # ------------------------------------------------------------------ setup and locking
 
@@ -153,6 +155,35 @@ class GitArtifactStore:
                 except GitCommandError:  # config.lock held by a concurrent store
                     if attempt == 4:
                         raise
+
+    def _rename_legacy_refs(self) -> None:
+        """Move refs keyed by base64 of the name (earlier versions) to digest keys, in one transaction."""
+        try:
+            snap = self._snapshot()
+        except StorageUnavailable as exc:  # an unreachable remote must not stop start-up; renamed on a later open
+            log.warning("release refs not checked for legacy keys: %s", exc.message)
+            return
+        updates = []
+        for ref, sha in snap.items():
+            for prefix in (SCENARIOS, ARCHIVED):
+                if not ref.startswith(prefix):
+                    continue
+                key, sep, rest = ref[len(prefix):].partition("/")
+                if is_scenario_key(key):
+                    continue
+                try:
+                    name = scenario_from_legacy_key(key)
+                except ValidationFailed:
+                    log.warning("release ref %s: key is neither a digest nor base64; left as is", ref)
+                    continue
+                target = f"{prefix}{scenario_key(name)}{sep}{rest}"
+                updates += [RefUpdate(target, sha, ZERO), RefUpdate(ref, ZERO, sha)]
+        if updates:
+            try:
+                self._refs.transaction(updates)
+                log.info("renamed %d release refs to digest keys", len(updates) // 2)
+            except Conflict:  # another process renamed them first
+                pass
 
     @property
     def is_remote(self) -> bool:
@@ -259,7 +290,8 @@ class GitArtifactStore:
     def scenarios(self) -> list[str]:
         """Names of the scenarios that have a head (archived ones excluded)."""
         snap = self._snapshot()
-        return sorted(scenario_from_key(r[len(SCENARIOS) :]) for r in snap if r.startswith(SCENARIOS))
+        heads = [sha for ref, sha in snap.items() if ref.startswith(SCENARIOS)]
+        return sorted({m["scenario"] for m in self._manifests(heads).values() if m})
 
     def releases(self, scenario: str) -> list[Release]:
         """The scenario's releases, newest first: its chain plus held (pending/promoted) ones."""
@@ -308,13 +340,13 @@ class GitArtifactStore:
     def archived(self, scenario: str | None = None) -> list[dict]:
         """Archived scenario heads: ``{scenario, ref, release_id, archived_at}``."""
         snap = self._snapshot()
+        archived = sorted((ref, sha) for ref, sha in snap.items() if ref.startswith(ARCHIVED))
+        manifests = self._manifests(list({sha for _, sha in archived}))
         rows = []
-        for ref, sha in sorted(snap.items()):
-            if not ref.startswith(ARCHIVED):
-                continue
-            key, _, stamp = ref[len(ARCHIVED) :].partition("/")
-            name = scenario_from_key(key)
-            if scenario is None or name == scenario:
+        for ref, sha in archived:
+            stamp = ref.rpartition("/")[2]
+            name = (manifests.get(sha) or {}).get("scenario")  # the name lives in the manifest, not the key
+            if name is not None and (scenario is None or name == scenario):
                 rows.append({"scenario": name, "ref": ref, "release_id": sha, "archived_at": stamp})
         return rows
 

@@ -2,13 +2,17 @@
 
 Ref layout (all under ``refs/reef/``)::
 
-    scenarios/<urlsafe-base64(scenario)>   the scenario's current release (its head)
+    scenarios/<key>                        the scenario's current release (its head)
     head                                   the last release made current in any scenario
     staged/<sha>                           written, not yet current or held (in flight)
     releases/<sha>                         held for review (``pending``)
     promoted/<sha>                         a held release that was promoted (kept for audit)
-    archived/<b64>/<timestamp>             a deleted scenario's last head
+    archived/<key>/<timestamp>             a deleted scenario's last head
     pruned/<sha>                           a release whose LFS weights were garbage collected
+
+``<key>`` is :func:`scenario_key`, the sha256 of the name: every name gives a valid ref of fixed length. A name
+is read back from the release manifest the ref points to. Repositories written before keys were digests used
+urlsafe-base64 of the name (:func:`legacy_scenario_key`); the store renames those refs when it opens.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ import base64
 import binascii
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from reef_core.errors import NotFound, ValidationFailed
+from reef_core.observe.names import scenario_digest
 
 MANIFEST = "reef-artifact.json"
 ATTRIBUTES = ".gitattributes"
@@ -40,15 +47,38 @@ ARCHIVED = PREFIX + "archived/"
 PRUNED = PREFIX + "pruned/"
 
 _SHA = re.compile(r"^[0-9a-f]{40}$")
+_KEY = re.compile(r"[0-9a-f]{64}")
 
 
 def scenario_key(scenario: str) -> str:
-    """urlsafe-base64 of the scenario name: any name becomes a valid ref component."""
+    """The scenario's fixed-length key in refs and file names (see :func:`reef_core.observe.names.scenario_digest`)."""
     validate_scenario(scenario)
-    return base64.urlsafe_b64encode(scenario.encode()).decode()
+    return scenario_digest(scenario)
 
 
-def scenario_from_key(key: str) -> str:
+def is_scenario_key(key: str) -> bool:
+    return _KEY.fullmatch(key) is not None
+
+
+def legacy_scenario_key(scenario: str) -> str:
+    """The key of earlier versions (urlsafe-base64 of the name), still read where it exists."""
+    return base64.urlsafe_b64encode(scenario.encode("utf-8", "surrogatepass")).decode()
+
+
+def scenario_path(root: str | os.PathLike, scenario: str, suffix: str = "") -> Path:
+    """``root/<scenario_key><suffix>``: the per-scenario file or directory. A file written by an earlier version
+    under the base64 name is used where it still exists, so existing deployments stay readable."""
+    root = Path(root)
+    try:
+        legacy = root / f"{legacy_scenario_key(scenario)}{suffix}"
+        if legacy.exists():
+            return legacy
+    except (OSError, ValueError):  # a name whose base64 is too long for a file name never had a legacy file
+        pass
+    return root / f"{scenario_key(scenario)}{suffix}"
+
+
+def scenario_from_legacy_key(key: str) -> str:
     padded = key + "=" * (-len(key) % 4)  # tolerate refs written without padding
     try:
         return base64.urlsafe_b64decode(padded.encode()).decode()
@@ -61,10 +91,10 @@ def scenario_ref(scenario: str) -> str:
 
 
 def validate_scenario(scenario: str) -> None:
-    if not isinstance(scenario, str) or not scenario or len(scenario) > 200:
-        raise ValidationFailed("scenario must be a non-empty string of at most 200 characters")
-    if any(ord(c) < 32 for c in scenario):
-        raise ValidationFailed("scenario must not contain control characters")
+    """Any non-empty string names a scenario here: keys are digests, so a name stored before today's name rule
+    (:mod:`reef_core.observe.names`, applied to new names at the HTTP door) keeps working."""
+    if not isinstance(scenario, str) or not scenario:
+        raise ValidationFailed("scenario must be a non-empty string")
 
 
 def normalize_release_id(release_id: str) -> str:

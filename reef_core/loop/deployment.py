@@ -13,13 +13,14 @@ import asyncio
 import fnmatch
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..commit.commitlog import WriterLock
 from ..config.schema import RecipeConfig, ReefConfig
-from ..errors import ConfigError, NotFound
+from ..errors import ConfigError, NotFound, ReefError, ScenarioQuarantined
 from ..observe.records import RecordStore, Scenario
 from .pool import LearnerPool
 from .ports import LearnerPorts, LearnerSettings, ServingPorts
@@ -50,6 +51,7 @@ class Deployment:
         self._surfaces: dict[str, Any] = {}
         self._learners: dict[str, Any] = {}
         self._learners_lock = threading.RLock()  # also guards the writer lock, taken by start() or a learner
+        self._quarantined: dict[str, str] = {}  # scenario -> why it could not start
         self._loop: asyncio.AbstractEventLoop | None = None
         self._writer_lock: WriterLock | None = None
         if cfg.trainer.learner_workers < 1:
@@ -104,28 +106,55 @@ class Deployment:
                 f"does not load; add a route for it or serve it with +recipe={scenario.recipe}"
             ) from None
 
-    async def scenario(self, name: str, *, create: bool = True) -> Scenario:
-        """Get a scenario, creating it (bound for good to its recipe) when allowed."""
+    async def resolve(self, name: str) -> Scenario:
+        """The scenario a request names, creating nothing: the stored one (its learner started), or, for a new
+        name, a provisional binding to the recipe the routes give it. The row is written only with the first
+        record stored for it (:meth:`record_stored`), so a refused request leaves no scenario behind."""
         cached = self._scenarios.get(name)
         if cached is not None:
             return cached
+        self._check_quarantine(name)
         async with self._scenario_lock:
             cached = self._scenarios.get(name)
             if cached is not None:
                 return cached
             found = await asyncio.to_thread(self.store.get_scenario, name)
-            if found is None or found.archived:
-                if not (create and self.cfg.server.allow_implicit_scenarios):
+            if found is None:
+                if not self.cfg.server.allow_implicit_scenarios:
                     raise NotFound(f"unknown scenario {name!r}")
-                if found is not None and found.archived:
-                    raise NotFound(f"scenario {name!r} was deleted (archived); use another name")
-                found, created = await asyncio.to_thread(
-                    self.store.get_or_create_scenario, name, self.recipe_for_new_scenario(name))
-                if created:
-                    log.info("scenario %s created, bound to recipe %r", name, found.recipe)
+                return Scenario(name=name, recipe=self.recipe_for_new_scenario(name), created_at=time.time())
+            if found.archived:
+                raise NotFound(f"scenario {name!r} was deleted (archived); use another name")
             await asyncio.to_thread(self.learner, found)
             self._scenarios[name] = found
             return found
+
+    def serves_a_seed(self, scenario: Scenario) -> bool:
+        """Whether a new scenario of this recipe is served from a creation release its trainer seeds (a harness
+        recipe with a trainer), so it must exist before its first request is answered."""
+        surface = self.surface_for(scenario)
+        return (surface is not None and getattr(surface, "kind", None) == "harness"
+                and bool(self.recipe(scenario).config.trainer))
+
+    async def create_scenario(self, name: str) -> Scenario:
+        """Store a new scenario (bound to its recipe) and start it. Only for a request that passed every check."""
+        await asyncio.to_thread(self.store.get_or_create_scenario, name, self.recipe_for_new_scenario(name))
+        return await self.resolve(name)
+
+    def is_active(self, name: str) -> bool:
+        """Whether ``name`` is a stored scenario running here (False for a provisional binding)."""
+        return name in self._scenarios
+
+    def _check_quarantine(self, name: str) -> None:
+        reason = self._quarantined.get(name)
+        if reason is not None:
+            raise ScenarioQuarantined(f"scenario {name!r} is quarantined: {reason}", scenario=name)
+
+    def quarantine(self, name: str, exc: BaseException) -> None:
+        """Take one scenario out of service (logged, listed in status) so the others keep serving."""
+        reason = exc.message if isinstance(exc, ReefError) else f"{type(exc).__name__}: {exc}"
+        self._quarantined[name] = reason
+        log.error("scenario %r quarantined: %s", name, reason, exc_info=not isinstance(exc, ReefError))
 
     def report_schema(self, scenario: Scenario):
         """The recipe's report validator for this scenario, or None."""
@@ -139,7 +168,8 @@ class Deployment:
     def report_key(self, scenario: Scenario, report: dict) -> str | None:
         """The key ``report`` must hold alone among the scenario's stored reports, by its processor's door rule
         (:meth:`~reef_core.observe.processor.Processor.report_key`); raises ``ValidationFailed`` for a report the
-        processor refuses. Never blocks: the learner exists once :meth:`scenario` returned."""
+        processor refuses. Never blocks: the learner of a stored scenario exists once :meth:`resolve` returned; a
+        scenario not stored yet has no processor, so its first report meets only the store's checks."""
         learner = self._learners.get(scenario.name)
         processor = getattr(learner, "processor", None)
         return processor.report_key(report) if processor is not None else None
@@ -163,20 +193,27 @@ class Deployment:
         return self.surface(self.recipe(scenario).config.surface)
 
     def learner(self, scenario: Scenario):
-        """The scenario's learner (created, recovered and started on first use)."""
+        """The scenario's learner (created, recovered and started on first use). A scenario whose learner cannot
+        start is quarantined (:class:`ScenarioQuarantined`, 503) instead of failing the caller's whole process."""
         from .learner import ScenarioLearner
 
         with self._learners_lock:
             found = self._learners.get(scenario.name)
             if found is None:
-                self._hold_writer_lock()
-                found = ScenarioLearner(scenario.name, self.recipe(scenario).config, self.surface_for(scenario),
-                                        self.learner_ports, self.learner_settings)
+                self._check_quarantine(scenario.name)
+                self._hold_writer_lock()  # not one scenario's fault: a second server on this data dir fails here
                 try:
-                    found.start()  # recovery runs here, before the scenario serves
-                except BaseException:
-                    found.stop()  # no turns for a learner that did not start
-                    raise
+                    found = ScenarioLearner(scenario.name, self.recipe(scenario).config, self.surface_for(scenario),
+                                            self.learner_ports, self.learner_settings)
+                    try:
+                        found.start()  # recovery runs here, before the scenario serves
+                    except BaseException:
+                        found.stop()  # no turns for a learner that did not start
+                        raise
+                except Exception as exc:  # noqa: BLE001 - one scenario's data must not stop the others
+                    self.quarantine(scenario.name, exc)
+                    raise ScenarioQuarantined(f"scenario {scenario.name!r} is quarantined: "
+                                              f"{self._quarantined[scenario.name]}", scenario=scenario.name) from exc
                 self._learners[scenario.name] = found
             return found
 
@@ -192,15 +229,30 @@ class Deployment:
         training). The one path every record takes into the loop; returns the stored record.
 
         A caller cancelled meanwhile (its client went away) changes nothing: the write is queued at once, and
-        plugins and learner hear of the record when it is durable, whether or not anyone still waits for it."""
-        durable = self.store.submit(record, idempotency_key, check_references=check_references)
+        plugins and learner hear of the record when it is durable, whether or not anyone still waits for it.
+        The first record of a new scenario creates its row in the same transaction (its learner starts once the
+        record is durable, before a caller still waiting returns), so only a stored record creates a scenario."""
+        new_recipe = None if record.scenario in self._scenarios else self.recipe_for_new_scenario(record.scenario)
+        durable = self.store.submit(record, idempotency_key, check_references=check_references,
+                                    new_scenario_recipe=new_recipe)
         durable.add_done_callback(self._announce)
-        return (await asyncio.shield(durable))[0]
+        stored = (await asyncio.shield(durable))[0]
+        if stored.scenario not in self._scenarios:  # a caller still waiting sees the new scenario running
+            await self._start_new_scenario(stored.scenario, stored.record_id)
+        return stored
+
+    async def _start_new_scenario(self, name: str, record_id: str) -> None:
+        try:
+            await self.resolve(name)  # starts the learner, which reads the new record from the store
+        except ReefError as exc:  # the record is durable and its receipt goes out regardless
+            log.error("scenario %r: record %s stored, but the scenario cannot run: %s", name, record_id, exc.message)
 
     def _announce(self, durable: asyncio.Future) -> None:
         if durable.cancelled() or durable.exception() is not None:
             return  # the waiter gets the error, if one still waits
         stored = durable.result()[0]
+        if stored.scenario not in self._scenarios:
+            asyncio.get_running_loop().create_task(self._start_new_scenario(stored.scenario, stored.record_id))
         self.pm.notify("reef_record_stored", record=stored)
         if stored.kind == "report":
             self.pm.notify("reef_report_accepted", record=stored, references=list(stored.references))
@@ -237,9 +289,18 @@ class Deployment:
             self.artifacts.archive(name)
         self.store.archive_scenario(name)
         self._scenarios.pop(name, None)
+        self._quarantined.pop(name, None)
+
+    def scenario_status(self, scenario: Scenario) -> dict:
+        """The learner's status, or the quarantine reason of a scenario that could not start."""
+        reason = self._quarantined.get(scenario.name)
+        if reason is not None:
+            return {"scenario": scenario.name, "recipe": scenario.recipe, "quarantined": reason}
+        return self.learner(scenario).status()
 
     def status(self) -> dict:
         return {"scenarios": {name: learner.status() for name, learner in list(self._learners.items())},
+                "quarantined": dict(self._quarantined),
                 "engine": {"name": getattr(self.engine, "name", None),
                            "version": getattr(self.engine, "version", None)}}
 
@@ -249,13 +310,15 @@ class Deployment:
         self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(self._hold_writer_lock)  # a second server on this data dir fails here
         await self.engine.start()
-        # Existing scenarios resume their learners (recovery runs before serving starts).
+        # Existing scenarios resume their learners (recovery runs before serving starts). One that cannot is
+        # quarantined (see learner()); start-up goes on with the others.
         for scenario in await asyncio.to_thread(self.store.scenarios):
             if not scenario.archived:
                 try:
                     await asyncio.to_thread(self.learner, scenario)
-                except ConfigError as exc:
-                    log.error("scenario %s not resumed: %s", scenario.name, exc.message)
+                    self._scenarios[scenario.name] = scenario
+                except ScenarioQuarantined:
+                    pass
 
     async def stop(self) -> None:
         for learner in list(self._learners.values()):
@@ -273,7 +336,7 @@ class Deployment:
 
     def serving_version(self, scenario: Scenario) -> str | None:
         """The artifact version that serves this scenario's next request."""
-        surface = self.surface_for(scenario)
+        surface = self.surface_for(scenario) if self.is_active(scenario.name) else None
         if surface is not None:
             version = surface.serving_version(scenario.name)
             if version is not None:

@@ -36,6 +36,9 @@ class AppendRequest:
     records: list[Record]
     idempotency_key: str | None = None
     check_references: bool = False
+    #: create the records' scenario bound to this recipe, in the same transaction, if the request is accepted and
+    #: the scenario does not exist yet (a refused request creates nothing)
+    new_scenario_recipe: str | None = None
     #: filled by the writer: the stored records, or the error to raise in the caller
     outcome: list[Record] | BaseException | None = field(default=None, repr=False)
 
@@ -313,13 +316,17 @@ def apply_appends(conn: sa.Connection, dialect: str, batch: list[AppendRequest])
         except ReefError as exc:
             results.append(exc)
 
+    fresh_scenarios = {req.records[0].scenario: req.new_scenario_recipe for req, result in zip(batch, results)
+                       if req.new_scenario_recipe is not None and not isinstance(result, BaseException)}
+    now = time.time()
+    for name, recipe in fresh_scenarios.items():
+        conn.execute(q.create_scenario(dialect), {"name": name, "recipe": recipe, "created_at": now, "archived": False})
     assigned = _assign_sequences(conn, dialect, list(new.values()))
     if new:
         rows = [record_to_params(r, assigned[r.record_id], encoded[r.record_id]) for r in new.values()]
         _insert_many(conn, insert_records_sql(conn), rows)
     fresh_keys = [(slot, rid) for slot, rid in new_keys.items() if slot not in stored_keys]
     if fresh_keys:
-        now = time.time()
         conn.execute(q.INSERT_KEY, [
             {"scenario": s, "idempotency_key": k, "record_id": rid, "created_at": now} for (s, k), rid in fresh_keys
         ])

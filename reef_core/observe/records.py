@@ -113,7 +113,7 @@ class RecordStore:
     # -- appends ------------------------------------------------------------------------------------------------
 
     async def append(self, record: Record, idempotency_key: str | None = None, *,
-                     check_references: bool = False) -> Record:
+                     check_references: bool = False, new_scenario_recipe: str | None = None) -> Record:
         """Store ``record`` durably and return it with its sequence.
 
         An id already stored with the same content returns the stored record; with other content it raises
@@ -122,16 +122,21 @@ class RecordStore:
         incomplete one is stored, the key unchanged); a key naming an incomplete record stores ``record`` and
         moves the key to it (a retry replaces a cut attempt). A key whose record has another ``request_hash``
         raises :class:`Conflict`. ``check_references`` validates a report's references in the same transaction.
-        Cancelling the caller does not withdraw the append (see :meth:`submit`).
+        ``new_scenario_recipe`` creates the record's scenario, bound to that recipe, in the same transaction when
+        it does not exist yet; a refused append creates nothing. Cancelling the caller does not withdraw the
+        append (see :meth:`submit`).
         """
-        return (await self.submit(record, idempotency_key, check_references=check_references))[0]
+        return (await self.submit(record, idempotency_key, check_references=check_references,
+                                  new_scenario_recipe=new_scenario_recipe))[0]
 
     def submit(self, record: Record, idempotency_key: str | None = None, *,
-               check_references: bool = False) -> asyncio.Future:
+               check_references: bool = False, new_scenario_recipe: str | None = None) -> asyncio.Future:
         """Queue :meth:`append`'s write now and return a future of the running loop resolving to
         ``[stored record]`` once it is durable (or to its error). The write stands whatever happens to the future's
         waiters: a caller cancelled while it waits (a client gone) still gets its record stored."""
         request = self._request([record], idempotency_key, check_references)
+        if new_scenario_recipe is not None:
+            request.new_scenario_recipe = check_identifier("recipe", new_scenario_recipe)
         return self._writer.submit_append(request, asyncio.get_running_loop())
 
     def append_sync(self, record: Record, idempotency_key: str | None = None, *,

@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 
 from ..errors import Conflict, NotFound, ValidationFailed
 from ..surfaces.harness import RELEASE_HEADER, validate_harness_path
-from .inference import scenario_name
+from .names import scenario_header
 
 router = APIRouter()
 _NO_STORE = {"cache-control": "no-store"}
@@ -39,7 +39,7 @@ _NO_STORE = {"cache-control": "no-store"}
 async def _harness_surface(request: Request) -> tuple[Any, str, Any]:
     """(deployment, scenario name, harness surface) for the request, or NotFound."""
     dep = request.app.state.reef
-    name = scenario_name(request)
+    name = scenario_header(request)
     scenario = await asyncio.to_thread(dep.store.get_scenario, name)
     if scenario is None or getattr(scenario, "archived", False):
         raise NotFound(f"unknown scenario {name!r}")

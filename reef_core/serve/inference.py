@@ -1,8 +1,12 @@
 """Inference routes: call the engine, store the record durably, then hand out the receipt.
 
-Order per request: parse and validate → resolve the scenario (created on first use) → freeze
-the serving version → call the engine (translating dialects when the engine speaks the other
-one) → append the record and wait until it is durable → reply with ``x-reef-agent-record-id``.
+Order per request: parse and validate the whole request (body, scenario name, tags, ids) → resolve
+the scenario without creating it (a new name gets a provisional binding to its recipe) → freeze the
+serving version → call the engine (translating dialects when the engine speaks the other one) →
+append the record and wait until it is durable (the first record of a new scenario creates it, in
+the same transaction) → reply with ``x-reef-agent-record-id``. A refused request, and a relayed
+provider error, store nothing and create nothing (except that a recipe serving a seed release
+creates its scenario once the request has passed the door: see ``Deployment.serves_a_seed``).
 
 Streams relay events as they arrive and hold the terminal event: the record is stored first,
 then the receipt goes out in-band (an extra OpenAI chunk before ``[DONE]``; a ``reef`` field on
@@ -37,16 +41,16 @@ from ..engines.translate import stream_translator, translate_error, translate_re
 from ..errors import Conflict, PayloadTooLarge, ReefError, ValidationFailed
 from ..observe.model import Record, canonical_json
 from ..engines.sse import encode_event
+from ..observe.names import header_text
 from .aggregate import accumulator_for, receipt_events, synthetic_stream
 from .disconnect import CLIENT_DISCONNECTED, ClientGone, ClientWatch
 from .errors import error_body, new_error_id
 from .jsonbody import parse_json_object
+from .names import RECEIPT_HEADER, optional_id_header, scenario_header
 from .schema import validate_request
 
 log = logging.getLogger("reef.serve")
 
-RECEIPT_HEADER = "x-reef-agent-record-id"
-SCENARIO_HEADER = "x-reef-scenario"
 TAG_PREFIX = "x-reef-tag-"
 #: Request headers never forwarded to an engine: credentials, Reef's own, and hop-by-hop ones.
 _DROP_HEADERS = frozenset({"authorization", "x-api-key", "host", "content-length", "content-type", "connection",
@@ -74,35 +78,17 @@ async def read_json_body(request: Request, limit: int) -> dict:
     return parse_json_object(b"".join(chunks))
 
 
-def scenario_name(request: Request) -> str:
-    name = (request.headers.get(SCENARIO_HEADER) or "").strip()
-    if not name:
-        raise ValidationFailed(f"missing or empty {SCENARIO_HEADER}")
-    if len(name) > 200:
-        raise ValidationFailed(f"{SCENARIO_HEADER} is longer than 200 characters")
-    return name
-
-
 def tags_of(request: Request) -> dict[str, str]:
     tags = {}
     for key, value in request.headers.items():
         if key.startswith(TAG_PREFIX) and len(key) > len(TAG_PREFIX):
+            value = header_text(value, key)
             if len(value) > _MAX_TAG_LENGTH:
-                raise ValidationFailed(f"header {key} is longer than {_MAX_TAG_LENGTH} characters")
+                raise ValidationFailed(f"header {key} is longer than {_MAX_TAG_LENGTH} characters", field=key)
             tags[key[len(TAG_PREFIX):].lower()] = value
     if len(tags) > _MAX_TAGS:
         raise ValidationFailed(f"at most {_MAX_TAGS} x-reef-tag-* headers")
     return tags
-
-
-def client_record_id(request: Request) -> str | None:
-    value = request.headers.get(RECEIPT_HEADER)
-    if value is None:
-        return None
-    value = value.strip()
-    if not value or len(value) > 128 or not all(c.isalnum() or c in "-_.:" for c in value):
-        raise ValidationFailed(f"{RECEIPT_HEADER} must be 1-128 characters of letters, digits, '-', '_', '.', ':'")
-    return value
 
 
 def new_record_id() -> str:
@@ -136,11 +122,12 @@ class InferenceCall:
         dep, request = self.dep, self.request
         body = await read_json_body(request, dep.cfg.server.max_body_bytes)
         validate_request(self.client_dialect, self.route, body)
-        self.scenario = await dep.scenario(scenario_name(request))
+        name = scenario_header(request)
         self.tags = tags_of(request)
-        self.client_record_id = client_record_id(request)
+        self.client_record_id = optional_id_header(request, RECEIPT_HEADER)
         self.record_id = self.client_record_id or new_record_id()
-        self.idempotency_key = request.headers.get("idempotency-key") or None
+        self.idempotency_key = optional_id_header(request, "idempotency-key")
+        self.scenario = await dep.resolve(name)  # creates nothing: the first stored record does
         self.request_hash = hashlib.sha256(
             canonical_json({"route": self.route, "body": body}).encode()).hexdigest()
         self.client_body = body
@@ -154,8 +141,13 @@ class InferenceCall:
         self.engine_dialect = self.client_dialect if self.client_dialect in engine.dialects else engine.dialects[0]
         engine_route = self.route if self.engine_dialect == self.client_dialect else (
             "chat" if self.engine_dialect == "openai" else "messages")
-        # A harness surface may shape the request (e.g. the current system prompt).
-        surface = dep.surface_for(self.scenario)
+        if not dep.is_active(self.scenario.name) and dep.serves_a_seed(self.scenario):
+            # The recipe serves its first request from a seed release (a harness trainer's initial files): create
+            # the scenario now, once the whole request, body included, has passed the door.
+            self.scenario = await dep.create_scenario(self.scenario.name)
+        # A harness surface may shape the request (e.g. the current system prompt). A scenario not stored yet has
+        # no release to serve, and asking its surface would leave state behind for a request that may be refused.
+        surface = dep.surface_for(self.scenario) if dep.is_active(self.scenario.name) else None
         self.release_id = None
         self.extra_headers: dict[str, str] = {}
         if surface is not None and self.route != "count_tokens":

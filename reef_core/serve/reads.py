@@ -7,8 +7,8 @@ import asyncio
 from fastapi import APIRouter, Query, Request
 from starlette.responses import JSONResponse
 
-from ..errors import NotFound
 from ..observe.model import Record
+from .names import path_record, path_scenario
 
 router = APIRouter()
 #: Bound of sequence and step query parameters: the stores hold them as signed 64-bit integers.
@@ -40,17 +40,10 @@ async def list_scenarios(request: Request):
         for s in rows]}, headers=_NO_STORE)
 
 
-async def _existing_scenario(request: Request, name: str):
-    scenario = await asyncio.to_thread(request.app.state.reef.store.get_scenario, name)
-    if scenario is None:
-        raise NotFound(f"unknown scenario {name!r}")
-    return scenario
-
-
 @router.get("/reef/scenarios/{scenario}/records")
 async def list_records(request: Request, scenario: str, after_sequence: int = Query(0, ge=0, le=MAX_SEQUENCE),
                        limit: int = Query(50, ge=1, le=100)):
-    await _existing_scenario(request, scenario)
+    await path_scenario(request.app.state.reef, scenario, archived=True)
     rows = await asyncio.to_thread(request.app.state.reef.store.page, scenario, after_sequence, limit)
     next_after = rows[-1].sequence if len(rows) == limit else None
     return JSONResponse({"scenario": scenario, "records": [record_row(r) for r in rows],
@@ -59,8 +52,6 @@ async def list_records(request: Request, scenario: str, after_sequence: int = Qu
 
 @router.get("/reef/scenarios/{scenario}/records/{record_id}")
 async def get_record(request: Request, scenario: str, record_id: str):
-    record = await asyncio.to_thread(request.app.state.reef.store.get, record_id)
-    if record is None or record.scenario != scenario:
-        raise NotFound(f"no record {record_id!r} in scenario {scenario!r}")
+    record = await path_record(request.app.state.reef, scenario, record_id)
     return JSONResponse({**record_row(record), "scenario": record.scenario, "payload": record.payload},
                         headers=_NO_STORE)

@@ -11,8 +11,9 @@ import asyncio
 from fastapi import APIRouter, Query, Request
 from starlette.responses import JSONResponse
 
-from ..errors import NotFound, ValidationFailed
+from ..errors import ValidationFailed
 from .inference import read_json_body
+from .names import path_scenario
 from .reads import MAX_SEQUENCE
 
 ADMIN = {"x-reef-scope": "admin"}
@@ -22,10 +23,7 @@ _NO_STORE = {"cache-control": "no-store"}
 
 async def _scenario(request: Request, name: str):
     dep = request.app.state.reef
-    scenario = await asyncio.to_thread(dep.store.get_scenario, name)
-    if scenario is None or scenario.archived:
-        raise NotFound(f"unknown scenario {name!r}")
-    return dep, scenario
+    return dep, await path_scenario(dep, name)
 
 
 async def _release_id(request: Request) -> str:
@@ -87,7 +85,7 @@ async def list_commits(request: Request, scenario: str, after_step: int = Query(
 @router.get("/reef/scenarios/{scenario}/status")
 async def scenario_status(request: Request, scenario: str):
     dep, found = await _scenario(request, scenario)
-    return JSONResponse(await asyncio.to_thread(dep.learner(found).status), headers=_NO_STORE)
+    return JSONResponse(await asyncio.to_thread(dep.scenario_status, found), headers=_NO_STORE)
 
 
 @router.get("/reef/scenarios/{scenario}/samples")

@@ -1,11 +1,13 @@
 """``POST /reef/report``: feedback quoting receipts, validated at the door and stored as a record.
 
-Validation (all before anything is stored): only the known top-level fields; ``score`` a finite
-number and not a bool; ``feedback`` text or a JSON object within a size cap; ``references``
-unique receipts of stored inference records of the same scenario (checked again inside the
-write transaction); ``metadata`` an object; then the recipe's typed report schema, if any, and the processor's
-door rule (:meth:`~reef_core.observe.processor.Processor.report_key`): a key claimed in the write transaction, so
-a second, different report under a taken key is refused with 409 and stores nothing.
+Validation (all before anything is stored or created): the scenario header; only the known top-level
+fields; ``score`` a finite number and not a bool; ``feedback`` text or a JSON object within a size
+cap; ``agent_record_id`` and each of ``references`` a record id (:mod:`reef_core.observe.names`);
+``references`` unique receipts of stored inference records of the same scenario (checked again
+inside the write transaction); ``metadata`` an object; then the recipe's typed report schema, if
+any, and the processor's door rule (:meth:`~reef_core.observe.processor.Processor.report_key`): a key
+claimed in the write transaction, so a second, different report under a taken key is refused with 409
+and stores nothing. The scenario is resolved without being created: a report that is stored creates it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from starlette.responses import JSONResponse
 
 from ..errors import Conflict, ValidationFailed
 from ..observe.model import Record, canonical_json
-from .inference import RECEIPT_HEADER, read_json_body, scenario_name
+from ..observe.names import check_record_id
+from .inference import read_json_body
+from .names import RECEIPT_HEADER, scenario_header
 
 router = APIRouter()
 
@@ -58,8 +62,10 @@ def validate_report(body: dict) -> dict:
             raise ValidationFailed(f"feedback is larger than {MAX_FEEDBACK_BYTES} bytes")
         report["feedback"] = feedback
     references = body.get("references") or []
-    if not isinstance(references, list) or not all(isinstance(r, str) and r for r in references):
-        raise ValidationFailed("references must be a list of receipts (non-empty strings)")
+    if not isinstance(references, list):
+        raise ValidationFailed("references must be a list of receipts", field="references")
+    for i, ref in enumerate(references):
+        check_record_id(ref, f"references[{i}]")
     if len(references) > MAX_REFERENCES:
         raise ValidationFailed(f"at most {MAX_REFERENCES} references per report")
     duplicates = sorted({r for r in references if references.count(r) > 1})
@@ -76,8 +82,8 @@ def validate_report(body: dict) -> dict:
             raise ValidationFailed(f"metadata is larger than {MAX_METADATA_BYTES} bytes")
         report["metadata"] = metadata
     record_id = body.get("agent_record_id")
-    if record_id is not None and (not isinstance(record_id, str) or not record_id or len(record_id) > 128):
-        raise ValidationFailed("agent_record_id must be a string of 1-128 characters")
+    if record_id is not None:
+        check_record_id(record_id, "agent_record_id")
     report["agent_record_id"] = record_id
     return report
 
@@ -86,9 +92,9 @@ def validate_report(body: dict) -> dict:
 async def post_report(request: Request):
     dep = request.app.state.reef
     body = await read_json_body(request, dep.cfg.server.max_report_body_bytes)
-    name = scenario_name(request)
+    name = scenario_header(request)
     report = validate_report(body)
-    scenario = await dep.scenario(name)
+    scenario = await dep.resolve(name)  # creates nothing: storing the report does
     schema = dep.report_schema(scenario)
     if schema is not None:
         schema(dict(report))  # raises ValidationFailed with the recipe's own message

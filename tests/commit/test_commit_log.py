@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -41,7 +42,7 @@ def test_append_is_a_step_cas_with_identical_retry(tmp_path):
             log.append({"release_id": None}, expected_step=2)
         with pytest.raises(ValidationFailed):
             log.append({"operation": "training", "consumed_ids": "r1"}, expected_step=2)  # not a list
-    lines = (tmp_path / "YWdlbnQveA==.jsonl").read_text().splitlines()
+    lines = (tmp_path / f"{hashlib.sha256(b'agent/x').hexdigest()}.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
 
 

@@ -439,3 +439,19 @@ def test_find_by_idempotency_key_is_per_scenario(tmp_path):
         assert store.find_by_idempotency_key("a", "key-1") == stored
         assert store.find_by_idempotency_key("b", "key-1") is None
         assert store.find_by_idempotency_key("a", "key-2") is None
+
+
+def test_an_append_creates_its_scenario_only_when_accepted(store):
+    # A refused append (conflicting id, bad reference) creates nothing; an accepted one creates the scenario,
+    # bound to the recipe given, in its own transaction.
+    asyncio.run(store.append(inference("r1", scenario="old")))
+    with pytest.raises(Conflict):
+        asyncio.run(store.append(inference("r1", scenario="new", payload={"v": 2}), new_scenario_recipe="gepa"))
+    with pytest.raises(ValidationFailed):
+        asyncio.run(store.append(report("rep", ["missing"], scenario="new"), check_references=True,
+                                 new_scenario_recipe="gepa"))
+    assert store.get_scenario("new") is None
+    asyncio.run(store.append(inference("r2", scenario="new"), new_scenario_recipe="gepa"))
+    assert store.get_scenario("new").recipe == "gepa"
+    asyncio.run(store.append(inference("r3", scenario="new"), new_scenario_recipe="sao"))  # an existing binding stays
+    assert store.get_scenario("new").recipe == "gepa"

@@ -62,7 +62,7 @@ from reef_core.api import (
     ValidationFailed,
     encode_tree,
     resolve_chat_model,
-    scenario_key,
+    scenario_path,
     validate_tree,
 )
 
@@ -119,7 +119,7 @@ class GepaTrainer(Trainer):
         self.train_episodes = [task_episode(t) for t in self.trainset] if self.trainset is not None else None
         self.runner = TaskRunner(self.task_model, self.verifier, self.feedback, options.system_files,
                                  OutputCache(int(options.output_cache_size)))
-        self.directory = Path(setup.data_dir) / "gepa" / scenario_key(scenario)
+        self.directory = scenario_path(Path(setup.data_dir) / "gepa", scenario)
         self.fingerprint = {
             "components": list(options.components),
             "system_files": list(options.system_files),

@@ -1,0 +1,61 @@
+"""Client names as the HTTP routes read them: the scenario header, scenario path segments and record ids.
+
+The rules themselves are :mod:`reef_core.observe.names`. A new name must follow them; a name in a URL path is only
+looked up, so a scenario stored before today's rule (say with a TAB) stays readable and can be archived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from starlette.requests import Request
+
+from ..errors import NotFound, ValidationFailed
+from ..observe.model import MAX_ID_LENGTH as STORED_ID_LENGTH
+from ..observe.names import check_record_id, check_scenario_name, header_text, is_record_id, scenario_problem
+
+SCENARIO_HEADER = "x-reef-scenario"
+RECEIPT_HEADER = "x-reef-agent-record-id"
+
+
+def scenario_header(request: Request) -> str:
+    """The ``x-reef-scenario`` header, decoded as UTF-8 and checked against the scenario-name rule (400 if not)."""
+    raw = request.headers.get(SCENARIO_HEADER)
+    if raw is None or not raw.strip():
+        raise ValidationFailed(f"missing or empty {SCENARIO_HEADER}", field=SCENARIO_HEADER)
+    return check_scenario_name(header_text(raw, SCENARIO_HEADER), SCENARIO_HEADER)
+
+
+def optional_id_header(request: Request, header: str) -> str | None:
+    """A client-chosen id header (receipt, ``Idempotency-Key``), checked against the id grammar, or None."""
+    raw = request.headers.get(header)
+    if raw is None:
+        return None
+    return check_record_id(header_text(raw, header), header)
+
+
+def _storable_lookup(value: str) -> bool:
+    # Only strings a stored row could hold are looked up (PostgreSQL refuses NUL in text parameters).
+    return "\x00" not in value and len(value) <= STORED_ID_LENGTH
+
+
+async def path_scenario(dep, name: str, *, archived: bool = False):
+    """The stored scenario a URL path names (archived ones only when ``archived``): 400 for a name the rule
+    refuses and no row holds, 404 for a valid name that is unknown."""
+    problem = scenario_problem(name)
+    found = await asyncio.to_thread(dep.store.get_scenario, name) if _storable_lookup(name) else None
+    if found is None or (found.archived and not archived):
+        if problem is not None:
+            check_scenario_name(name, "scenario")
+        raise NotFound(f"unknown scenario {name!r}")
+    return found
+
+
+async def path_record(dep, scenario: str, record_id: str):
+    """The record ``{id}`` of ``scenario`` names: 400 for an id outside the grammar that no row holds, else 404."""
+    found = await asyncio.to_thread(dep.store.get, record_id) if _storable_lookup(record_id) else None
+    if found is None or found.scenario != scenario:
+        if not is_record_id(record_id):
+            check_record_id(record_id, "record_id")
+        raise NotFound(f"no record {record_id!r} in scenario {scenario!r}")
+    return found
