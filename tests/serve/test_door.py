@@ -76,10 +76,11 @@ def test_git_refs_for_every_accepted_name_and_legacy_refs(tmp_path):
     import base64
 
     from reef_core.commit.git_store import GitArtifactStore
+    from reef_core.testing.chain import publish
 
     store = GitArtifactStore(tmp_path / "repo.git", tmp_path / "work")
     for name in GOOD_NAMES:
-        release = store.publish(name, {"p.md": name.encode()}, expected_parent=None, operation="creation")
+        release = publish(store, name, {"p.md": name.encode()}, expected_parent=None, operation="creation")
         assert store.head(name).release_id == release.release_id
     assert store.scenarios() == sorted(GOOD_NAMES)
     store.archive("Case")
