@@ -215,7 +215,9 @@ class InferenceCall:
 
     def _replay(self, record: Record, stream: bool) -> Response:
         payload = record.payload
-        body = translate_response(payload["response"], payload["dialect"], self.client_dialect)
+        # A token count is answered as the engine gave it (see _complete); only chat answers are translated.
+        body = payload["response"] if self.route == "count_tokens" else translate_response(
+            payload["response"], payload["dialect"], self.client_dialect)
         headers = {RECEIPT_HEADER: record.record_id, "x-reef-replayed": "true"}
         if stream:
             return StreamingResponse(synthetic_stream(self.client_dialect, body, record.record_id),

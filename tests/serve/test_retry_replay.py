@@ -176,3 +176,17 @@ def test_idempotency_key_of_a_cut_stream_reused_with_another_body_is_409(server,
     assert other.status_code == 409, other.text
     assert upstream.stats()["requests"] == 1
     assert record_ids(server, sc) == [first]
+
+
+def test_sdk_retry_of_a_token_count_replays_the_count(server, sc):
+    """count_tokens answers are stored as the engine gave them; a retry returns that count, not a chat translation."""
+    body = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "count these words"}]}
+    headers = {"x-reef-scenario": sc}
+    first = httpx.post(server.url + "/v1/messages/count_tokens", json=body, headers=headers, timeout=30)
+    assert first.status_code == 200, first.text
+    retry = httpx.post(server.url + "/v1/messages/count_tokens", json=body, timeout=30,
+                       headers={**headers, "x-stainless-retry-count": "1"})
+    assert retry.status_code == 200, retry.text
+    assert retry.json() == first.json()
+    assert retry.headers[RECEIPT] == first.headers[RECEIPT]
+    assert retry.headers.get("x-reef-replayed") == "true"
