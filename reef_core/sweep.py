@@ -82,8 +82,8 @@ def format_table(rows: list[dict]) -> str:
                       _num(first), _num(last), _num(delta, signed=True), str(row.get("versions_published", "-")),
                       str(row.get("rejected", "-")), _num(row.get("wall_s"), digits=1)])
     widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(columns)]
-    out = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
-    out += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)) for line in lines]
+    out = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
+    out += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
     return "\n".join(out)
 
 

@@ -52,3 +52,33 @@ def test_sweep_learn_writes_comparable_metrics_and_a_summary_table(tmp_path):
     assert len(table) == 5
     for row, lr, seed in zip(table[1:], (LRS[0], LRS[0], LRS[1], LRS[1]), (0, 1, 0, 1)):
         assert f"trainer.lr={lr} seed={seed}" in row
+
+
+def test_a_learn_job_repeats_for_its_seed_and_keeps_every_record(tmp_path, monkeypatch):
+    """In process: the same job twice gives the same rewards (on-policy, seeded sampler, trainer and task order);
+    the job's store holds one inference and one report per rollout, and its chain the published versions."""
+    from reef_core.builtins.tasks import learn
+    from reef_core.config import compose_config
+    from reef_core.observe.records import RecordStore
+
+    monkeypatch.setenv("REEF_MODEL_CACHE", str(tmp_path / "models"))
+    cfg = compose_config(["+recipe=sao", "+sao_profile=tiny", "task=learn", "learn.rollouts=8", "learn.window=4",
+                          "seed=3"])
+    first = learn(cfg, tmp_path / "a")
+    second = learn(cfg, tmp_path / "b")
+    rewards = [json.loads((tmp_path / job / "metrics.json").read_text())["rewards"] for job in "ab"]
+    assert rewards[0] == rewards[1] and len(rewards[0]) == 8
+    assert first["reward_curve"] == second["reward_curve"] and first["versions_published"] == 2
+    store = RecordStore.open(None, tmp_path / "a" / "data")
+    try:
+        records = list(store.replay("learn", 0))
+    finally:
+        store.close()
+    assert [r.kind for r in records].count("inference") == 8 and [r.kind for r in records].count("report") == 8
+    inferences = {r.record_id: r for r in records if r.kind == "inference"}
+    for report in (r for r in records if r.kind == "report"):
+        assert report.references[0] in inferences  # each report quotes its rollout's record
+    assert all("tokens" in r.payload and r.version for r in inferences.values())  # trainable, versioned
+    # on-policy: the first batch of 4 was served by the start weights, the second by the first published version
+    served = [r.version for r in records if r.kind == "inference"]
+    assert len(set(served[:4])) == 1 and len(set(served[4:])) == 1 and served[0] != served[4]
