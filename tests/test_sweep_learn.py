@@ -1,5 +1,6 @@
-"""``reef sweep -m ... task=learn``: SAO's loop run offline on its vowel task file, four jobs, one metrics file each
-and a summary table, as a real process (the tiny model; 16 rollouts a job keep the sweep near half a minute)."""
+"""``reef sweep -m ... task=learn`` on the SAO recipe: its loop run offline on its vowel task file. Four jobs as a real
+process write one metrics file each and a summary table (the tiny model; 16 rollouts a job keep the sweep near half
+a minute); one job run twice in process repeats itself and keeps every record."""
 
 from __future__ import annotations
 
