@@ -8,7 +8,8 @@ import json
 import pytest
 
 from reef_core.errors import ConfigError
-from reef_core.loop.offline import _task_order, reward_curve
+from reef_core.config import compose_config
+from reef_core.loop.offline import _task_order, reward_curve, run_learning
 from reef_core.loop.taskfile import load_tasks, make_verifier
 from reef_core.sweep import collect_metrics, format_table
 
@@ -96,3 +97,13 @@ def test_summary_table_has_a_row_per_job_naming_the_swept_overrides(tmp_path):
     assert lines[0].split() == ["job", "overrides", "first", "last", "delta", "versions", "rejected", "wall_s"]
     assert lines[3].split() == ["2", "trainer.lr=3e-4", "seed=0", "0.200", "0.600", "+0.400", "3", "0", "1.5"]
     assert all("+recipe=sao" not in line for line in lines)  # shared by every job: not a column value
+
+
+@pytest.mark.parametrize("override, named", [("learn.rollouts=0", "learn.rollouts"), ("learn.window=0", "learn.window"),
+                                             ("learn.step_timeout_s=0", "learn.step_timeout_s")])
+def test_bad_learn_options_fail_before_anything_is_built(tmp_path, override, named):
+    task_file = write(tmp_path, json.dumps({"prompt": "hi"}))
+    cfg = compose_config([override, f"learn.file={task_file}"])
+    with pytest.raises(ConfigError, match=named):
+        run_learning(cfg, tmp_path / "job")
+    assert not (tmp_path / "job").exists()

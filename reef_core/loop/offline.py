@@ -46,6 +46,8 @@ def run_learning(cfg: ReefConfig, output_dir: Path) -> dict:
     learn = cfg.learn
     if learn.rollouts < 1 or learn.window < 1:
         raise ConfigError("learn.rollouts and learn.window must be at least 1")
+    if not learn.step_timeout_s > 0:
+        raise ConfigError("learn.step_timeout_s must be positive")
     tasks = load_tasks(learn.file)
     verify = make_verifier(learn.verifier, learn.verifier_options)
     return asyncio.run(_run(job_config(cfg, output_dir), tasks, verify))
