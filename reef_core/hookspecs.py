@@ -142,7 +142,9 @@ def reef_register_tasks(register):
 
     The factory is called as ``factory(cfg=<ReefConfig>, output_dir=<Path>)`` (the composed config as
     plain dataclasses, see ``reef_core.config.schema``) and returns
-    a JSON-serialisable summary. The built-in ``dry_run`` validates the job's config and writes it.
+    a JSON-serialisable summary. The built-in ``dry_run`` validates the job's config and writes it;
+    ``learn`` runs the recipe's learning loop offline on a task file and writes ``metrics.json``, which
+    ``reef sweep`` gathers into a summary table after a multirun.
     """
 
 

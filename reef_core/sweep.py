@@ -1,7 +1,9 @@
 """``reef sweep``: Hydra multirun over offline tasks, built on ``@hydra.main``.
 
 Each job composes the same typed config as ``reef serve`` and runs the registered task named
-by ``task`` (default ``dry_run``), writing its outputs to the job's Hydra output directory.
+by ``task`` (default ``dry_run``), writing its outputs to the job's Hydra output directory. After a
+multirun, :class:`SummaryTable` (a Hydra callback named in the primary config) prints one row per job
+that wrote a ``metrics.json`` (the ``learn`` task), so the jobs of a sweep compare at a glance.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 
 from .config.compose import CONFIG_NAME, CONFIG_MODULE, searchpath_override, to_plain
 from .config.schema import register_schema
@@ -40,3 +43,59 @@ def run_sweep(args: list[str]) -> int:
     finally:
         sys.argv[0] = argv0
     return 0
+
+
+class SummaryTable(Callback):
+    """Hydra callback: after a multirun, print the ``metrics.json`` of each job as one table row."""
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        rows = collect_metrics(Path(str(config.hydra.sweep.dir)))
+        if rows:
+            print(format_table(rows), flush=True)
+
+
+def collect_metrics(sweep_dir: Path) -> list[dict]:
+    """The metrics of each job directory under ``sweep_dir``, in job order (unreadable files skipped)."""
+    from .builtins.tasks import METRICS_FILE
+
+    rows = []
+    for path in sweep_dir.glob(f"*/{METRICS_FILE}"):
+        try:
+            metrics = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(metrics, dict):
+            rows.append({"job": path.parent.name, **metrics})
+    return sorted(rows, key=lambda row: (not row["job"].isdigit(), int(row["job"]) if row["job"].isdigit() else 0,
+                                         row["job"]))
+
+
+def format_table(rows: list[dict]) -> str:
+    """One line per job: the overrides that differ between jobs, then the reward and publication columns."""
+    varying = _varying_overrides(rows)
+    columns = ["job", "overrides", "first", "last", "delta", "versions", "rejected", "wall_s"]
+    lines = []
+    for row in rows:
+        first, last = row.get("first_window_mean"), row.get("last_window_mean")
+        delta = last - first if isinstance(first, (int, float)) and isinstance(last, (int, float)) else None
+        lines.append([row["job"], " ".join(o for o in row.get("overrides", []) if o in varying) or "-",
+                      _num(first), _num(last), _num(delta, signed=True), str(row.get("versions_published", "-")),
+                      str(row.get("rejected", "-")), _num(row.get("wall_s"), digits=1)])
+    widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(columns)]
+    out = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
+    out += ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
+    return "\n".join(out)
+
+
+def _varying_overrides(rows: list[dict]) -> set[str]:
+    """Overrides not shared by every job (the swept ones); all of them for a single job."""
+    sets = [set(row.get("overrides") or []) for row in rows]
+    if len(sets) < 2:
+        return set().union(*sets) if sets else set()
+    return set().union(*sets) - set.intersection(*sets)
+
+
+def _num(value, *, digits: int = 3, signed: bool = False) -> str:
+    if not isinstance(value, (int, float)):
+        return "-"
+    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"

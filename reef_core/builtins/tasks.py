@@ -36,6 +36,35 @@ def dry_run(cfg, output_dir: Path) -> dict:  # cfg: the job's ReefConfig
     return summary
 
 
+def learn(cfg, output_dir: Path) -> dict:
+    """Run the recipe's learning loop offline on ``cfg.learn.file``; write ``metrics.json`` (one per job, so
+    the jobs of a sweep compare) and return it without the per-rollout rewards."""
+    from ..loop.offline import run_learning
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    result = run_learning(cfg, output_dir)
+    metrics = {"task": "learn", "recipe": cfg.recipe.name, "overrides": _job_overrides(output_dir), "seed": cfg.seed,
+               "lr": cfg.trainer.lr, "task_file": cfg.learn.file, **result}
+    (output_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=2))
+    return {k: v for k, v in metrics.items() if k not in ("rewards", "releases")}
+
+
+def _job_overrides(output_dir: Path) -> list[str]:
+    """The command-line overrides of this job, as Hydra saved them beside its outputs (none outside a sweep)."""
+    import yaml
+
+    try:
+        found = yaml.safe_load((output_dir / ".hydra" / "overrides.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+    return [str(item) for item in found] if isinstance(found, list) else []
+
+
+#: The file a ``learn`` job writes in its output directory (read back by the sweep's summary table).
+METRICS_FILE = "metrics.json"
+
+
 @hookimpl
 def reef_register_tasks(register):
     register("dry_run", dry_run, description="validate the job's config and write it resolved")
+    register("learn", learn, description="run the recipe's learning loop offline on a task file; write metrics.json")

@@ -142,6 +142,30 @@ class RecipeConfig:
 
 
 @dataclass
+class LearnConfig:
+    """The ``learn`` task of ``reef sweep``: the recipe's loop run offline on a task file."""
+
+    #: JSONL task file, one task per line: ``{"messages": [...]}`` (or ``{"prompt": "text"}``) plus the
+    #: fields its verifier reads (``expected``, ``pattern``, ...). ``pkg://<package>/<path>`` names a file
+    #: shipped inside an installed package.
+    file: Optional[str] = None
+    #: Scorer of one reply: ``exact_match``, ``regex``, ``json_schema`` or ``python`` (the gate's scorers).
+    verifier: str = "exact_match"
+    #: Keyword options of the scorer (``python`` needs ``path: "pkg.module:func"``).
+    verifier_options: dict[str, Any] = field(default_factory=dict)
+    #: Rollouts per job: tasks drawn from the file in an order shuffled by ``seed``.
+    rollouts: int = 480
+    #: Rollouts per point of the reward curve (mean reward per window).
+    window: int = 48
+    scenario: str = "learn"
+    #: Wait for the learner after each report, so a ready batch trains before the next rollout (on-policy
+    #: and reproducible); false lets generation run ahead of training as a live client does.
+    wait_for_learner: bool = True
+    #: A learner turn that takes longer than this fails the job.
+    step_timeout_s: float = 600.0
+
+
+@dataclass
 class RouteConfig:
     """Scenario names matching ``pattern`` (fnmatch) are bound to ``recipe`` at creation."""
 
@@ -163,6 +187,8 @@ class ReefConfig:
     seed: int = 0
     #: Offline task a ``reef sweep`` job runs.
     task: str = "dry_run"
+    #: Options of the ``learn`` task.
+    learn: LearnConfig = field(default_factory=LearnConfig)
 
 
 def option_default(target: str, *, _node_: Any) -> Any:

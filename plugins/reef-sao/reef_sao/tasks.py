@@ -63,4 +63,10 @@ def score(task: Task, text: str) -> float:
     return sum(ch in allowed for ch in text) / len(text)
 
 
-__all__ = ["VOWELS", "Task", "task_stream", "score"]
+def verify(output: str, task: dict) -> float:
+    """:func:`score` as a task-file verifier (``learn.verifier=python``, ``path: reef_sao.tasks:verify``): the task
+    is a line of ``reef_sao/data/vowels.jsonl`` (its ``alphabet`` field)."""
+    return score(Task(task_id=str(task.get("id", "")), prompt="", alphabet=task.get("alphabet") or VOWELS), output)
+
+
+__all__ = ["VOWELS", "Task", "task_stream", "score", "verify"]
