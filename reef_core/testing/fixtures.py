@@ -7,6 +7,7 @@ SQLite/PostgreSQL, git. The upstream provider is FakeUpstream, a protocol-faithf
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -158,6 +159,30 @@ def fake_upstream_url():
 
     with serve_fake_upstream(mode="process") as url:
         yield url
+
+
+@pytest.fixture
+def upstream(fake_upstream_url):
+    """Controls of the session's fake provider, reset (no faults, zeroed counters) around each test."""
+    from reef_core.testing.fake_upstream import FakeUpstreamControl
+
+    with FakeUpstreamControl(fake_upstream_url) as control:
+        control.reset()
+        yield control
+        control.clear()
+
+
+def sse_events(response: httpx.Response) -> list[tuple[str | None, object]]:
+    """The SSE events of a streamed response as ``(event name, parsed JSON data)``; ``[DONE]`` stays a string."""
+    events, name = [], None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append((name, data if data == "[DONE]" else json.loads(data)))
+            name = None
+    return events
 
 
 def _postgres_available() -> bool:

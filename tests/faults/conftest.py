@@ -1,4 +1,4 @@
-"""Fixtures of the fault tests: one `reef serve` per module (starting one costs seconds), the fake's controls,
+"""Fixtures of the fault tests: one `reef serve` per module (starting one costs seconds), a scenario per test,
 and helpers that read back every record of a scenario through the records route."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import uuid
 import httpx
 import pytest
 
-from reef_core.testing.fake_upstream import FakeUpstreamControl
 from reef_core.testing.fixtures import ReefProcess, wait_until
 
 #: engine.timeout_s of the shared server: small, so a stalled provider turns into a 504 quickly, yet well above
@@ -26,15 +25,6 @@ def fault_server(request, tmp_path_factory, fake_upstream_url):
     proc.start()
     yield proc
     proc.stop()
-
-
-@pytest.fixture
-def upstream(fake_upstream_url):
-    """Controls of the session's fake provider, reset (no faults, zeroed counters) around each test."""
-    with FakeUpstreamControl(fake_upstream_url) as control:
-        control.reset()
-        yield control
-        control.clear()
 
 
 @pytest.fixture

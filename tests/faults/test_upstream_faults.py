@@ -8,10 +8,10 @@ a healthy call made afterwards leaves exactly the record its receipt names (no d
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
+
+from reef_core.testing.fixtures import sse_events
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
@@ -31,17 +31,9 @@ def post(server, scenario: str, path: str, body: dict, timeout: float = 30) -> h
 
 def stream_events(server, scenario: str, path: str, body: dict) -> tuple[int, list[tuple[str | None, object]]]:
     """POST a streaming request; return the status and the SSE events as ``(event name, parsed data)``."""
-    events, name = [], None
     with httpx.stream("POST", server.url + path, json={**body, "stream": True},
                       headers={"x-reef-scenario": scenario}, timeout=30) as response:
-        for line in response.iter_lines():
-            if line.startswith("event: "):
-                name = line[len("event: "):]
-            elif line.startswith("data: "):
-                data = line[len("data: "):]
-                events.append((name, data if data == "[DONE]" else json.loads(data)))
-                name = None
-        return response.status_code, events
+        return response.status_code, sse_events(response)
 
 
 def error_message(path: str, response: httpx.Response) -> str:

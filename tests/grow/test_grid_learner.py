@@ -4,14 +4,9 @@ after a restart."""
 from __future__ import annotations
 
 import httpx
+import pytest
 
-from reef_core import hookimpl
-from reef_core.config import compose_config
 from reef_core.grow.trainer import Trainer
-from reef_core.loop.assemble import build_deployment
-from reef_core.plugins import PluginManager
-from reef_core.serve.app import create_app
-from reef_core.testing.fake_upstream import serve_asgi
 from reef_core.testing.fixtures import wait_until
 
 SCENARIO = "grid-learner"
@@ -26,30 +21,20 @@ class RecordingTrainer(Trainer):
         return None  # skipped: the batch is still consumed, with a commit-log row
 
 
-class RecordingPlugin:
-    @staticmethod
-    @hookimpl
-    def reef_register_trainers(register):
-        register("recording", lambda **_: RecordingTrainer())
-
-
-def _serve(tmp_path, fake_upstream_url):
-    pm = PluginManager(extra_plugins=(RecordingPlugin,))
-    cfg = compose_config(["engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}",
-                          f"storage.data_dir={tmp_path}", "recipe.processor=grid", "recipe.trainer=recording",
-                          "+recipe.processor_options.groups=2", "+recipe.processor_options.rollouts_per_group=2"],
-                         pm)
-    return serve_asgi(create_app(build_deployment(cfg, pm)), lifespan="on")
+@pytest.fixture
+def serve(serve_trainer):
+    return lambda: serve_trainer("recording", RecordingTrainer, "recipe.processor=grid",
+                                 "+recipe.processor_options.groups=2", "+recipe.processor_options.rollouts_per_group=2")
 
 
 def _status(url):
     return httpx.get(f"{url}/reef/scenarios/{SCENARIO}/status").json()
 
 
-def test_learner_trains_a_step_once_when_complete_and_never_again_after_a_restart(tmp_path, fake_upstream_url):
+def test_learner_trains_a_step_once_when_complete_and_never_again_after_a_restart(serve):
     RecordingTrainer.batches = []
     scores = {(0, 0): 1.0, (0, 1): 1.0, (1, 0): 0.0, (1, 1): 0.5}  # group 0 is constant
-    with _serve(tmp_path, fake_upstream_url) as url:
+    with serve() as url:
         receipts = {}
         for (g, r), score in scores.items():
             chat = httpx.post(f"{url}/v1/chat/completions", headers=HEADERS,
@@ -77,7 +62,7 @@ def test_learner_trains_a_step_once_when_complete_and_never_again_after_a_restar
         assert set(commits[0]["consumed_ids"]) == set(receipts.values()) | set(reports)
         assert _status(url)["processor"]["dropped"] == {"constant_group": 2, "trainer_skipped": 2}
 
-    with _serve(tmp_path, fake_upstream_url) as url:
+    with serve() as url:
         status = wait_until(lambda: (s := _status(url))["records_seen"] == 8 and s["learner"] == "idle" and s,
                             timeout=30)
         assert status["processor"]["replayed_consumed"] == 4 and status["processor"]["pending_units"] == 0

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 
-from reef_core import hookimpl
-from reef_core.config import compose_config
 from reef_core.grow.trainer import Trainer
-from reef_core.plugins import PluginManager
-from reef_core.serve.app import create_app
-from reef_core.loop.assemble import build_deployment
-from reef_core.testing.fake_upstream import serve_asgi
 from reef_core.testing.fixtures import wait_until
+
+
+def _train_on_one_report(url: str, scenario: str) -> tuple[str, list[dict]]:
+    """One chat and a report quoting its receipt (batch_size=1: a batch); the receipt and the commit log once the
+    learner has written to it."""
+    headers = {"x-reef-scenario": scenario}
+    chat = httpx.post(f"{url}/v1/chat/completions", headers=headers,
+                      json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    receipt = chat.headers["x-reef-agent-record-id"]
+    report = httpx.post(f"{url}/reef/report", headers=headers, json={"score": 1, "references": [receipt]})
+    assert report.status_code == 200, report.text
+    commits = wait_until(lambda: httpx.get(f"{url}/reef/scenarios/{scenario}/commits").json()["commits"], timeout=60)
+    return receipt, commits
 
 
 class ExplodingTrainer(Trainer):
@@ -24,38 +29,17 @@ class ExplodingTrainer(Trainer):
         raise RuntimeError("the trainer broke")
 
 
-class ExplodingPlugin:
-    @staticmethod
-    @hookimpl
-    def reef_register_trainers(register):
-        register("exploding", lambda **_: ExplodingTrainer())
-
-
-def test_failing_batch_is_dropped_after_retries(tmp_path, fake_upstream_url):
-    pm = PluginManager(extra_plugins=(ExplodingPlugin,))
-    cfg = compose_config(["engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}",
-                          f"storage.data_dir={tmp_path}", "recipe.processor=per_report",
-                          "recipe.trainer=exploding", "+recipe.processor_options.batch_size=1"], pm)
-    with serve_asgi(create_app(build_deployment(cfg, pm)), lifespan="on") as url:
-        headers = {"x-reef-scenario": "broken"}
-        chat = httpx.post(f"{url}/v1/chat/completions", headers=headers,
-                          json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
-        receipt = chat.headers["x-reef-agent-record-id"]
-        assert httpx.post(f"{url}/reef/report", headers=headers,
-                          json={"score": 1, "references": [receipt]}).status_code == 200
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            commits = httpx.get(f"{url}/reef/scenarios/broken/commits").json()["commits"]
-            if commits:
-                break
-            time.sleep(0.1)
+def test_failing_batch_is_dropped_after_retries(serve_trainer):
+    with serve_trainer("exploding", ExplodingTrainer, "recipe.processor=per_report",
+                       "+recipe.processor_options.batch_size=1") as url:
+        receipt, commits = _train_on_one_report(url, "broken")
         assert len(commits) == 1 and "the trainer broke" in commits[0]["metrics"]["train_error"]
         assert set(commits[0]["consumed_ids"]) >= {receipt}
         status = httpx.get(f"{url}/reef/scenarios/broken/status").json()
         assert status["processor"]["dropped"] == {"trainer_failed": 1}
         assert ExplodingTrainer.calls == 3 and status["counters"]["errors"] == 3
         # Serving was never affected.
-        assert httpx.post(f"{url}/v1/chat/completions", headers=headers,
+        assert httpx.post(f"{url}/v1/chat/completions", headers={"x-reef-scenario": "broken"},
                           json={"model": "m", "messages": [{"role": "user", "content": "still"}]}).status_code == 200
 
 
@@ -70,29 +54,12 @@ class BadTreeTrainer(Trainer):
         return CandidateUpdate(files={"../outside.md": b"escape"})
 
 
-class BadTreePlugin:
-    @staticmethod
-    @hookimpl
-    def reef_register_trainers(register):
-        register("bad_tree", lambda **_: BadTreeTrainer())
-
-
-def test_candidate_its_surface_refuses_is_rejected_not_published(tmp_path, fake_upstream_url):
+def test_candidate_its_surface_refuses_is_rejected_not_published(serve_trainer):
     """Surface.validate is the last check before a release is written: a refused candidate is a
     rejection in the commit log, and no release exists."""
-    pm = PluginManager(extra_plugins=(BadTreePlugin,))
-    cfg = compose_config(["engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}",
-                          f"storage.data_dir={tmp_path}", "recipe.processor=per_report", "recipe.surface=harness",
-                          "recipe.trainer=bad_tree", "+recipe.processor_options.batch_size=1"], pm)
-    with serve_asgi(create_app(build_deployment(cfg, pm)), lifespan="on") as url:
-        headers = {"x-reef-scenario": "refused"}
-        chat = httpx.post(f"{url}/v1/chat/completions", headers=headers,
-                          json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
-        receipt = chat.headers["x-reef-agent-record-id"]
-        assert httpx.post(f"{url}/reef/report", headers=headers,
-                          json={"score": 1, "references": [receipt]}).status_code == 200
-        commits = wait_until(lambda: httpx.get(f"{url}/reef/scenarios/refused/commits").json()["commits"],
-                             timeout=60)
+    with serve_trainer("bad_tree", BadTreeTrainer, "recipe.processor=per_report", "recipe.surface=harness",
+                       "+recipe.processor_options.batch_size=1") as url:
+        receipt, commits = _train_on_one_report(url, "refused")
         assert len(commits) == 1 and commits[0]["release_id"] is None
         assert "harness surface refused the candidate" in commits[0]["decision"]["reason"]
         releases = httpx.get(f"{url}/reef/scenarios/refused/releases").json()["releases"]

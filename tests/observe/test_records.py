@@ -10,7 +10,6 @@ import asyncio
 import sqlite3
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,27 +35,10 @@ class Backend:
         return RecordStore.open(self.url, self.data_dir, **{**self.opts, **extra})
 
 
-def _pg_engine() -> sa.Engine:
-    engine = sa.create_engine(PG_URL)
-    try:
-        with engine.connect():
-            pass
-    except sa.exc.OperationalError as exc:
-        pytest.skip(f"PostgreSQL not reachable at {PG_URL}: {exc.orig}")
-    return engine
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def backend(request, tmp_path):
-    if request.param == "sqlite":
-        yield Backend("sqlite", None, tmp_path)
-        return
-    engine = _pg_engine()
-    schema = f"reef_test_{uuid.uuid4().hex[:12]}"
-    yield Backend("postgres", PG_URL, tmp_path, {"schema": schema})
-    with engine.begin() as conn:
-        conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-    engine.dispose()
+@pytest.fixture
+def backend(records_database, tmp_path):
+    url, opts = records_database
+    return Backend("sqlite" if url is None else "postgres", url, tmp_path, opts)
 
 
 @pytest.fixture

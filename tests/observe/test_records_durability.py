@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -28,23 +27,11 @@ PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def target(request, tmp_path):
-    """``(url, data_dir, opts)`` of an empty store location; PostgreSQL gets a schema of its own."""
-    if request.param == "sqlite":
-        yield None, tmp_path, {}
-        return
-    engine = sa.create_engine(PG_URL)
-    try:
-        with engine.connect():
-            pass
-    except sa.exc.OperationalError as exc:
-        pytest.skip(f"PostgreSQL not reachable at {PG_URL}: {exc.orig}")
-    schema = f"reef_test_{uuid.uuid4().hex[:12]}"
-    yield PG_URL, tmp_path, {"schema": schema}
-    with engine.begin() as conn:
-        conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-    engine.dispose()
+@pytest.fixture
+def target(records_database, tmp_path):
+    """``(url, data_dir, opts)`` of an empty store location."""
+    url, opts = records_database
+    return url, tmp_path, opts
 
 
 def test_records_survive_close_and_reopen(target):

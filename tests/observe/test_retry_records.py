@@ -9,33 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import sqlalchemy as sa
 
 from reef_core.errors import Conflict
 from reef_core.observe.records import Record, RecordStore
 from reef_core.testing.fixtures import wait_until
 
-PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def open_store(request, tmp_path):
+@pytest.fixture
+def open_store(records_database, tmp_path):
     """``open_store()`` opens a store on the test's database (several may be open at once, as two processes)."""
+    url, options = records_database
     opened: list[RecordStore] = []
-    if request.param == "sqlite":
-        url, options = None, {}
-    else:
-        engine = sa.create_engine(PG_URL)
-        try:
-            with engine.connect():
-                pass
-        except sa.exc.OperationalError as exc:
-            pytest.skip(f"PostgreSQL not reachable at {PG_URL}: {exc.orig}")
-        url, options = PG_URL, {"schema": f"reef_test_{uuid.uuid4().hex[:12]}"}
 
     def open_one() -> RecordStore:
         opened.append(RecordStore.open(url, tmp_path, **options))
@@ -44,10 +31,6 @@ def open_store(request, tmp_path):
     yield open_one
     for store in opened:
         store.close()
-    if url is not None:
-        with engine.begin() as conn:
-            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{options["schema"]}" CASCADE')
-        engine.dispose()
 
 
 @pytest.fixture

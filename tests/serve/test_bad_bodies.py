@@ -84,20 +84,10 @@ OPENAI_BAD = [
 
 
 @pytest.mark.parametrize("bad,field", OPENAI_BAD, ids=[f for _, f in OPENAI_BAD])
-def test_openai_wrong_types_are_400_naming_the_param(upstream_server, upstream_control, sc, bad, field):
+def test_openai_wrong_types_are_400_naming_the_param(upstream_server, upstream, sc, bad, field):
     body = {"model": "m", "messages": HELLO, **bad}
     assert_refused(upstream_server, post(upstream_server, CHAT, sc, body), CHAT, sc, field)
-    assert upstream_control.stats()["requests"] == 0  # refused at the door, not by the provider
-
-
-@pytest.fixture
-def upstream_control(fake_upstream_url):
-    from reef_core.testing.fake_upstream import FakeUpstreamControl
-
-    with FakeUpstreamControl(fake_upstream_url) as control:
-        control.reset()
-        yield control
-        control.clear()
+    assert upstream.stats()["requests"] == 0  # refused at the door, not by the provider
 
 
 # -- JSON nesting and numbers beyond 64 bits -----------------------------------------------------------------
@@ -144,8 +134,8 @@ def test_report_score_beyond_float_range_is_400(upstream_server, sc, score):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 @pytest.mark.parametrize("path", [CHAT, MESSAGES])
-def test_provider_429_keeps_retry_after(upstream_server, upstream_control, sc, path, stream):
-    upstream_control.faults({"status": 429, "retry_after": 7})
+def test_provider_429_keeps_retry_after(upstream_server, upstream, sc, path, stream):
+    upstream.faults({"status": 429, "retry_after": 7})
     response = post(upstream_server, path, sc, {"model": "m", "max_tokens": 16, "messages": HELLO, "stream": stream})
     assert response.status_code == 429, response.text
     assert response.headers.get("retry-after") == "7"
@@ -153,8 +143,8 @@ def test_provider_429_keeps_retry_after(upstream_server, upstream_control, sc, p
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 @pytest.mark.parametrize("path", [CHAT, MESSAGES])
-def test_provider_413_stays_413(upstream_server, upstream_control, sc, path, stream):
-    upstream_control.faults({"status": 413})
+def test_provider_413_stays_413(upstream_server, upstream, sc, path, stream):
+    upstream.faults({"status": 413})
     response = post(upstream_server, path, sc, {"model": "m", "max_tokens": 16, "messages": HELLO, "stream": stream})
     assert response.status_code == 413, response.text
     body = response.json()

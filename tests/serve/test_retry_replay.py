@@ -8,13 +8,12 @@ endpoint's dialect. The provider is FakeUpstream in its own process; Reef is a r
 
 from __future__ import annotations
 
-import json
 import uuid
 
 import httpx
 import pytest
 
-from reef_core.testing.fake_upstream import FakeUpstreamControl
+from reef_core.testing.fixtures import sse_events
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
@@ -24,14 +23,6 @@ RECEIPT = "x-reef-agent-record-id"
 @pytest.fixture(scope="module")
 def server(module_reef_server, fake_upstream_url):
     return module_reef_server("engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}")
-
-
-@pytest.fixture
-def upstream(fake_upstream_url):
-    with FakeUpstreamControl(fake_upstream_url) as control:
-        control.reset()
-        yield control
-        control.clear()
 
 
 @pytest.fixture
@@ -49,15 +40,8 @@ def body_for(path: str, text: str, **extra) -> dict:
 
 def stream(server, path: str, body: dict, headers: dict) -> tuple[httpx.Response, list[tuple[str | None, object]]]:
     """POST a streaming request; the response and its SSE events as ``(event name, parsed data)``."""
-    events, name = [], None
     with httpx.stream("POST", server.url + path, json=body, headers=headers, timeout=30) as response:
-        for line in response.iter_lines():
-            if line.startswith("event: "):
-                name = line[len("event: "):]
-            elif line.startswith("data: "):
-                data = line[len("data: "):]
-                events.append((name, data if data == "[DONE]" else json.loads(data)))
-                name = None
+        events = sse_events(response)
     return response, events
 
 

@@ -14,22 +14,11 @@ import httpx
 import openai
 import pytest
 
-from reef_core.testing.fake_upstream import FakeUpstreamControl
-
-
 
 @pytest.fixture
 def sc(request):
     """A scenario name of the test's own, so tests can share one server."""
     return re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:60]
-
-
-@pytest.fixture
-def upstream(fake_upstream_url):
-    control = FakeUpstreamControl(fake_upstream_url)
-    control.reset()
-    yield control
-    control.clear()
 
 
 @pytest.fixture(scope="module")
