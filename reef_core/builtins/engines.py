@@ -36,6 +36,7 @@ def make_local_engine(config, data_dir: Path):
         top_p=float(config.top_p),
         seed=config.seed,
         device=device,
+        top_k_logprobs=int(config.top_k_logprobs),
     )
 
 

@@ -96,6 +96,10 @@ class EngineConfig:
     #: Local engine device: ``auto`` (the first CUDA device when available, else the CPU), ``cpu``,
     #: ``cuda``, ``cuda:N`` or ``mps``. A device the machine lacks is refused at start-up.
     device: str = "auto"
+    #: Local engine: keep the top-K token ids and log-probs (temperature 1) of every generated token in the
+    #: record's training data (``TokenData.top_k``, stored packed in the record's ``top_k`` column); 0 = off, at
+    #: most 64. Costs one ``topk`` per token, no extra forward pass.
+    top_k_logprobs: int = 0
 
 
 @dataclass

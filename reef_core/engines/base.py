@@ -18,7 +18,7 @@ Streams. ``Engine.stream`` is an async generator of :class:`StreamEvent`. When t
 streaming request with something that is not a stream (a relayed 4xx, or a plain JSON body), the
 generator raises :class:`DirectResponse` *before yielding anything*; the server sends
 ``exc.response`` as an ordinary response. Token data of a stream (local engine) arrives as one extra
-event ``StreamEvent(event=TOKENS_EVENT, data=TokenData.to_dict())`` placed immediately before the
+event ``StreamEvent(event=TOKENS_EVENT, data=TokenData.to_event())`` placed immediately before the
 terminal event (``[DONE]``, or ``message_stop`` after translation). A stream may also start with
 ``StreamEvent(event=HEADERS_EVENT, data={provider response headers})`` (upstream engines). The server must
 consume every ``reef.*`` event and never relay it; translators pass them through untouched.
@@ -30,6 +30,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Literal
 
+from reef_core.engines.topk import TopK
 from reef_core.errors import ReefError
 
 Dialect = Literal["openai", "anthropic"]
@@ -72,14 +73,25 @@ class TokenData:
     ``output_logprobs[i]`` is ``log_softmax(logits)[output_ids[i]]`` under the model's raw distribution
     at temperature 1 (no temperature, no top-p), i.e. the log-probability the *unmodified* policy gives
     the sampled token. ``version`` names the weights that produced every token.
+
+    ``top_k`` (local engine with ``engine.top_k_logprobs`` > 0, else ``None``): per output token, the ``k`` most
+    likely ids under that same distribution and their log-probs (:class:`~reef_core.engines.topk.TopK`). It is
+    binary data, kept out of :meth:`to_dict` (the JSON form stored in a record's payload); the record store keeps
+    it packed in its own column (``Record.top_k``).
     """
 
     prompt_ids: list[int]
     output_ids: list[int]
     output_logprobs: list[float]
     version: str | None
+    top_k: TopK | None = None
+
+    def __post_init__(self) -> None:
+        if self.top_k is not None and self.top_k.tokens != len(self.output_ids):
+            raise ValueError(f"top_k covers {self.top_k.tokens} tokens, the output has {len(self.output_ids)}")
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON-safe form (no ``top_k``)."""
         return {
             "prompt_ids": list(self.prompt_ids),
             "output_ids": list(self.output_ids),
@@ -87,13 +99,23 @@ class TokenData:
             "version": self.version,
         }
 
+    def to_event(self) -> dict[str, Any]:
+        """The in-process form a stream's :data:`TOKENS_EVENT` carries: :meth:`to_dict` plus the ``top_k`` object
+        (reef events never leave the process, so it needs no encoding)."""
+        data = self.to_dict()
+        if self.top_k is not None:
+            data["top_k"] = self.top_k
+        return data
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TokenData":
+        """Inverse of :meth:`to_dict` and :meth:`to_event`; ``top_k`` may also be packed bytes."""
         return cls(
             prompt_ids=list(data["prompt_ids"]),
             output_ids=list(data["output_ids"]),
             output_logprobs=[float(x) for x in data["output_logprobs"]],
             version=data.get("version"),
+            top_k=TopK.coerce(data.get("top_k")),
         )
 
 

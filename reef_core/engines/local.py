@@ -10,7 +10,9 @@ Sampling is a manual loop over the KV cache: the request's ``temperature``, ``to
 (temperature 0 = greedy). For every sampled token the engine records its log-probability under the
 model's *raw* distribution at temperature 1, ``log_softmax(logits)[token]`` -- not the temperature- or
 top-p-modified sampling distribution -- which is what importance-weighted objectives (SAO) compare a
-trained policy against.
+trained policy against. With ``top_k_logprobs`` = K > 0 it also keeps, per token, the K most likely ids under that
+same distribution and their log-probs (``TokenData.top_k``), taken from the log-softmax it already computed: one
+``topk`` per step on the device, one copy to the host per generation, no extra forward pass.
 
 Stop handling: generation ends at an end-of-sequence token (kept in ``TokenData.output_ids``, not in the
 text), at a stop string (the text is cut before it; the token that completed it stays in ``output_ids``),
@@ -21,7 +23,7 @@ is queued on the worker like a request, so it happens between requests: a reques
 version v finishes on v, and every response's ``TokenData.version`` names the weights that produced it.
 
 Streams: ``chat.completion.chunk`` events (role chunk, content chunks, finish chunk, an optional usage
-chunk), then ``StreamEvent(TOKENS_EVENT, TokenData.to_dict())``, then ``"[DONE]"``.
+chunk), then ``StreamEvent(TOKENS_EVENT, TokenData.to_event())``, then ``"[DONE]"``.
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ from reef_core.engines.base import (
     StreamEvent,
     TokenData,
 )
+from reef_core.engines.topk import MAX_K, TopK
 from reef_core.engines.translate import anthropic_count_tokens_to_openai
-from reef_core.errors import ReefError, UpstreamError, ValidationFailed
+from reef_core.errors import ConfigError, ReefError, UpstreamError, ValidationFailed
 from reef_core.grow.device import resolve_device
 
 
@@ -188,6 +191,10 @@ class _Result:
     finish_reason: str = "length"
     version: str = "base"
     lp_entries: list[dict] = field(default_factory=list)  # OpenAI logprobs.content entries
+    top_k: TopK | None = None
+
+    def tokens(self) -> TokenData:
+        return TokenData(self.prompt_ids, self.output_ids, self.logprobs, self.version, self.top_k)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -206,6 +213,8 @@ class LocalEngine(Engine):
         version: the name of the initial weights.
         num_threads: when set, ``torch.set_num_threads`` at load (process-wide; 1 suits tiny models on
             busy CPUs, where intra-op threads mostly wait on each other).
+        top_k_logprobs: ``engine.top_k_logprobs``: K > 0 captures the top-K ids and log-probs of every output
+            token in ``TokenData.top_k`` (0: off).
     """
 
     dialects = ("openai",)
@@ -222,7 +231,11 @@ class LocalEngine(Engine):
         name: str | None = None,
         version: str = "base",
         num_threads: int | None = None,
+        top_k_logprobs: int = EngineConfig.top_k_logprobs,
     ):
+        if isinstance(top_k_logprobs, bool) or not isinstance(top_k_logprobs, int) or not 0 <= top_k_logprobs <= MAX_K:
+            raise ConfigError(f"engine.top_k_logprobs must be an integer from 0 to {MAX_K}, got {top_k_logprobs!r}")
+        self.top_k_logprobs = top_k_logprobs
         self.model_dir = Path(model_dir)
         self.name = name or self.model_dir.name
         self.max_new_tokens = int(max_new_tokens)
@@ -398,10 +411,17 @@ class LocalEngine(Engine):
         text = _TextStream(tok, p.stops)
         pending: list[dict] = []  # logprob entries not yet attached to emitted text
         ckw = self._cache_kw
+        k = min(self.top_k_logprobs, int(model.config.vocab_size)) if self.top_k_logprobs else 0
+        top_vals: list[torch.Tensor] = []  # per step, left on the device until the generation ends
+        top_ids: list[torch.Tensor] = []
         out = model(input_ids=torch.tensor([res.prompt_ids], device=self.device), use_cache=True, **self._prefill_kw)
         for step in range(max_new):
             logits = out.logits[0, -1].float()
             logp = torch.log_softmax(logits, dim=-1)
+            if k:
+                vals, idx = torch.topk(logp, k)
+                top_vals.append(vals)
+                top_ids.append(idx)
             tid = _sample(logits, p.temperature, p.top_p, gen)
             res.output_ids.append(tid)
             res.logprobs.append(float(logp[tid]))
@@ -426,6 +446,10 @@ class LocalEngine(Engine):
                             **{ckw: getattr(out, ckw)})
         self.stats["generations"] += 1
         self.stats["output_tokens"] += len(res.output_ids)
+        if k:
+            ids = torch.stack(top_ids).flatten().tolist() if top_ids else []
+            vals = torch.stack(top_vals).flatten().tolist() if top_vals else []
+            res.top_k = TopK(k=k, ids=ids, logprobs=vals)
         tail = text.finish()
         if (tail or pending) and emit is not None:
             emit(tail, pending)
@@ -464,7 +488,7 @@ class LocalEngine(Engine):
         finally:
             self._active.discard(cancel)
         body = self._completion_body(res, p, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
-        tokens = TokenData(res.prompt_ids, res.output_ids, res.logprobs, res.version)
+        tokens = res.tokens()
         return EngineResponse(200, body, {}, tokens=tokens, version=res.version)
 
     @staticmethod
@@ -531,8 +555,7 @@ class LocalEngine(Engine):
                     yield chunk({}, res.finish_reason, fp=fp)
                     if p.include_usage:
                         yield StreamEvent(None, dict(base, system_fingerprint=fp, choices=[], usage=_usage(res)))
-                    yield StreamEvent(TOKENS_EVENT, TokenData(res.prompt_ids, res.output_ids, res.logprobs,
-                                                              res.version).to_dict())
+                    yield StreamEvent(TOKENS_EVENT, res.tokens().to_event())
                     yield StreamEvent(None, "[DONE]")
                     return
         finally:

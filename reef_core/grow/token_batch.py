@@ -9,7 +9,11 @@ A :class:`TokenBatch` holds, for ``B`` samples padded on the right to length ``L
 * ``rewards`` ``[B]``, ``response_starts`` ``[B]`` (index of the first response token) and ``response_lengths``
   ``[B]`` (the whole response span, observation tokens included, as SAO's length-adaptive λ wants);
 * ``group_keys``, ``versions`` (per sample, the version of every turn) and ``sample_ids``;
-* ``extras``: per-row tensors an objective attaches (advantages...), sliced with the batch.
+* ``extras``: per-row tensors an objective attaches (advantages...), sliced with the batch;
+* ``top_k_ids`` ``[B, L, K]`` (long), ``top_k_logprobs`` ``[B, L, K]`` and ``top_k_mask`` ``[B, L]`` when the engine
+  captured top-K log-probs (``engine.top_k_logprobs``) for some action token, else ``None``: at position ``t`` the K
+  most likely next tokens given ``input_ids[b, :t]`` and their log-probs at temperature 1, highest first, where
+  ``top_k_mask`` is 1 (0 ids and log-probs elsewhere). Rows captured with different K are cut to the smallest.
 
 All per-token tensors are aligned to *token positions*: ``rollout_logprobs[b, t]`` is the log-probability of
 ``input_ids[b, t]`` given ``input_ids[b, :t]``. Position 0 is never an action (a prompt has at least one token).
@@ -32,6 +36,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import Tensor
 
+from reef_core.engines.topk import TopK
 from reef_core.errors import ValidationFailed
 
 
@@ -57,6 +62,8 @@ class TokenRow:
     turns_matched: int = 1
     turns_partial: int = 0
     turns_unmatched: int = 0
+    #: position -> (top-K ids, their log-probs) for action tokens whose turn carried top-K data
+    top_k: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -73,8 +80,8 @@ def _describe(sample: Any) -> str:
     return f"sample {ident!r}" if ident else "sample"
 
 
-def _turn_tokens(sample: Any, index: int, tokens: Any) -> tuple[list[int], list[int], list[float]]:
-    """Validated ``(prompt_ids, output_ids, output_logprobs)`` of one turn."""
+def _turn_tokens(sample: Any, index: int, tokens: Any) -> tuple[list[int], list[int], list[float], TopK | None]:
+    """Validated ``(prompt_ids, output_ids, output_logprobs, top_k)`` of one turn."""
     where = f"{_describe(sample)}, turn {index}"
     if not isinstance(tokens, dict):
         raise TokenDataError(
@@ -96,7 +103,13 @@ def _turn_tokens(sample: Any, index: int, tokens: Any) -> tuple[list[int], list[
         raise TokenDataError(f"{where}: log-probs must be numbers") from exc
     if not all(math.isfinite(x) and x <= 1e-6 for x in lps):
         raise TokenDataError(f"{where}: log-probs must be finite and <= 0")
-    return [int(x) for x in prompt], [int(x) for x in output], lps
+    try:
+        top_k = TopK.coerce(tokens.get("top_k"))
+    except ValidationFailed as exc:
+        raise TokenDataError(f"{where}: {exc}") from exc
+    if top_k is not None and top_k.tokens != len(output):
+        raise TokenDataError(f"{where}: top-K log-probs for {top_k.tokens} of {len(output)} output tokens")
+    return [int(x) for x in prompt], [int(x) for x in output], lps, top_k
 
 
 def row_from_sample(sample: Any) -> TokenRow:
@@ -112,7 +125,7 @@ def row_from_sample(sample: Any) -> TokenRow:
     if not segments:
         raise TokenDataError(f"{_describe(sample)} has no assistant turn")
     turns = [_turn_tokens(sample, i, seg.tokens) for i, seg in enumerate(segments)]
-    last_prompt, last_output, last_lps = turns[-1]
+    last_prompt, last_output, last_lps, last_top = turns[-1]
     if not last_output:
         raise TokenDataError(f"{_describe(sample)}: the last turn generated no token")
     seq = last_prompt + last_output
@@ -120,12 +133,15 @@ def row_from_sample(sample: Any) -> TokenRow:
     action = [0] * n
     logps = [0.0] * n
     start_last = len(last_prompt)
+    top_k: dict[int, tuple[list[int], list[float]]] = {}
     for j, lp in enumerate(last_lps):
         action[start_last + j] = 1
         logps[start_last + j] = lp
+        if last_top is not None:
+            top_k[start_last + j] = last_top.row(j)
     matched, partial, unmatched = 1, 0, 0
     response_start = start_last
-    for k, (prompt, output, lps) in enumerate(turns[:-1]):
+    for prompt, output, lps, top in turns[:-1]:
         p = len(prompt)
         if p > start_last or seq[:p] != prompt:
             unmatched += 1  # the client rewrote its history: the turn's tokens are not in this sequence
@@ -136,6 +152,8 @@ def row_from_sample(sample: Any) -> TokenRow:
         while m < limit and seq[p + m] == output[m]:
             action[p + m] = 1
             logps[p + m] = lps[m]
+            if top is not None:
+                top_k[p + m] = top.row(m)
             m += 1
         if m == len(output):
             matched += 1
@@ -148,7 +166,7 @@ def row_from_sample(sample: Any) -> TokenRow:
         input_ids=seq, action_mask=action, rollout_logprobs=logps, reward=float(reward),
         response_start=response_start, group_key=group_key, versions=list(getattr(sample, "versions", []) or []),
         sample_id=getattr(sample, "report_id", None), turns=len(turns), turns_matched=matched,
-        turns_partial=partial, turns_unmatched=unmatched,
+        turns_partial=partial, turns_unmatched=unmatched, top_k=top_k,
     )
 
 
@@ -191,6 +209,10 @@ class TokenBatch:
     norm_samples: int = 0
     #: Counters about how the rows were built (turns matched/partial/unmatched, observation tokens...).
     stats: dict[str, float] = field(default_factory=dict)
+    #: Top-K log-probs captured at generation (see the module docstring); ``None`` when no row has any.
+    top_k_ids: Tensor | None = None
+    top_k_logprobs: Tensor | None = None
+    top_k_mask: Tensor | None = None
 
     # -- construction ------------------------------------------------------------------------------------------
 
@@ -215,6 +237,7 @@ class TokenBatch:
             attn[i, :n] = 1
             action[i, :n] = torch.tensor(r.action_mask, dtype=torch.float32)
             logps[i, :n] = torch.tensor(r.rollout_logprobs, dtype=torch.float32)
+        top = _top_k_tensors(rows, length)
         starts = torch.tensor([r.response_start for r in rows], dtype=torch.long)
         lengths = torch.tensor([len(r.input_ids) - r.response_start for r in rows], dtype=torch.long)
         action_tokens = int(action.sum())
@@ -233,7 +256,7 @@ class TokenBatch:
             input_ids=ids, attention_mask=attn, action_mask=action, rollout_logprobs=logps,
             rewards=torch.tensor([r.reward for r in rows], dtype=torch.float32), response_starts=starts,
             response_lengths=lengths, group_keys=[r.group_key for r in rows], versions=[list(r.versions) for r in rows],
-            sample_ids=[r.sample_id for r in rows], norm_tokens=action_tokens, norm_samples=b, stats=stats,
+            sample_ids=[r.sample_id for r in rows], norm_tokens=action_tokens, norm_samples=b, stats=stats, **top,
         )
 
     # -- shape and movement ------------------------------------------------------------------------------------
@@ -255,9 +278,12 @@ class TokenBatch:
 
     _TENSORS = ("input_ids", "attention_mask", "action_mask", "rollout_logprobs", "rewards", "response_starts",
                 "response_lengths")
+    _OPTIONAL = ("top_k_ids", "top_k_logprobs", "top_k_mask")
 
     def to(self, device: torch.device | str) -> "TokenBatch":
         moved = {name: getattr(self, name).to(device) for name in self._TENSORS}
+        moved.update({name: getattr(self, name).to(device) for name in self._OPTIONAL
+                      if getattr(self, name) is not None})
         return replace(self, **moved, extras={k: v.to(device) for k, v in self.extras.items()})
 
     def with_extras(self, **tensors: Tensor) -> "TokenBatch":
@@ -277,6 +303,10 @@ class TokenBatch:
         for name in self._TENSORS:
             value = getattr(self, name)[t]
             parts[name] = value[:, :width] if value.dim() == 2 else value
+        for name in self._OPTIONAL:
+            value = getattr(self, name)
+            if value is not None:
+                parts[name] = value[t][:, :width]
         extras = {}
         for name, value in self.extras.items():
             value = value[t]
@@ -289,3 +319,22 @@ class TokenBatch:
         parts = max(1, min(int(parts), self.size))
         bounds = [round(i * self.size / parts) for i in range(parts + 1)]
         return [self.select(slice(bounds[i], bounds[i + 1])) for i in range(parts)]
+
+
+def _top_k_tensors(rows: Sequence[TokenRow], length: int) -> dict[str, Tensor]:
+    """``top_k_ids``, ``top_k_logprobs`` and ``top_k_mask`` of padded rows (empty when no row has top-K data)."""
+    if not any(r.top_k for r in rows):
+        return {}
+    k = min(len(ids) for r in rows for ids, _ in r.top_k.values())
+    ids = torch.zeros((len(rows), length, k), dtype=torch.long)
+    logps = torch.zeros((len(rows), length, k), dtype=torch.float32)
+    mask = torch.zeros((len(rows), length), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        if not r.top_k:
+            continue
+        positions = sorted(r.top_k)
+        pos = torch.tensor(positions, dtype=torch.long)
+        ids[i, pos] = torch.tensor([r.top_k[t][0][:k] for t in positions], dtype=torch.long)
+        logps[i, pos] = torch.tensor([r.top_k[t][1][:k] for t in positions], dtype=torch.float32)
+        mask[i, pos] = 1.0
+    return {"top_k_ids": ids, "top_k_logprobs": logps, "top_k_mask": mask}

@@ -63,6 +63,7 @@ def row_to_record(row: Any) -> Record:
         content_hash=row.content_hash,
         sequence=int(row.sequence),
         created_at=float(row.created_at),
+        top_k=bytes(row.top_k) if row.top_k is not None else None,  # psycopg hands back memoryview
     )
 
 
@@ -79,7 +80,7 @@ def encode_json_columns(record: Record) -> tuple[str, str, str]:
 def record_to_params(record: Record, sequence: int, encoded: tuple[str, str, str]) -> tuple:
     """A ``records`` row as driver parameters, in table column order."""
     return (record.record_id, record.scenario, record.kind, sequence, record.created_at, record.version,
-            record.complete, record.request_hash, record.content_hash, *encoded)
+            record.complete, record.request_hash, record.content_hash, *encoded, record.top_k)
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,9 @@ class Record:
     ``x-reef-agent-record-id``, report references). ``version`` is what the engine served the
     inference with, not a release of the chain (those are ``release_id``s). ``sequence`` is ``None``
     until the store assigns it; ``content_hash`` is computed when not given.
+    ``top_k`` is the packed top-K log-probs of the payload's token data
+    (:meth:`reef_core.engines.topk.TopK.pack`), stored in a binary column beside the JSON payload; it is derived
+    from the same generation as ``payload["tokens"]``, so the content hash leaves it out.
     """
 
     record_id: str
@@ -69,6 +72,7 @@ class Record:
     content_hash: str | None = None
     sequence: int | None = None
     created_at: float = field(default_factory=time.time)
+    top_k: bytes | None = None
 
     def __post_init__(self) -> None:
         check_identifier("record_id", self.record_id)
@@ -90,6 +94,8 @@ class Record:
             raise ValidationFailed("complete must be a boolean", field="complete")
         if not isinstance(self.created_at, (int, float)) or not math.isfinite(self.created_at):
             raise ValidationFailed("created_at must be a finite number", field="created_at")
+        if self.top_k is not None and not isinstance(self.top_k, bytes):
+            raise ValidationFailed("top_k must be bytes or None", field="top_k")
         canonical_json(self.tags)  # refuse unstorable tags now rather than inside a batch
         if self.content_hash is None:
             digest = compute_content_hash(self.kind, self.scenario, self.payload, self.references)

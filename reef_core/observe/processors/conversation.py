@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 from reef_core.content import content_text
+from reef_core.engines.topk import TopK
 from reef_core.observe.model import Record
 
 #: Inference routes that produce a chat exchange (``count_tokens`` records are not trainable).
@@ -155,9 +156,15 @@ def conversation_of(record: Record) -> tuple[list[dict], str]:
 
 
 def tokens_of(record: Record) -> dict | None:
-    """The engine's token data of an inference record, when it captured any."""
+    """The engine's token data of an inference record, when it captured any; with the record's top-K log-probs
+    under ``"top_k"`` (a :class:`~reef_core.engines.topk.TopK`) when the engine kept them."""
     tokens = record.payload.get("tokens")
-    return dict(tokens) if isinstance(tokens, dict) else None
+    if not isinstance(tokens, dict):
+        return None
+    tokens = dict(tokens)
+    if record.top_k is not None:
+        tokens["top_k"] = TopK.unpack(record.top_k)
+    return tokens
 
 
 # -- comparing transcripts -------------------------------------------------------------------------------------------
