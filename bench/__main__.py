@@ -15,6 +15,7 @@ BENCHMARKS = {
     "store": "bench.store",
     "publish": "bench.publish",
     "fuzz": "bench.fuzz",
+    "topk": "bench.topk",
 }
 
 
