@@ -99,6 +99,10 @@ class TokenData:
             "version": self.version,
         }
 
+    def packed_top_k(self) -> bytes | None:
+        """``top_k`` in the record store's binary form (:meth:`TopK.pack`), ``None`` when not captured."""
+        return self.top_k.pack() if self.top_k is not None else None
+
     def to_event(self) -> dict[str, Any]:
         """The in-process form a stream's :data:`TOKENS_EVENT` carries: :meth:`to_dict` plus the ``top_k`` object
         (reef events never leave the process, so it needs no encoding)."""

@@ -136,7 +136,8 @@ async def _rollout(dep, scenario, task: dict) -> tuple[Record, str]:
     tokens_version = result.tokens.version if result.tokens is not None else None
     record = Record(record_id=uuid.uuid4().hex, scenario=scenario.name, kind="inference", payload=payload,
                     tags={"task": str(task.get("id", ""))} if task.get("id") is not None else {},
-                    version=tokens_version or result.version or version)
+                    version=tokens_version or result.version or version,
+                    top_k=result.tokens.packed_top_k() if result.tokens is not None else None)
     stored = await dep.record_stored(record)
     return stored, _reply_text(translate_response(result.body, dialect, CLIENT_DIALECT))
 

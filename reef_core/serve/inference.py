@@ -284,7 +284,7 @@ class InferenceCall:
             payload["release_id"] = self.release_id  # the harness release that shaped the request
         if self.retry_of:
             payload["retry_of"] = self.retry_of  # the incomplete attempt this request repeats
-        top_k = tokens.top_k.pack() if tokens is not None and tokens.top_k is not None else None
+        top_k = tokens.packed_top_k() if tokens is not None else None
         return Record(record_id=self.record_id, scenario=self.scenario.name, kind="inference", payload=payload,
                       tags=self.tags, version=(tokens.version if tokens else None) or version or self.version,
                       complete=complete, request_hash=self.request_hash, created_at=self.created_at, top_k=top_k)

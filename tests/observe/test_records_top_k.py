@@ -63,7 +63,7 @@ def _record(record_id: str, tokens: TokenData) -> Record:
                                          "finish_reason": "length"}]},
                "stream": False, "timings": {"engine_ms": 1.0, "total_ms": 2.0}, "tokens": tokens.to_dict()}
     return Record(record_id=record_id, scenario="s", kind="inference", payload=payload, version=tokens.version,
-                  top_k=tokens.top_k.pack() if tokens.top_k is not None else None)
+                  top_k=tokens.packed_top_k())
 
 
 def _stored_bytes(store: RecordStore, record_id: str) -> tuple[int, int | None]:
