@@ -93,7 +93,8 @@ def make_grid(*, scenario: str, options: Any = None, serving_version=None, judge
                   load_records=load_records, **opts)
 
 
-def make_next_state(*, scenario: str, options: Any = None, serving_version=None, judge=None, **_context):
+def make_next_state(*, scenario: str, options: Any = None, serving_version=None, judge=None, load_records=None,
+                    **_context):
     from ..observe.processors import NextStateProcessor
 
     opts = _options("next_state", options, _NEXT_STATE)
@@ -101,7 +102,7 @@ def make_next_state(*, scenario: str, options: Any = None, serving_version=None,
     if judge is None and named:
         judge = load_callable(str(named), "judge")
     return _build("next_state", NextStateProcessor, scenario=scenario, serving_version=serving_version,
-                  judge=judge, **opts)
+                  judge=judge, load_records=load_records, **opts)
 
 
 @hookimpl

@@ -27,6 +27,12 @@ the processor only correlates (pairs wait; nothing trains), as upstream does wit
 A sample is the turn's prompt + reply (``source_ids`` = the turn's receipt, which acknowledging consumes) with the
 judge's score as reward; ``metadata["reef"]`` holds ``next_record_id``, ``next_state``, ``correlation`` and the
 session.
+
+Memory: a waiting turn is a :class:`Turn` of scalars and digests (id, sequence, version, created_at, session,
+prompt/transcript hashes, whether it offered tools), never a body. When a pair is judged, the turn and its next
+record are read back through ``load_records`` (the record store), off the lock; a pair one of whose records the
+store no longer has is dropped (``record_gone``). Without ``load_records`` (offline use, tests) each turn keeps its
+whole record instead.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from reef_core.observe.processor import Judge, ServingVersion
 from reef_core.observe.processors import eligibility as el
 from reef_core.observe.processors.base import BufferedProcessor, Unit
 from reef_core.observe.processors.conversation import UnusableRecord, common_prefix, exchange_of, prefix_hashes
+from reef_core.observe.processors.per_report import RecordLoader
 from reef_core.observe.processors.samples import trajectory_sample
 
 log = logging.getLogger("reef.observe.processors")
@@ -53,32 +60,39 @@ SESSION_EXPIRED = "session_expired"
 JUDGE_NEVER = "judge_never"
 JUDGE_ERROR = "judge_error"
 JUDGE_INVALID = "judge_invalid"
+RECORD_GONE = "record_gone"  # the store no longer has the turn or its next record when the pair is judged
 
 #: How soon a pair whose judge said ``wait`` (or failed) is asked again, when nothing else wakes the learner.
 JUDGE_RETRY_S = 1.0
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class Turn:
-    record: Record
-    messages: list[dict]
-    reply: dict
-    prompt_hash: str  # digest of messages
-    transcript_hash: str  # digest of messages + [reply]
+    """What correlation needs of one turn: no payload (see the module docstring)."""
+
+    record_id: str
+    sequence: int | None
+    version: str | None
+    created_at: float
     session: str | None
+    prompt_hash: str  # digest of the request's messages
+    transcript_hash: str  # digest of messages + [reply]
+    transcript_len: int  # len(messages) + 1
     has_tools: bool
-
-    @property
-    def transcript_len(self) -> int:
-        return len(self.messages) + 1
+    #: the whole record, only when there is no store to read it back from
+    body: Record | None = None
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class Job:
+    """A turn paired with the request that followed it, waiting for the judge."""
+
     turn: Turn
-    next_record: Record
-    next_state: list[dict]
+    next_turn: Turn
     correlation: str
+    #: whether the next request's messages start with the turn's whole transcript (else the shared prefix is
+    #: measured when the bodies are read back)
+    extends: bool
     attempts: int = 0
     waits: int = 0
 
@@ -99,6 +113,7 @@ class NextStateProcessor(BufferedProcessor):
         session_ttl_s: seconds after which an unanswered turn expires (``None``: never).
         max_open_turns: cap on turns waiting for their next state (the oldest expire first).
         max_judge_attempts: calls of a raising judge per pair before it is dropped.
+        load_records: reads the turn and next records back from the store when a pair is judged.
         max_staleness, serving_version, clock: as :class:`~.per_report.ReportedProcessor`.
     """
 
@@ -107,7 +122,8 @@ class NextStateProcessor(BufferedProcessor):
     def __init__(self, scenario: str, *, judge: Judge | None = None, session_tag: str = "session",
                  batch_size: int = 1, session_ttl_s: float | None = 900.0, max_open_turns: int = 10_000,
                  max_judge_attempts: int = 3, max_staleness: int | None = None,
-                 serving_version: ServingVersion | None = None, clock: Callable[[], float] = time.time):
+                 serving_version: ServingVersion | None = None, load_records: RecordLoader | None = None,
+                 clock: Callable[[], float] = time.time):
         super().__init__(scenario, max_staleness=max_staleness, serving_version=serving_version, clock=clock)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError("batch_size must be a positive integer")
@@ -123,6 +139,7 @@ class NextStateProcessor(BufferedProcessor):
         self.session_ttl_s = float(session_ttl_s) if session_ttl_s is not None else None
         self.max_open_turns = int(max_open_turns)
         self.max_judge_attempts = int(max_judge_attempts)
+        self._load_records = load_records
         self._open: dict[str, Turn] = {}  # every turn waiting for its next state, oldest first
         self._sessions: dict[str, Turn] = {}  # tagged: the last turn of each session
         self._by_transcript: dict[str, Turn] = {}  # untagged: open turns by digest of prompt + reply
@@ -151,10 +168,11 @@ class NextStateProcessor(BufferedProcessor):
         hashes = prefix_hashes(messages)
         transcript = prefix_hashes([*messages, reply])[-1]
         session = record.tags.get(self.session_tag)
-        turn = Turn(record, messages, reply, hashes[-1], transcript,
-                    str(session) if session is not None else None, _offers_tools(record))
+        turn = Turn(record.record_id, record.sequence, record.version, record.created_at,
+                    str(session) if session is not None else None, hashes[-1], transcript, len(messages) + 1,
+                    _offers_tools(record), record if self._load_records is None else None)
         if turn.session is not None:
-            if not self._follow_session(turn, hashes):
+            if not self._follow_session(turn, hashes, len(messages)):
                 return
             self._sessions[turn.session] = turn
         else:
@@ -165,7 +183,7 @@ class NextStateProcessor(BufferedProcessor):
         while len(self._open) > self.max_open_turns:
             self._retire(next(iter(self._open.values())), SESSION_EXPIRED)
 
-    def _follow_session(self, turn: Turn, hashes: list[str]) -> bool:
+    def _follow_session(self, turn: Turn, hashes: list[str], n_messages: int) -> bool:
         """Pair ``turn`` with its session's previous turn. Returns False when ``turn`` is not tracked (side call)."""
         previous = self._sessions.get(turn.session)
         if previous is None:
@@ -173,7 +191,7 @@ class NextStateProcessor(BufferedProcessor):
         if turn.prompt_hash == previous.prompt_hash:
             self._retire(previous, RETRIED)
             return True
-        extends = len(turn.messages) > previous.transcript_len and \
+        extends = n_messages > previous.transcript_len and \
             hashes[previous.transcript_len] == previous.transcript_hash
         if not extends and previous.has_tools and not turn.has_tools:
             self._count_drop(SIDE_CALL)
@@ -195,7 +213,7 @@ class NextStateProcessor(BufferedProcessor):
 
     def _close(self, turn: Turn) -> None:
         """Remove an open turn from every index."""
-        self._open.pop(turn.record.record_id, None)
+        self._open.pop(turn.record_id, None)
         if turn.session is not None:
             if self._sessions.get(turn.session) is turn:
                 del self._sessions[turn.session]
@@ -207,18 +225,16 @@ class NextStateProcessor(BufferedProcessor):
 
     def _retire(self, turn: Turn, reason: str) -> None:
         self._close(turn)
-        if turn.record.record_id in self._consumed:
+        if turn.record_id in self._consumed:
             return  # it trained before a restart: nothing is lost
         self._count_drop(reason)
 
     def _pair(self, previous: Turn, turn: Turn, correlation: str, extends: bool) -> None:
         self._close(previous)
-        if previous.record.record_id in self._consumed:
+        if previous.record_id in self._consumed:
             self._replayed_consumed += 1
             return
-        transcript = [*previous.messages, previous.reply]
-        start = previous.transcript_len if extends else common_prefix(transcript, turn.messages)
-        self._jobs.append(Job(previous, turn.record, turn.messages[start:], correlation))
+        self._jobs.append(Job(previous, turn, correlation, extends))
         self._pairs[correlation] += 1
 
     def _refresh(self) -> None:
@@ -227,7 +243,7 @@ class NextStateProcessor(BufferedProcessor):
         cutoff = self._clock() - self.session_ttl_s
         # Oldest first; created_at is (nearly) in arrival order, so stop at the first live turn.
         for turn in list(self._open.values()):
-            if turn.record.created_at > cutoff:
+            if turn.created_at > cutoff:
                 break
             self._retire(turn, SESSION_EXPIRED)
 
@@ -240,7 +256,7 @@ class NextStateProcessor(BufferedProcessor):
                 delays.append(JUDGE_RETRY_S)
             if self.session_ttl_s is not None and self._open:
                 oldest = next(iter(self._open.values()))
-                delays.append(max(0.0, oldest.record.created_at + self.session_ttl_s - self._clock()))
+                delays.append(max(0.0, oldest.created_at + self.session_ttl_s - self._clock()))
             return min(delays) if delays else None
 
     # -- judging (learner's thread, lock released around the judge) ---------------------------------------------------
@@ -257,19 +273,53 @@ class NextStateProcessor(BufferedProcessor):
                 if id(job) in tried:
                     return  # every job left was asked once in this call
                 self._jobs.popleft()
-                if job.turn.record.record_id in self._consumed:
+                if job.turn.record_id in self._consumed:
                     continue
                 if self._inadmissible(job):
                     continue
                 self._judging += 1
             tried.add(id(job))
             try:
-                result, error = self.judge(job.turn.record, job.next_record), None
+                pair = self._read_pair(job)
+            except Exception:  # noqa: BLE001 - a store hiccup must not stop the learner: ask again later
+                log.warning("reading records %s, %s back failed", job.turn.record_id, job.next_turn.record_id,
+                            exc_info=True)
+                with self._lock:
+                    self._judging -= 1
+                    self._jobs.appendleft(job)
+                return
+            if isinstance(pair, str):
+                with self._lock:
+                    self._judging -= 1
+                    if job.turn.record_id not in self._consumed:
+                        self._count_drop(pair)
+                continue
+            turn_record, next_record, next_state = pair
+            try:
+                result, error = self.judge(turn_record, next_record), None
             except Exception as exc:  # noqa: BLE001 - a failing judge must not stop the learner
                 result, error = None, exc
             with self._lock:
                 self._judging -= 1
-                self._apply(job, result, error)
+                self._apply(job, turn_record, next_state, result, error)
+
+    def _read_pair(self, job: Job) -> tuple[Record, Record, list[dict]] | str:
+        """``(turn record, next record, next state)`` of a pair, read back from the store (or the kept bodies),
+        or the reason the pair cannot be judged. Runs without the lock."""
+        ids = [job.turn.record_id, job.next_turn.record_id]
+        if self._load_records is None:
+            records = [job.turn.body, job.next_turn.body]
+        else:
+            records = list(self._load_records(ids))
+        if len(records) != 2 or any(r is None or r.record_id != i for r, i in zip(records, ids)):
+            return RECORD_GONE
+        try:
+            messages, reply = exchange_of(records[0])
+            following, _ = exchange_of(records[1])
+        except UnusableRecord:
+            return el.NOT_CHAT
+        start = job.turn.transcript_len if job.extends else common_prefix([*messages, reply], following)
+        return records[0], records[1], following[start:]
 
     def _inadmissible(self, job: Job) -> bool:
         """Drop a pair whose turn cannot train anyway, before paying for a judge call."""
@@ -278,19 +328,20 @@ class NextStateProcessor(BufferedProcessor):
         serving = self._staleness.serving()
         if serving is None:
             return False
-        why = self._staleness.reason([job.turn.record.version], serving)
+        why = self._staleness.reason([job.turn.version], serving)
         if why is not None:
             self._count_drop(why)
             return True
         return False
 
-    def _apply(self, job: Job, result, error: BaseException | None) -> None:
-        if job.turn.record.record_id in self._consumed:
+    def _apply(self, job: Job, record: Record, next_state: list[dict], result, error: BaseException | None) -> None:
+        turn = job.turn
+        if turn.record_id in self._consumed:
             return  # restored while the judge ran
         if error is not None:
             job.attempts += 1
             if job.attempts >= self.max_judge_attempts:
-                log.warning("judge failed %d times on %s: %s", job.attempts, job.turn.record.record_id, error)
+                log.warning("judge failed %d times on %s: %s", job.attempts, turn.record_id, error)
                 self._count_drop(JUDGE_ERROR)
             else:
                 self._jobs.append(job)
@@ -310,13 +361,12 @@ class NextStateProcessor(BufferedProcessor):
         if isinstance(result, bool) or not isinstance(result, (int, float)) or not math.isfinite(result):
             self._count_drop(JUDGE_INVALID)
             return
-        turn = job.turn
-        extra = {"next_record_id": job.next_record.record_id, "next_state": job.next_state,
+        extra = {"next_record_id": job.next_turn.record_id, "next_state": next_state,
                  "correlation": job.correlation, "session": turn.session, "judge_waits": job.waits}
-        sample = trajectory_sample(self.scenario, [turn.record], reward=float(result), feedback=feedback,
+        sample = trajectory_sample(self.scenario, [record], reward=float(result), feedback=feedback,
                                    metadata=metadata, extra=extra)
-        unit = Unit(sample=sample, record_ids=(turn.record.record_id,), claims=(turn.record.record_id,),
-                    arrived_at=turn.record.created_at)
+        unit = Unit(sample=sample, record_ids=(turn.record_id,), claims=(turn.record_id,),
+                    arrived_at=turn.created_at)
         self._claim(unit)
         self._units.append(unit)
 
