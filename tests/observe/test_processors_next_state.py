@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import threading
@@ -257,3 +258,117 @@ def test_restart_never_rejudges_consumed_turns_but_still_correlates_through_them
     assert [smp.source_ids for smp in drain(restarted)] == [["t2"]]
     assert judge.calls == [("t2", "t3")]
     assert restarted.status()["replayed_consumed"] == 1
+
+
+# -- memory: waiting turns hold no bodies; the store is read when a pair is judged ------------------------------------
+
+
+class Store:
+    """A record store stand-in: ``load_records`` answers from ``records`` and logs every read."""
+
+    def __init__(self):
+        self.records: dict[str, Record] = {}
+        self.reads: list[list[str]] = []
+
+    def load_records(self, ids):
+        self.reads.append(list(ids))
+        return [self.records.get(i) for i in ids]
+
+
+def held_fields(obj):
+    """Every field value of a held dataclass, nested turns included."""
+    out = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        out += held_fields(value) if dataclasses.is_dataclass(value) else [value]
+    return out
+
+
+def test_waiting_turns_hold_no_bodies_only_ids_and_digests():
+    s, store = Stream(), Store()
+    p = NextStateProcessor(SCENARIO, judge=Judge(), load_records=store.load_records, batch_size=1000)
+    big = "x" * 10_000
+    for i in range(100):
+        first = s.turn([u(f"q{i} {big}")], f"a{i} {big}", session=f"S{i}", tools=TOOLS)
+        follow = s.turn([u(f"q{i} {big}"), a(f"a{i} {big}"), u(f"more {big}")], "b", session=f"S{i}")
+        plain = s.turn([u(f"untagged {i} {big}")], f"r{i} {big}")
+        for record in (first, follow, plain):
+            store.records[record.record_id] = record
+            p.ingest(record)
+    status = p.status()
+    assert status["open_turns"] == 200 and status["pairs_waiting_for_judge"] == 100
+    held = [*p._open.values(), *p._sessions.values(), *p._by_transcript.values(), *p._by_prompt.values(), *p._jobs]
+    values = [v for obj in held for v in held_fields(obj)]
+    assert values and all(v is None or isinstance(v, (str, int, float, bool)) for v in values)
+    assert max(len(v) for v in values if isinstance(v, str)) <= 64  # ids and digests, never a prompt
+    assert store.reads == []  # correlation never reads the store
+
+
+@pytest.mark.parametrize("with_store", [True, False])
+def test_judging_reads_exactly_the_pair_back_and_builds_the_same_sample(with_store):
+    s, store = Stream(), Store()
+    judge = Judge()
+    p = NextStateProcessor(SCENARIO, judge=judge, load_records=store.load_records if with_store else None)
+    records = [s.turn([u("q1")], "a1", session="A"),
+               s.turn([u("other")], "x", session="B"),
+               # rewrites the reply it resends: the next state starts where the transcripts part
+               s.turn([u("q1"), a("a1, edited"), u("q2")], "a2", session="A")]
+    for record in records:
+        store.records[record.record_id] = record
+        p.ingest(record)
+    batch = p.pending_batch()
+    assert judge.calls == [("t1", "t3")]
+    assert store.reads == ([["t1", "t3"]] if with_store else [])
+    sample = batch.samples[0]
+    assert sample.source_ids == ["t1"] and sample.messages == [u("q1"), a("a1")]
+    assert sample.metadata["reef"]["next_state"] == [a("a1, edited"), u("q2")]
+    assert sample.metadata["reef"]["next_record_id"] == "t3"
+
+
+@pytest.mark.parametrize("gone", ["t1", "t2"])
+def test_a_pair_whose_record_the_store_lost_is_dropped_unjudged(gone):
+    s, store = Stream(), Store()
+    judge = Judge()
+    p = NextStateProcessor(SCENARIO, judge=judge, load_records=store.load_records)
+    for record in (s.turn([u("q")], "a", session="S"), s.turn([u("q"), a("a"), u("more")], "b", session="S")):
+        store.records[record.record_id] = record
+        p.ingest(record)
+    del store.records[gone]
+    assert not p.ready()
+    assert judge.calls == [] and p.status()["dropped"] == {"record_gone": 1}
+    assert p.status()["pairs_waiting_for_judge"] == 0
+
+
+def test_a_failing_store_read_keeps_the_pair_for_a_later_call():
+    s, store = Stream(), Store()
+    judge = Judge()
+    failing = {"on": True}
+
+    def load_records(ids):
+        if failing["on"]:
+            raise OSError("database restarting")
+        return store.load_records(ids)
+
+    p = NextStateProcessor(SCENARIO, judge=judge, load_records=load_records)
+    for record in (s.turn([u("q")], "a", session="S"), s.turn([u("q"), a("a"), u("more")], "b", session="S")):
+        store.records[record.record_id] = record
+        p.ingest(record)
+    assert not p.ready() and judge.calls == []
+    assert p.status()["pairs_waiting_for_judge"] == 1 and p.status()["dropped"] == {}
+    assert p.recheck_after() == 1.0
+    failing["on"] = False
+    assert [smp.source_ids for smp in drain(p)] == [["t1"]]
+
+
+def test_the_factory_passes_load_records_on():
+    from reef_core.plugins import PluginManager
+
+    s, store = Stream(), Store()
+    p = PluginManager(load_entry_points=False).get("processor", "next_state").factory(
+        scenario=SCENARIO, options={}, serving_version=lambda: None, judge=lambda record, next_record: 0.5,
+        load_records=store.load_records)
+    for record in (s.turn([u("q")], "a", session="S"), s.turn([u("q"), a("a"), u("more")], "b", session="S")):
+        store.records[record.record_id] = record
+        p.ingest(record)
+    assert all(turn.body is None for turn in p._open.values())
+    assert [smp.reward for smp in drain(p)] == [0.5] and store.reads == [["t1", "t2"]]
