@@ -372,3 +372,22 @@ def test_the_factory_passes_load_records_on():
         p.ingest(record)
     assert all(turn.body is None for turn in p._open.values())
     assert [smp.reward for smp in drain(p)] == [0.5] and store.reads == [["t1", "t2"]]
+
+
+def test_replay_from_the_real_store_judges_with_the_store_copies(tmp_path):
+    from reef_core.observe.records import RecordStore
+
+    store = RecordStore.open(None, tmp_path)
+    try:
+        s = Stream()
+        for record in (s.turn([u("q1")], "a1", session="S"), s.turn([u("q1"), a("a1"), u("q2")], "a2", session="S")):
+            store.append_sync(dataclasses.replace(record, sequence=None))
+        judge = Judge()
+        p = NextStateProcessor(SCENARIO, judge=judge, load_records=store.get_many)
+        for record in store.replay(SCENARIO):
+            p.ingest(record)
+        [sample] = drain(p)
+        assert judge.calls == [("t1", "t2")]
+        assert sample.messages == [u("q1"), a("a1")] and sample.metadata["reef"]["next_state"] == [u("q2")]
+    finally:
+        store.close()
