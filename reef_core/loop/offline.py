@@ -63,7 +63,7 @@ async def _run(cfg: ReefConfig, tasks: list[dict], verify) -> dict:
     unscored = 0
     await dep.start()
     try:
-        scenario = await dep.scenario(learn.scenario)
+        scenario = await dep.create_scenario(learn.scenario)  # the offline client sends only valid requests
         learner = dep.learner(scenario)
         order = _task_order(len(tasks), learn.rollouts, cfg.seed)
         for index in order:
