@@ -342,3 +342,17 @@ class GRPODISObjective(DISObjective):
 
     def load_json_state(self, state: dict[str, Any] | None) -> None:
         self.steps = int((state or {}).get("steps", 0) or 0)
+
+
+def objective_for(opts: SAOOptions, critic_lr: float) -> Objective:
+    """The objective validated options describe: SAO, or the GRPO-with-DIS control arm."""
+    if opts.advantage == "grpo":
+        return GRPODISObjective(eps_clip=opts.eps_clip, eps_clip_high=opts.eps_clip_high,
+                                group_size=opts.group_size, normalize_std=opts.normalize_std)
+    return SAOObjective(
+        eps_clip=opts.eps_clip, eps_clip_high=opts.eps_clip_high,
+        critic_steps_per_actor=opts.critic_steps_per_actor, num_critic_only_steps=opts.num_critic_only_steps,
+        length_adaptive_lambda=opts.length_adaptive_lambda, lambda_alpha=opts.lambda_alpha, lam=opts.lam,
+        critic_lambda=opts.critic_lambda, gamma=opts.gamma, critic_lr=critic_lr,
+        critic_max_grad_norm=opts.critic_max_grad_norm,
+    )

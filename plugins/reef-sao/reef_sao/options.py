@@ -98,21 +98,6 @@ class SAOOptions:
                 raise ConfigError(f"sao-grpo-dis: groups_per_batch ({groups}) x group_size ({self.group_size}) must "
                                   f"equal batch_size ({self.batch_size})")
 
-    def objective(self, critic_lr: float):
-        """The objective these options describe (validates the algorithm knobs)."""
-        from reef_sao.objectives import GRPODISObjective, SAOObjective
-
-        if self.advantage == "grpo":
-            return GRPODISObjective(eps_clip=self.eps_clip, eps_clip_high=self.eps_clip_high,
-                                    group_size=self.group_size, normalize_std=self.normalize_std)
-        return SAOObjective(
-            eps_clip=self.eps_clip, eps_clip_high=self.eps_clip_high,
-            critic_steps_per_actor=self.critic_steps_per_actor, num_critic_only_steps=self.num_critic_only_steps,
-            length_adaptive_lambda=self.length_adaptive_lambda, lambda_alpha=self.lambda_alpha, lam=self.lam,
-            critic_lambda=self.critic_lambda, gamma=self.gamma, critic_lr=critic_lr,
-            critic_max_grad_norm=self.critic_max_grad_norm,
-        )
-
 
 def _plain(section: Any) -> Mapping:
     if section is None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from reef_core.api import ConfigError, RecipeConfig, TorchTrainer, TrainerConfig, TrainerSetup
 
+from reef_sao.objectives import objective_for
 from reef_sao.options import ADVANTAGES, PROCESSOR_OPTIONS, SAOOptions
 
 __all__ = ["ADVANTAGES", "PROCESSOR_OPTIONS", "SAOOptions", "make_sao_trainer"]
@@ -32,7 +33,7 @@ def make_sao_trainer(*, scenario: str, recipe: RecipeConfig, trainer: TrainerCon
         raise ConfigError(f"sao: batch_size {opts.batch_size} must be a multiple of trainer.grad_accumulation "
                           f"{grad_accumulation} (equal micro-batches; one optimizer step per batch)")
     critic_lr = opts.critic_lr if opts.critic_lr is not None else trainer.critic_lr
-    objective = opts.objective(critic_lr=float(critic_lr))
+    objective = objective_for(opts, critic_lr=float(critic_lr))
     return TorchTrainer.from_config(
         objective, context, trainer, who="sao",
         max_grad_norm=opts.max_grad_norm,

@@ -16,7 +16,7 @@ from reef_core.api import (
     build_tiny_tokenizer,
 )
 from reef_core.testing import PluginManager, available_recipes, compose_config
-from reef_sao.objectives import GRPODISObjective, SAOObjective
+from reef_sao.objectives import GRPODISObjective, SAOObjective, objective_for
 from reef_sao.schema import validate_sao_report
 from reef_sao.tasks import Task, score, task_stream
 from reef_sao.trainer import SAOOptions
@@ -85,7 +85,7 @@ def test_tiny_profile_and_grpo_control_compose(pm):
 ])
 def test_options_are_validated_at_construction(options, message):
     with pytest.raises(ConfigError, match=message):
-        SAOOptions.from_options({"batch_size": 4, **options}).objective(critic_lr=1e-3)
+        objective_for(SAOOptions.from_options({"batch_size": 4, **options}), critic_lr=1e-3)
 
 
 def test_kebab_case_options_and_processor_consistency():
