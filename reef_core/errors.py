@@ -60,6 +60,12 @@ class Conflict(ReefError):
     code = "conflict"
 
 
+class ActivationFailed(Conflict):
+    """A committed release could not be activated; the head was restored to the release that still serves."""
+
+    code = "activation_failed"
+
+
 class ValidationFailed(ReefError):
     status = 400
     code = "invalid_request"

@@ -85,15 +85,18 @@ class Committer:
         )
         return self._commit(staged, row, step, hold=hold)
 
-    def _republish(self, operation: str, release_id: str, expected_head: str | None) -> tuple[Release, dict]:
+    def _republish(self, operation: str, release_id: str, expected_head: str | None,
+                   note: dict | None = None) -> tuple[Release, dict]:
         step = self.log.last_step()
-        row = self._row(operation, (), None, {}, None, None, pending=False, target_release_id=release_id)
+        row = self._row(operation, (), None, {}, None, None, pending=False, target_release_id=release_id,
+                        **(note or {}))
         staged = self.store.stage_republish(
             self.scenario,
             release_id,
             expected_parent=expected_head,
             operation=operation,
             log_row={**row, "step": step + 1},
+            note=note,
         )
         return self._commit(staged, row, step, hold=False)
 
@@ -102,6 +105,22 @@ class Committer:
 
     def promote(self, release_id: str, *, expected_head: str | None) -> tuple[Release, dict]:
         return self._republish("promote", release_id, expected_head)
+
+    def restore(self, release_id: str, *, expected_head: str | None, failed_release_id: str,
+                error: str) -> tuple[Release, dict]:
+        """Put back ``release_id`` (what still serves) after the head ``failed_release_id`` failed to activate.
+
+        A new release with the serving release's content; its manifest source and its commit-log row name
+        the failed release and the error, so history records the failure instead of being rewritten."""
+        return self._republish("restore", release_id, expected_head,
+                               {"failed_release_id": failed_release_id, "error": error})
+
+    def record_failed_live(self, *, failed_release_id: str, serving_release_id: str | None, error: str) -> dict:
+        """A live version (between checkpoints) failed to activate: the row says so and names what serves."""
+        row = self._row("restore", (), None, {}, None, None, release_id=None, live_release_id=None,
+                        target_release_id=serving_release_id, failed_release_id=failed_release_id, error=error,
+                        pending=False)
+        return self.log.append(row, self.log.last_step())
 
     def record_rejection(
         self,

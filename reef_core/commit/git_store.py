@@ -589,18 +589,21 @@ class GitArtifactStore:
         expected_parent: str | None,
         operation: str,
         log_row: dict | None = None,
+        note: dict | None = None,
     ) -> Release:
-        """Stage the content of an earlier release as a new release (``rollback``/``promote``).
+        """Stage the content of an earlier release as a new release (``rollback``/``promote``/``restore``).
 
-        ``rollback`` needs a release of the scenario's chain, ``promote`` a pending (held)
-        one; either must be restorable (Conflict otherwise; NotFound for an unknown id).
+        ``rollback`` and ``restore`` (putting back what still serves after a release failed to
+        activate) need a release of the scenario's chain, ``promote`` a pending (held) one; either
+        must be restorable (Conflict otherwise; NotFound for an unknown id). ``note`` adds fields to
+        the manifest's ``source`` (a restore names the release that failed and its error).
         """
-        if operation not in ("rollback", "promote"):
-            raise ValidationFailed("republish operation must be 'rollback' or 'promote'")
+        if operation not in ("rollback", "promote", "restore"):
+            raise ValidationFailed("republish operation must be 'rollback', 'promote' or 'restore'")
         target = self.get(release_id)
         if target.scenario != scenario:
             raise NotFound(f"release {target.release_id} is not a release of scenario {scenario!r}")
-        if operation == "rollback" and target.state != "chain":
+        if operation in ("rollback", "restore") and target.state != "chain":
             raise Conflict(
                 f"release {target.release_id} is {'pending: promote it' if target.pending else target.state}, "
                 "not in the scenario's release chain"
@@ -621,7 +624,8 @@ class GitArtifactStore:
                 "content_id": target.content_id,
                 "parent_release_id": parent,
                 "operation": operation,
-                "source": {"kind": operation, "release_id": target.release_id, "content_id": target.content_id},
+                "source": {**_jsonable(note or {}, "note"), "kind": operation, "release_id": target.release_id,
+                           "content_id": target.content_id},
                 "metrics": target.metrics,
                 "evaluation": target.evaluation,
                 "gate": target.evaluation,

@@ -35,7 +35,7 @@ ATTRIBUTES = ".gitattributes"
 RESERVED = (MANIFEST, ATTRIBUTES)
 LFS_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt")
 GITATTRIBUTES = "".join(f"{p} filter=lfs diff=lfs merge=lfs -text\n" for p in LFS_PATTERNS).encode()
-OPERATIONS = ("creation", "training", "rollback", "promote", "recovery")
+OPERATIONS = ("creation", "training", "rollback", "promote", "restore", "recovery")
 
 PREFIX = "refs/reef/"
 HEAD_REF = PREFIX + "head"

@@ -35,7 +35,7 @@ from ..commit.committer import Committer
 from ..commit.crashpoints import crash_point
 from ..commit.gate import Candidate, Decision, EvaluationResult, run_gate
 from ..commit.release import Release
-from ..errors import ConfigError, Conflict, NotFound, ReefError, ValidationFailed
+from ..errors import ActivationFailed, ConfigError, Conflict, NotFound, ReefError, ValidationFailed
 from ..grow.trainer import CandidateUpdate, TrainContext, Trainer, TrainerSetup
 from .ports import LearnerPorts, LearnerSettings
 
@@ -85,8 +85,11 @@ class ScenarioLearner:
         self.live_release_id: str | None = None
         self.versions_since_checkpoint = 0
         self.last_sequence = 0
-        self.counters = {"steps": 0, "selected": 0, "rejected": 0, "skipped": 0, "stale_batches": 0, "errors": 0}
+        self.counters = {"steps": 0, "selected": 0, "rejected": 0, "skipped": 0, "stale_batches": 0, "errors": 0,
+                         "activation_failures": 0}
         self.last_error: str | None = None
+        #: The last committed release that failed to activate and what was restored (status), or None.
+        self.activation_error: dict | None = None
         self.last_metrics: dict = {}
         self.release_metrics: dict[str, dict] = self._load_release_metrics()
         self._pending_latency: dict[str, float] = {}
@@ -289,6 +292,7 @@ class ScenarioLearner:
             durable = hold or self.surface is None or self.surface.kind != "weights" or (
                 (self.versions_since_checkpoint + 1) % self.checkpoint_every == 0)
             evaluation = decision.evaluation.to_dict() if decision.evaluation else None
+            before = (self.head, self.live_release_id)  # what serves until the new version is activated
             if durable:
                 release, _row = self.committer.publish(
                     update.files, expected_head=self.head.release_id if self.head else None,
@@ -304,33 +308,82 @@ class ScenarioLearner:
                 self.head = release
                 release_id = release.release_id
                 self.live_release_id = None
-                self.versions_since_checkpoint = 0
                 step = _row["step"]
             else:
                 row = self.committer.record_live(consumed_ids=consumed, algorithm_state=update.algorithm_state,
                                                  metrics=metrics, evaluation=evaluation, decision=decision.to_dict())
-                live_id = row["live_release_id"]
-                release_id = live_id
-                self.live_release_id = live_id
-                self.versions_since_checkpoint += 1
+                release_id = row["live_release_id"]
+                self.live_release_id = release_id
                 step = row["step"]
-            if self.surface is not None:
-                self.surface.activate(self.name, release_id, payload=update.payload,
-                                      files=self._files(release_id) if durable else None)
-            version = self.serving_version()
-            # Publish latency: selected -> the engine serves the new version (the next request runs on it).
-            publish_ms = round((time.perf_counter() - accepted_at) * 1000, 3)
-            self._pending_latency[version or release_id] = accepted_at
-            self._remember(release_id, {"serving_version": version, "step": step, "publish_latency_ms": publish_ms})
-            self.trainer.accepted(update, release_id)
+            served = self._activate_committed(release_id, before, payload=update.payload, durable=durable)
+            if served:
+                self.versions_since_checkpoint = 0 if durable else self.versions_since_checkpoint + 1
+                version = self.serving_version()
+                # Publish latency: selected -> the engine serves the new version (the next request runs on it).
+                publish_ms = round((time.perf_counter() - accepted_at) * 1000, 3)
+                self._pending_latency[version or release_id] = accepted_at
+                self._remember(release_id, {"serving_version": version, "step": step,
+                                            "publish_latency_ms": publish_ms})
+                self.trainer.accepted(update, release_id)
+            else:
+                self.trainer.rejected(update)  # the trainer resyncs to the version that still serves
             self.processor.acknowledge(batch.batch_id)
             crash_point("before_mark_consumed")
             self.ports.records.mark_consumed(self.name, consumed, step)
             self.counters["selected"] += 1
-        if durable:
+        if durable and self.head is not before[0]:
             self.ports.notify("reef_release_published", scenario=self.name, release=self.head)
         log.info("scenario %s: step %d published %s (serving %s)", self.name, step, release_id,
                  self.serving_version())
+
+    # -- activation ----------------------------------------------------------------------------------
+
+    def _activate_committed(self, release_id: str, before: tuple[Release | None, str | None], *,
+                            payload=None, durable: bool = True) -> bool:
+        """Serve a release that is already committed; True when it serves.
+
+        ``before`` is (head, live release id) as they were before the commit: what still serves. A surface
+        whose activation raises leaves what served in place (the contract of :meth:`Surface.activate`),
+        so the head goes back to it through a ``restore`` release (history is only appended), the failure
+        is recorded, and status shows it. Called with :attr:`lock` held."""
+        if self.surface is None:
+            return True
+        try:
+            self.surface.activate(self.name, release_id, payload=payload,
+                                  files=self._files(release_id) if durable else None)
+            return True
+        except Exception as exc:  # noqa: BLE001 - any activation failure must leave an honest head
+            error = f"{type(exc).__name__}: {exc}"[:2000]
+            log.error("scenario %s: release %s failed to activate:\n%s", self.name, release_id,
+                      traceback.format_exc())
+        before_head, before_live = before
+        restored_id = None
+        if not durable:
+            # A live version is only a log row: say it never served; the head did not move.
+            self.committer.record_failed_live(failed_release_id=release_id, error=error,
+                                              serving_release_id=before_live or (
+                                                  before_head.release_id if before_head else None))
+            self.live_release_id = before_live
+        elif before_head is not None:
+            restored, _row = self.committer.restore(before_head.release_id, expected_head=release_id,
+                                                    failed_release_id=release_id, error=error)
+            self.head = restored
+            self.live_release_id = before_live  # a live version still serves from memory until restart
+            restored_id = restored.release_id
+            if before_live is None:
+                # Same content as what serves; activated so the surface names the release the head names.
+                try:
+                    self.surface.activate(self.name, restored_id, files=self._files(restored_id))
+                except Exception as again:  # noqa: BLE001
+                    error += f"; re-activating the restored release failed too: {type(again).__name__}: {again}"
+                    log.error("scenario %s: restored release %s failed to activate: %s", self.name, restored_id, again)
+            self._remember(restored_id, {"serving_version": self.serving_version()})
+        self.activation_error = {"release_id": release_id, "error": error, "restored_release_id": restored_id,
+                                 "serving_release_id": self.current_release_id(),
+                                 "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        self.last_error = f"activation of {release_id} failed: {error}"
+        self.counters["activation_failures"] += 1
+        return False
 
     def _commit_rejection(self, consumed, metrics, evaluation, decision) -> None:
         with self.lock:
@@ -392,18 +445,27 @@ class ScenarioLearner:
                 raise NotFound(f"release {release_id!r} does not belong to scenario {self.name!r}")
             if operation == "promote" and not target.pending:
                 raise Conflict(f"release {release_id!r} is not pending review")
+            before = (self.head, self.live_release_id)
             expected = self.head.release_id if self.head else None
             release, _row = (self.committer.rollback if operation == "rollback" else self.committer.promote)(
                 release_id, expected_head=expected)
             self.head = release
             self.live_release_id = None
-            self.versions_since_checkpoint = 0
-            if self.surface is not None:
-                self.surface.activate(self.name, release.release_id, files=self._files(release.release_id))
-                self._remember(release.release_id, {"serving_version": self.serving_version()})
+            served = self._activate_committed(release.release_id, before)
+            if served:
+                self.versions_since_checkpoint = 0
+                if self.surface is not None:
+                    self._remember(release.release_id, {"serving_version": self.serving_version()})
             if self._trainer is not None:
                 self._trainer.rejected(CandidateUpdate(files={}))  # trainers resync to what now serves
-        self.ports.notify("reef_release_published", scenario=self.name, release=release)
+            head = self.head
+        self.ports.notify("reef_release_published", scenario=self.name, release=head)
+        if not served:
+            failure = self.activation_error
+            raise ActivationFailed(
+                f"{operation} committed release {release.release_id}, which failed to activate "
+                f"({failure['error']}); release {failure['serving_release_id']} still serves",
+                failed_release_id=release.release_id, restored_release_id=failure["restored_release_id"])
         return release
 
     def release_rows(self) -> list[dict]:
@@ -450,9 +512,19 @@ class ScenarioLearner:
             "last_metrics": self.last_metrics,
             "last_error": self.last_error,
             "training_disabled": self.training_disabled,
+            "activation_error": self.activation_error or _activation_error_of(self.head),
             "last_publish": next((dict(m, release_id=rid) for rid, m in reversed(list(self.release_metrics.items()))
                                   if "publish_latency_ms" in m), None),
         }
+
+
+def _activation_error_of(head: Release | None) -> dict | None:
+    """A head that is a ``restore`` release names the failed activation it answered (status after a restart)."""
+    if head is None or head.operation != "restore":
+        return None
+    source = head.source or {}
+    return {"release_id": source.get("failed_release_id"), "error": source.get("error"),
+            "restored_release_id": head.release_id, "serving_release_id": head.release_id, "at": head.created_at}
 
 
 class _NoEvaluation:

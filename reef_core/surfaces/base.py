@@ -26,7 +26,9 @@ class Surface(ABC):
         """Make ``release_id`` what serves ``scenario`` from the next request on.
 
         ``payload`` is the candidate's in-memory form when activation follows training;
-        ``files()`` reads the release from the artifact store (restore, rollback)."""
+        ``files()`` reads the release from the artifact store (restore, rollback). A release that
+        cannot be served raises and leaves what served before in place: the learner then restores
+        the head to that release (see ``ScenarioLearner._activate_committed``)."""
 
     def serving_version(self, scenario: str) -> str | None:
         """The version an inference of ``scenario`` would be served by right now."""

@@ -86,9 +86,10 @@ class WeightsSurface(Surface):
         with self._lock:
             self._claim(scenario)
             state = payload if payload is not None else state_dict_from_files(files(), self.ports.load_base_model)
-            self.sequence += 1
-            version = f"{self.incarnation}:{self.sequence}"
+            version = f"{self.incarnation}:{self.sequence + 1}"
+            # The engine checks keys and shapes before it copies anything: a failed swap serves what it served.
             self.ports.run_async(self.engine.swap_weights(version, state))
+            self.sequence += 1
             self.release_of[version] = release_id
             log.info("scenario %s now served by %s (release %s)", scenario, version, release_id)
 
