@@ -1,0 +1,166 @@
+"""A committed release that fails to activate: the head returns to what still serves (a ``restore`` release),
+serving continues on the previous version, and status shows the error, also after a restart."""
+
+from __future__ import annotations
+
+import httpx
+
+from reef_core import hookimpl
+from reef_core.grow.trainer import CandidateUpdate, Trainer
+from reef_core.surfaces.harness import HarnessSurface
+from reef_core.testing.fixtures import wait_until
+
+POISON = "poison.md"
+
+
+class FlakyHarness(HarnessSurface):
+    """A harness surface whose activation fails for a tree holding ``poison.md`` (an engine error after the
+    release validated and was committed); like every surface it leaves what served in place when it raises."""
+
+    def activate(self, scenario, release_id, payload=None, files=None):
+        tree = payload if payload is not None else files() if files is not None else {}
+        if POISON in tree:
+            raise RuntimeError("injected activation failure")
+        super().activate(scenario, release_id, payload=payload, files=files)
+
+
+class FlakyHarnessPlugin:
+    @staticmethod
+    @hookimpl
+    def reef_register_surfaces(register):
+        register("flaky_harness", lambda *, ports=None, options=None: FlakyHarness(ports.artifacts, options))
+
+
+class TwoTreeTrainer(Trainer):
+    """Step 1 proposes a good tree, every later step one the surface fails to activate."""
+
+    artifact_kind = "harness"
+
+    def train(self, batch, ctx):
+        if ctx.step == 1:
+            return CandidateUpdate(files={"system_prompt.md": b"good"})
+        return CandidateUpdate(files={"system_prompt.md": b"bad", POISON: b"x"})
+
+
+class TwoWeightsTrainer(Trainer):
+    """Step 1 proposes weights that load (an empty partial state dict), step 2 a weight file that does not load."""
+
+    def train(self, batch, ctx):
+        from safetensors.torch import save
+
+        if ctx.step == 1:
+            return CandidateUpdate(files={"model.safetensors": save({})})
+        return CandidateUpdate(files={"model.safetensors": b"this is not a safetensors file"})
+
+
+def _chat(url: str, scenario: str) -> httpx.Response:
+    response = httpx.post(f"{url}/v1/chat/completions", headers={"x-reef-scenario": scenario}, timeout=60,
+                          json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 200, response.text
+    return response
+
+
+def _train_one_step(url: str, scenario: str, rows: int) -> list[dict]:
+    receipt = _chat(url, scenario).headers["x-reef-agent-record-id"]
+    report = httpx.post(f"{url}/reef/report", headers={"x-reef-scenario": scenario},
+                        json={"score": 1, "references": [receipt]})
+    assert report.status_code == 200, report.text
+    return wait_until(lambda: (lambda c: c if len(c) >= rows else None)(
+        httpx.get(f"{url}/reef/scenarios/{scenario}/commits").json()["commits"]), timeout=120)
+
+
+def _releases(url: str, scenario: str) -> list[dict]:
+    return httpx.get(f"{url}/reef/scenarios/{scenario}/releases").json()["releases"]
+
+
+def _status(url: str, scenario: str) -> dict:
+    return httpx.get(f"{url}/reef/scenarios/{scenario}/status").json()
+
+
+def _assert_restored(url: str, scenario: str, good: dict, failed_id: str) -> dict:
+    """The head is a restore release of the release that served before ``failed_id`` (``good``'s content), naming
+    the failure; status agrees."""
+    rows = _releases(url, scenario)
+    head = next(r for r in rows if r["current"])
+    assert head["operation"] == "restore" and head["content_id"] == good["content_id"]
+    assert head["parent_release_id"] == failed_id
+    failed = next(r for r in rows if r["release_id"] == failed_id)  # history is appended, never rewritten
+    assert head["source"]["release_id"] == failed["parent_release_id"] and head["source"]["failed_release_id"] == failed_id
+    assert head["source"]["error"]
+    status = _status(url, scenario)
+    assert status["current_release_id"] == head["release_id"]
+    assert status["activation_error"]["release_id"] == failed_id
+    assert status["activation_error"]["serving_release_id"] == head["release_id"]
+    return head
+
+
+def test_harness_activation_failure_restores_previous_release(serve_trainer):
+    def server():
+        return serve_trainer("two_trees", TwoTreeTrainer, "recipe.processor=per_report",
+                             "recipe.surface=flaky_harness", "+recipe.processor_options.batch_size=1",
+                             plugins=(FlakyHarnessPlugin,))
+
+    with server() as url:
+        commits = _train_one_step(url, "flaky", 1)
+        good_id = commits[0]["release_id"]
+        good = next(r for r in _releases(url, "flaky") if r["release_id"] == good_id)
+        assert _chat(url, "flaky").headers["x-reef-release-id"] == good_id
+
+        commits = _train_one_step(url, "flaky", 3)
+        assert [c["operation"] for c in commits] == ["training", "training", "restore"]
+        failed_id = commits[1]["release_id"]
+        assert commits[2]["failed_release_id"] == failed_id and commits[2]["target_release_id"] == good_id
+        assert "injected activation failure" in commits[2]["error"]
+        head = _assert_restored(url, "flaky", good, failed_id)
+        status = _status(url, "flaky")
+        assert status["counters"]["activation_failures"] == 1 and "injected" in status["activation_error"]["error"]
+        # Serving continues on the previous content, under the release the head names.
+        assert _chat(url, "flaky").headers["x-reef-release-id"] == head["release_id"]
+        assert httpx.get(f"{url}/reef/harness", headers={"x-reef-scenario": "flaky"}).json()["files"] == \
+            {"system_prompt.md": "good"}
+
+        # Rolling back to the release that cannot be activated follows the same rule: 409, head restored again.
+        rolled = httpx.post(f"{url}/reef/scenarios/flaky/rollback", json={"release_id": failed_id})
+        assert rolled.status_code == 409 and "failed to activate" in rolled.text
+        head = _assert_restored(url, "flaky", good, next(
+            r for r in _releases(url, "flaky") if r["operation"] == "rollback")["release_id"])
+        assert _chat(url, "flaky").headers["x-reef-release-id"] == head["release_id"]
+
+    with server() as url:  # a restart: head, status and serving still agree
+        rows = _releases(url, "flaky")
+        assert next(r for r in rows if r["current"])["release_id"] == head["release_id"]
+        status = _status(url, "flaky")
+        assert status["current_release_id"] == head["release_id"]
+        assert status["activation_error"]["restored_release_id"] == head["release_id"]
+        assert _chat(url, "flaky").headers["x-reef-release-id"] == head["release_id"]
+
+
+def test_weights_activation_failure_keeps_previous_weights(serve_trainer):
+    def server():
+        return serve_trainer("two_weights", TwoWeightsTrainer, "engine.kind=local", "engine.model=tiny",
+                             "engine.max_new_tokens=4", "engine.seed=0", "recipe.processor=per_report",
+                             "recipe.surface=weights", "+recipe.processor_options.batch_size=1")
+
+    with server() as url:
+        commits = _train_one_step(url, "w", 1)
+        good_id = commits[0]["release_id"]
+        good = next(r for r in _releases(url, "w") if r["release_id"] == good_id)
+        commits = _train_one_step(url, "w", 3)
+        assert [c["operation"] for c in commits] == ["training", "training", "restore"]
+        failed_id = commits[1]["release_id"]
+        head = _assert_restored(url, "w", good, failed_id)
+        status = _status(url, "w")
+        # The version that serves is the restored release's, and the next record is served by it.
+        receipt = _chat(url, "w").headers["x-reef-agent-record-id"]
+        record = httpx.get(f"{url}/reef/scenarios/w/records/{receipt}").json()
+        assert record["artifact_ref"] == status["current_version"]
+        release_version = head["metrics"]["serving_version"]
+        assert release_version == status["current_version"]
+
+    with server() as url:
+        status = _status(url, "w")
+        assert status["current_release_id"] == head["release_id"]
+        assert status["activation_error"]["release_id"] == failed_id
+        receipt = _chat(url, "w").headers["x-reef-agent-record-id"]
+        record = httpx.get(f"{url}/reef/scenarios/w/records/{receipt}").json()
+        assert record["artifact_ref"] == status["current_version"]
