@@ -51,13 +51,10 @@ from reef_core.grow.device import resolve_device
 from reef_core.grow.objective import Objective
 from reef_core.grow.token_batch import TokenBatch
 from reef_core.grow.trainer import CandidateUpdate, TrainContext, Trainer
+from reef_core.surfaces.weights import ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, MODEL_FILE
 
 log = logging.getLogger("reef.grow.torch")
 
-MODEL_FILE = "model.safetensors"
-ADAPTER_DIR = "adapter"
-ADAPTER_CONFIG = f"{ADAPTER_DIR}/adapter_config.json"
-ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
 
 

@@ -16,7 +16,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from ..errors import ConfigError, Conflict
+from ..errors import ConfigError, Conflict, ValidationFailed
 from .base import Surface
 
 if TYPE_CHECKING:
@@ -24,14 +24,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("reef.surfaces")
 
+#: The files that carry a weights release (written by ``reef_core.grow.torch_backend``).
+MODEL_FILE = "model.safetensors"
+ADAPTER_DIR = "adapter"
+ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/adapter_model.safetensors"
+ADAPTER_CONFIG = f"{ADAPTER_DIR}/adapter_config.json"
+
 
 def state_dict_from_files(files: Mapping[str, bytes], load_base_model: Callable[[], tuple[Any, Any]] | None):
     """The full state dict a release's files describe: a full checkpoint, or base + a PEFT adapter."""
     from safetensors.torch import load as load_safetensors
 
-    if "model.safetensors" in files:
-        return load_safetensors(files["model.safetensors"])
-    if "adapter/adapter_model.safetensors" in files:
+    if MODEL_FILE in files:
+        return load_safetensors(files[MODEL_FILE])
+    if ADAPTER_WEIGHTS in files:
         import json
         import tempfile
         from pathlib import Path
@@ -81,6 +87,21 @@ class WeightsSurface(Surface):
         elif self.owner != scenario:
             raise Conflict(f"this process already trains the weights of scenario {self.owner!r}; one full-weight "
                            f"scenario per process (start another deployment for {scenario!r})")
+
+    def validate(self, files) -> None:
+        """A weights release must name its weights: a full checkpoint or a PEFT adapter with its config.
+
+        Only names are checked: a trainer's files are serialised lazily (between checkpoints never), so
+        whether the bytes load is found out at activation, which restores the head when they do not."""
+        names = set(files or ())
+        if MODEL_FILE in names:
+            return
+        if ADAPTER_WEIGHTS in names:
+            if ADAPTER_CONFIG not in names:
+                raise ValidationFailed(f"a LoRA weights release needs {ADAPTER_CONFIG} beside {ADAPTER_WEIGHTS}")
+            return
+        raise ValidationFailed(f"a weights release holds {MODEL_FILE} or {ADAPTER_WEIGHTS}; got "
+                               f"{', '.join(sorted(names)[:5]) or 'no files'}")
 
     def activate(self, scenario, release_id, payload=None, files=None) -> None:
         with self._lock:

@@ -42,15 +42,29 @@ class TwoTreeTrainer(Trainer):
         return CandidateUpdate(files={"system_prompt.md": b"bad", POISON: b"x"})
 
 
-class TwoWeightsTrainer(Trainer):
-    """Step 1 proposes weights that load (an empty partial state dict), step 2 a weight file that does not load."""
+class WeightsTrainer(Trainer):
+    """Step 1 proposes weights that load (an empty partial state dict), step 2 a weight file that does not load,
+    step 3 a release without weights (refused by the surface's validation, before anything is committed)."""
 
     def train(self, batch, ctx):
         from safetensors.torch import save
 
         if ctx.step == 1:
             return CandidateUpdate(files={"model.safetensors": save({})})
-        return CandidateUpdate(files={"model.safetensors": b"this is not a safetensors file"})
+        if ctx.step == 2:
+            return CandidateUpdate(files={"model.safetensors": b"this is not a safetensors file"})
+        return CandidateUpdate(files={"notes.txt": b"no weights here"})
+
+
+class LiveWeightsTrainer(Trainer):
+    """Versions between checkpoints activate from memory: step 2's state dict names a tensor the model lacks."""
+
+    def train(self, batch, ctx):
+        import torch
+        from safetensors.torch import save
+
+        state = {} if ctx.step == 1 else {"no.such.weight": torch.zeros(1)}
+        return CandidateUpdate(files={"model.safetensors": save(state)}, payload=state)
 
 
 def _chat(url: str, scenario: str) -> httpx.Response:
@@ -137,7 +151,7 @@ def test_harness_activation_failure_restores_previous_release(serve_trainer):
 
 def test_weights_activation_failure_keeps_previous_weights(serve_trainer):
     def server():
-        return serve_trainer("two_weights", TwoWeightsTrainer, "engine.kind=local", "engine.model=tiny",
+        return serve_trainer("two_weights", WeightsTrainer, "engine.kind=local", "engine.model=tiny",
                              "engine.max_new_tokens=4", "engine.seed=0", "recipe.processor=per_report",
                              "recipe.surface=weights", "+recipe.processor_options.batch_size=1")
 
@@ -156,6 +170,10 @@ def test_weights_activation_failure_keeps_previous_weights(serve_trainer):
         assert record["artifact_ref"] == status["current_version"]
         release_version = head["metrics"]["serving_version"]
         assert release_version == status["current_version"]
+        # A candidate without weights never becomes a release: the surface validates before the commit.
+        commits = _train_one_step(url, "w", 4)
+        assert commits[3]["release_id"] is None and "weights surface refused" in commits[3]["decision"]["reason"]
+        assert next(r for r in _releases(url, "w") if r["current"])["release_id"] == head["release_id"]
 
     with server() as url:
         status = _status(url, "w")
@@ -164,3 +182,24 @@ def test_weights_activation_failure_keeps_previous_weights(serve_trainer):
         receipt = _chat(url, "w").headers["x-reef-agent-record-id"]
         record = httpx.get(f"{url}/reef/scenarios/w/records/{receipt}").json()
         assert record["artifact_ref"] == status["current_version"]
+
+
+def test_live_weights_activation_failure_keeps_previous_live_version(serve_trainer):
+    with serve_trainer("live_weights", LiveWeightsTrainer, "engine.kind=local", "engine.model=tiny",
+                       "engine.max_new_tokens=4", "engine.seed=0", "recipe.processor=per_report",
+                       "recipe.surface=weights", "trainer.checkpoint_every_n_versions=3",
+                       "+recipe.processor_options.batch_size=1") as url:
+        _train_one_step(url, "lw", 1)
+        serving = _status(url, "lw")
+        assert serving["current_release_id"] == "live:lw:1"
+        commits = _train_one_step(url, "lw", 3)
+        assert [c["operation"] for c in commits] == ["training", "training", "restore"]
+        assert commits[2]["failed_release_id"] == "live:lw:2" and commits[2]["target_release_id"] == "live:lw:1"
+        assert "keys the model lacks" in commits[2]["error"]
+        status = _status(url, "lw")
+        assert status["current_release_id"] == "live:lw:1" and status["current_version"] == serving["current_version"]
+        assert status["activation_error"]["release_id"] == "live:lw:2"
+        assert status["versions_since_checkpoint"] == 1
+        receipt = _chat(url, "lw").headers["x-reef-agent-record-id"]
+        assert httpx.get(f"{url}/reef/scenarios/lw/records/{receipt}").json()["artifact_ref"] == \
+            serving["current_version"]
