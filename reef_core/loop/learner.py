@@ -113,7 +113,7 @@ class ScenarioLearner:
                 self.head, _ = self.committer.publish(files, expected_head=None, operation="creation",
                                                       source={"kind": "seed"})
         if self.head is not None and self.surface is not None:
-            self.surface.activate(self.name, self.head.release_id, files=self._files(self.head.release_id))
+            self._serve_head_at_start()
             self._remember(self.head.release_id, {"serving_version": self.serving_version()})
         self.ports.pool.register(self.name, self._turn)
         if self.processor is not None:
@@ -338,6 +338,24 @@ class ScenarioLearner:
 
     # -- activation ----------------------------------------------------------------------------------
 
+    def _serve_head_at_start(self) -> None:
+        """Activate the head at start-up. A head that does not activate (a crash came between its commit and its
+        restore) is answered as at any time: the head returns to its parent. With nothing left to serve this
+        raises (the deployment quarantines the scenario instead of serving a version it does not have)."""
+        parent = None
+        # A restore that does not activate either is not answered by another one (a restart would chain them).
+        if self.head.parent_release_id and self.head.operation != "restore":
+            try:
+                parent = self.artifacts.get(self.head.parent_release_id)
+            except NotFound:
+                parent = None
+        if self._activate_committed(self.head.release_id, (parent, None)):
+            return
+        failure = self.activation_error
+        if not failure.get("restored_activated"):
+            raise ActivationFailed(f"scenario {self.name!r}: head {failure['release_id']} failed to activate "
+                                   f"({failure['error']}) and no earlier release could be restored")
+
     def _activate_committed(self, release_id: str, before: tuple[Release | None, str | None], *,
                             payload=None, durable: bool = True) -> bool:
         """Serve a release that is already committed; True when it serves.
@@ -358,6 +376,7 @@ class ScenarioLearner:
                       traceback.format_exc())
         before_head, before_live = before
         restored_id = None
+        restored_activated = False  # not re-activated when a live version still serves from memory
         if not durable:
             # A live version is only a log row: say it never served; the head did not move.
             self.committer.record_failed_live(failed_release_id=release_id, error=error,
@@ -374,11 +393,13 @@ class ScenarioLearner:
                 # Same content as what serves; activated so the surface names the release the head names.
                 try:
                     self.surface.activate(self.name, restored_id, files=self._files(restored_id))
+                    restored_activated = True
                 except Exception as again:  # noqa: BLE001
                     error += f"; re-activating the restored release failed too: {type(again).__name__}: {again}"
                     log.error("scenario %s: restored release %s failed to activate: %s", self.name, restored_id, again)
             self._remember(restored_id, {"serving_version": self.serving_version()})
         self.activation_error = {"release_id": release_id, "error": error, "restored_release_id": restored_id,
+                                 "restored_activated": restored_activated,
                                  "serving_release_id": self.current_release_id(),
                                  "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         self.last_error = f"activation of {release_id} failed: {error}"

@@ -6,6 +6,9 @@ from __future__ import annotations
 import httpx
 
 from reef_core import hookimpl
+from reef_core.commit.commitlog import CommitLog
+from reef_core.commit.committer import Committer
+from reef_core.commit.git_store import GitArtifactStore
 from reef_core.grow.trainer import CandidateUpdate, Trainer
 from reef_core.surfaces.harness import HarnessSurface
 from reef_core.testing.fixtures import wait_until
@@ -108,7 +111,7 @@ def _assert_restored(url: str, scenario: str, good: dict, failed_id: str) -> dic
     return head
 
 
-def test_harness_activation_failure_restores_previous_release(serve_trainer):
+def test_harness_activation_failure_restores_previous_release(serve_trainer, tmp_path):
     def server():
         return serve_trainer("two_trees", TwoTreeTrainer, "recipe.processor=per_report",
                              "recipe.surface=flaky_harness", "+recipe.processor_options.batch_size=1",
@@ -147,6 +150,16 @@ def test_harness_activation_failure_restores_previous_release(serve_trainer):
         assert status["current_release_id"] == head["release_id"]
         assert status["activation_error"]["restored_release_id"] == head["release_id"]
         assert _chat(url, "flaky").headers["x-reef-release-id"] == head["release_id"]
+
+    # A crash between a commit and its restore leaves a head that does not activate: start-up restores its parent.
+    store = GitArtifactStore(tmp_path / "artifacts.git", tmp_path / "artifacts-work")
+    with CommitLog.for_scenario(tmp_path / "commits", "flaky") as commit_log:
+        crashed, _ = Committer(store, commit_log, "flaky").publish(
+            {"system_prompt.md": b"bad", POISON: b"x"}, expected_head=head["release_id"])
+    with server() as url:
+        restored = _assert_restored(url, "flaky", good, crashed.release_id)
+        assert restored["source"]["release_id"] == head["release_id"]
+        assert _chat(url, "flaky").headers["x-reef-release-id"] == restored["release_id"]
 
 
 def test_weights_activation_failure_keeps_previous_weights(serve_trainer):
