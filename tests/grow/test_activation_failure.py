@@ -82,8 +82,13 @@ def _train_one_step(url: str, scenario: str, rows: int) -> list[dict]:
     report = httpx.post(f"{url}/reef/report", headers={"x-reef-scenario": scenario},
                         json={"score": 1, "references": [receipt]})
     assert report.status_code == 200, report.text
-    return wait_until(lambda: (lambda c: c if len(c) >= rows else None)(
-        httpx.get(f"{url}/reef/scenarios/{scenario}/commits").json()["commits"]), timeout=120)
+    return wait_until(lambda: (lambda c: c if len(c) >= rows else None)(_commits(url, scenario)), timeout=120)
+
+
+def _commits(url: str, scenario: str) -> list[dict]:
+    """The commit log after the scenario's creation (release 0, when the recipe makes one)."""
+    rows = httpx.get(f"{url}/reef/scenarios/{scenario}/commits").json()["commits"]
+    return [row for row in rows if row["operation"] != "creation"]
 
 
 def _releases(url: str, scenario: str) -> list[dict]:
