@@ -104,17 +104,29 @@ class ScenarioLearner:
         consumed = set(recovered.consumed_ids) | self.ports.records.consumed_ids(self.name)
         if self.processor is not None:
             self.processor.restore(consumed)
-        if self.head is None and self._trainer is not None:
-            files = self._trainer.initial_files()
-            if files:
-                self.head, _ = self.committer.publish(files, expected_head=None, operation="creation",
-                                                      source={"kind": "seed"})
-        if self.head is not None and self.surface is not None:
+        if self.head is None:
+            self._create()
+        if self.head is not None and self.surface is not None and self.training_disabled is None:
+            # A scenario that may not move the engine's weights serves what the owner serves: nothing to restore.
             self.surface.activate(self.name, self.head.release_id, files=self._files(self.head.release_id))
             self._remember(self.head.release_id, {"serving_version": self.serving_version()})
         self.ports.pool.register(self.name, self._turn)
         if self.processor is not None:
             self.wake()  # catch up on records stored before this start (a restart, a replayed stream)
+
+    def _create(self) -> None:
+        """Publish release 0 of a new scenario, so its chain is never empty and a rollback can reach the start.
+
+        The trainer's seed files (a harness recipe), else what the surface says a start is (``base.json``
+        naming the base model, for weights). A scenario without either (no surface: nothing it serves comes
+        from the chain) gets none."""
+        files, source = {}, {"kind": "seed"}
+        if self._trainer is not None:
+            files = self._trainer.initial_files()
+        if not files and self.surface is not None:
+            files, source = self.surface.creation_files(), {"kind": "base"}
+        if files:
+            self.head, _ = self.committer.publish(files, expected_head=None, operation="creation", source=source)
 
     def _build_trainer(self) -> Trainer:
         if self._trainer is None:
@@ -150,13 +162,14 @@ class ScenarioLearner:
 
     def _load_start_model(self):
         """The model a weights trainer starts from: the scenario's head checkpoint, else the base."""
-        from ..surfaces.weights import state_dict_from_files
+        from ..surfaces.weights import base_reference, state_dict_from_files
 
         load_base_model = self.ports.serving.load_base_model
         model, tokenizer = load_base_model()
         if self.head is not None:
-            state = state_dict_from_files(self.artifacts.read_files(self.head.release_id), load_base_model)
-            model.load_state_dict(state, strict=False)
+            files = self.artifacts.read_files(self.head.release_id)
+            if base_reference(files) is None:  # a creation release is the base itself
+                model.load_state_dict(state_dict_from_files(files, load_base_model), strict=False)
         return model, tokenizer
 
     # -- the loop ------------------------------------------------------------------------------------
