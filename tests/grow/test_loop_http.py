@@ -244,3 +244,7 @@ def test_rollback_of_weights_restores_exact_logprobs(reef_server):
     assert head["metrics"]["serving_version"] == tokens2["version"]
     assert head["content_id"] == next(r["content_id"] for r in _releases(server, scenario)
                                       if r["release_id"] == creation)
+    # Every record's version maps to a release of the chain.
+    mapped = {r["metrics"].get("serving_version"): r["release_id"] for r in _releases(server, scenario)}
+    served = {r["artifact_ref"] for r in _records(server, scenario) if r["request_type"] == "inference"}
+    assert served and served <= set(mapped), (served, mapped)
