@@ -369,8 +369,17 @@ class ScenarioLearner:
         self._remember(release_id, {"first_response_ms": round(latency_ms, 3)})
 
     def _remember(self, release_id: str, metrics: dict) -> None:
-        """Metrics known only after publication (serving version, publish latency), kept beside the chain."""
-        self.release_metrics[release_id] = {**self.release_metrics.get(release_id, {}), **metrics}
+        """Metrics known only after publication (serving version, publish latency), kept beside the chain.
+
+        ``serving_version`` is the version serving the release now; ``serving_versions`` every version that
+        ever served it (a restart serves the head under a new incarnation), so each record's version maps
+        to a release."""
+        known = self.release_metrics.get(release_id, {})
+        version = metrics.get("serving_version")
+        if version is not None:
+            earlier = list(known.get("serving_versions", []))
+            metrics = {**metrics, "serving_versions": earlier + [version] if version not in earlier else earlier}
+        self.release_metrics[release_id] = {**known, **metrics}
         self._save_release_metrics()
 
     def _release_metrics_path(self) -> Path:

@@ -244,7 +244,15 @@ def test_rollback_of_weights_restores_exact_logprobs(reef_server):
     assert head["metrics"]["serving_version"] == tokens2["version"]
     assert head["content_id"] == next(r["content_id"] for r in _releases(server, scenario)
                                       if r["release_id"] == creation)
-    # Every record's version maps to a release of the chain.
-    mapped = {r["metrics"].get("serving_version"): r["release_id"] for r in _releases(server, scenario)}
+    # After a restart (a new engine incarnation) the head serves under a new version; every record's
+    # version, old or new, maps to a release of the chain.
+    server.kill()
+    server.start()
+    text3, tokens3 = _probe(server, client, scenario)
+    assert (text3, tokens3["output_ids"]) == (text0, tokens0["output_ids"])
+    assert tokens3["version"].split(":")[0] != tokens2["version"].split(":")[0]
+    mapped = {v: r["release_id"] for r in _releases(server, scenario) for v in r["metrics"].get("serving_versions", [])}
     served = {r["artifact_ref"] for r in _records(server, scenario) if r["request_type"] == "inference"}
-    assert served and served <= set(mapped), (served, mapped)
+    assert len(served) == 4 and served <= set(mapped), (served, mapped)
+    assert mapped[tokens3["version"]] == mapped[tokens2["version"]] == head["release_id"]
+    assert mapped[tokens0["version"]] == creation
