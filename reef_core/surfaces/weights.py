@@ -151,10 +151,10 @@ class WeightsSurface(Surface):
                 version = str(self.engine.version)
             else:
                 state = payload if payload is not None else state_dict_from_files(contents, self.ports.load_base_model)
-                self.sequence += 1
-                version = f"{self.incarnation}:{self.sequence}"
+                version = f"{self.incarnation}:{self.sequence + 1}"
                 self.ports.run_async(self.engine.swap_weights(version, state))
-                self._on_base = ref is not None
+                self.sequence += 1
+                self._on_base = ref is not None  # only once the swap succeeded
             self.release_of[version] = release_id
             log.info("scenario %s now served by %s (release %s)", scenario, version, release_id)
 
