@@ -51,7 +51,7 @@ from reef_core.grow.device import resolve_device
 from reef_core.grow.objective import Objective
 from reef_core.grow.token_batch import TokenBatch
 from reef_core.grow.trainer import CandidateUpdate, TrainContext, Trainer
-from reef_core.surfaces.weights import ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, MODEL_FILE
+from reef_core.surfaces.weights import ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, MODEL_FILE, base_reference
 
 log = logging.getLogger("reef.grow.torch")
 
@@ -382,7 +382,12 @@ class TorchTrainer(Trainer):
     def _load_release(self, release_id: str, files: Mapping[str, Any]) -> None:
         """Load the weights of a release this trainer did not produce in this process (restart, rollback)."""
         loaded = False
-        if not self.lora and MODEL_FILE in files:
+        if base_reference(files) is not None:
+            # A creation release: back to the base. Freshly loaded, the policy already is it (it loads the head).
+            if self._expected_release is not None:
+                self._reset_to_base()
+                loaded = True
+        elif not self.lora and MODEL_FILE in files:
             state = _load_safetensors(files[MODEL_FILE])
             missing = [k for k in self._export_keys if k not in state]
             if missing:
@@ -404,6 +409,17 @@ class TorchTrainer(Trainer):
             log.info("release %s holds no %s weights; training continues from the weights in memory", release_id,
                      "adapter" if self.lora else "model")
         self._snapshot = self._take_snapshot()
+
+    def _reset_to_base(self) -> None:
+        """The base weights again: zeroed LoRA ``B`` matrices (the adapter adds nothing), or the base state dict."""
+        with torch.no_grad():
+            if self.lora:
+                for name, param in self._policy.named_parameters():
+                    if "lora_B" in name:
+                        param.zero_()
+            else:
+                base = self._loader()[0].state_dict()
+                self._policy.load_state_dict({k: base[k] for k in self._export_keys}, strict=False)
 
     # -- export ------------------------------------------------------------------------------------------------
 

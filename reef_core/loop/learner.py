@@ -107,17 +107,29 @@ class ScenarioLearner:
         consumed = set(recovered.consumed_ids) | self.ports.records.consumed_ids(self.name)
         if self.processor is not None:
             self.processor.restore(consumed)
-        if self.head is None and self._trainer is not None:
-            files = self._trainer.initial_files()
-            if files:
-                self.head, _ = self.committer.publish(files, expected_head=None, operation="creation",
-                                                      source={"kind": "seed"})
-        if self.head is not None and self.surface is not None:
+        if self.head is None:
+            self._create()
+        if self.head is not None and self.surface is not None and self.training_disabled is None:
+            # A scenario that may not move the engine's weights serves what the owner serves: nothing to restore.
             self._serve_head_at_start()
             self._remember(self.head.release_id, {"serving_version": self.serving_version()})
         self.ports.pool.register(self.name, self._turn)
         if self.processor is not None:
             self.wake()  # catch up on records stored before this start (a restart, a replayed stream)
+
+    def _create(self) -> None:
+        """Publish release 0 of a new scenario, so its chain is never empty and a rollback can reach the start.
+
+        The trainer's seed files (a harness recipe), else what the surface says a start is (``base.json``
+        naming the base model, for weights). A scenario without either (no surface: nothing it serves comes
+        from the chain) gets none."""
+        files, source = {}, {"kind": "seed"}
+        if self._trainer is not None:
+            files = self._trainer.initial_files()
+        if not files and self.surface is not None:
+            files, source = self.surface.creation_files(), {"kind": "base"}
+        if files:
+            self.head, _ = self.committer.publish(files, expected_head=None, operation="creation", source=source)
 
     def _build_trainer(self) -> Trainer:
         if self._trainer is None:
@@ -153,13 +165,14 @@ class ScenarioLearner:
 
     def _load_start_model(self):
         """The model a weights trainer starts from: the scenario's head checkpoint, else the base."""
-        from ..surfaces.weights import state_dict_from_files
+        from ..surfaces.weights import base_reference, state_dict_from_files
 
         load_base_model = self.ports.serving.load_base_model
         model, tokenizer = load_base_model()
         if self.head is not None:
-            state = state_dict_from_files(self.artifacts.read_files(self.head.release_id), load_base_model)
-            model.load_state_dict(state, strict=False)
+            files = self.artifacts.read_files(self.head.release_id)
+            if base_reference(files) is None:  # a creation release is the base itself
+                model.load_state_dict(state_dict_from_files(files, load_base_model), strict=False)
         return model, tokenizer
 
     # -- the loop ------------------------------------------------------------------------------------
@@ -430,8 +443,17 @@ class ScenarioLearner:
         self._remember(release_id, {"first_response_ms": round(latency_ms, 3)})
 
     def _remember(self, release_id: str, metrics: dict) -> None:
-        """Metrics known only after publication (serving version, publish latency), kept beside the chain."""
-        self.release_metrics[release_id] = {**self.release_metrics.get(release_id, {}), **metrics}
+        """Metrics known only after publication (serving version, publish latency), kept beside the chain.
+
+        ``serving_version`` is the version serving the release now; ``serving_versions`` every version that
+        ever served it (a restart serves the head under a new incarnation), so each record's version maps
+        to a release."""
+        known = self.release_metrics.get(release_id, {})
+        version = metrics.get("serving_version")
+        if version is not None:
+            earlier = list(known.get("serving_versions", []))
+            metrics = {**metrics, "serving_versions": earlier + [version] if version not in earlier else earlier}
+        self.release_metrics[release_id] = {**known, **metrics}
         self._save_release_metrics()
 
     def _release_metrics_path(self) -> Path:

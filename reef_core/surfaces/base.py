@@ -21,6 +21,12 @@ class Surface(ABC):
     def validate(self, files: Mapping[str, Any]) -> None:
         """Refuse a release that must not be published (raise ``ValidationFailed``)."""
 
+    def creation_files(self) -> Mapping[str, Any]:
+        """The files of a new scenario's first release (``creation``) when its trainer seeds none.
+
+        Empty: the surface has nothing to say about a scenario's start (no creation release)."""
+        return {}
+
     def activate(self, scenario: str, release_id: str | None, payload: Any = None,
                  files: Callable[[], Mapping[str, bytes]] | None = None) -> None:
         """Make ``release_id`` what serves ``scenario`` from the next request on.

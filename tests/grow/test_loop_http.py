@@ -148,11 +148,13 @@ def test_rejected_candidate_changes_nothing_that_serves(reef_server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
     scenario = "gated"
     _report_tasks(server, client, scenario, reef_sao_tasks.task_stream(seed=3), 8)  # two batches of 4
-    rows = wait_until(lambda: (c := _commits(server, scenario)) and len(c) >= 2 and c)
+    rows = wait_until(lambda: (c := _commits(server, scenario)) and len(c) >= 3 and c)
+    assert rows[0]["operation"] == "creation"  # release 0: the base model reference
+    rows = rows[1:]
     assert all(row["release_id"] is None and row["decision"]["decision"] == "reject" for row in rows)
     assert "floor" in rows[0]["decision"]["reason"] or "no task scores" in rows[0]["decision"]["reason"]
     assert sum(len(row["consumed_ids"]) for row in rows) == 16  # 8 receipts + 8 reports, consumed once
-    assert _releases(server, scenario) == []
+    assert [r["operation"] for r in _releases(server, scenario)] == ["creation"]
     status = httpx.get(f"{server.url}/reef/scenarios/{scenario}/status").json()
     assert status["current_version"].endswith(":0") and status["counters"]["rejected"] >= 2
 
@@ -163,9 +165,9 @@ def test_restart_resumes_from_last_checkpoint_without_retraining(reef_server):
     scenario = "durable"
     tasks = reef_sao_tasks.task_stream(seed=5)
     _report_tasks(server, client, scenario, tasks, 12)  # three batches of 4: live, checkpoint, live
-    rows = wait_until(lambda: (c := _commits(server, scenario)) and len(c) >= 3 and c)
-    assert [bool(r["release_id"]) for r in rows[:3]] == [False, True, False]
-    checkpoint = rows[1]["release_id"]
+    rows = wait_until(lambda: (c := _commits(server, scenario)) and len(c) >= 4 and c)
+    assert [bool(r["release_id"]) for r in rows[:4]] == [True, False, True, False]  # creation first
+    checkpoint = rows[2]["release_id"]
     consumed = {i for r in rows for i in r["consumed_ids"]}
     server.kill()
     server.start()
@@ -189,5 +191,68 @@ def test_one_full_weight_training_scenario_per_process(reef_server):
     status = wait_until(lambda: (s := httpx.get(f"{server.url}/reef/scenarios/second/status").json())
                    ["records_seen"] >= 8 and s)
     assert "'first'" in status["training_disabled"]
-    assert status["step"] == 0 and _commits(server, "second") == []
+    # It has its creation release (the base) and nothing trained.
+    assert status["step"] == 1 and [c["operation"] for c in _commits(server, "second")] == ["creation"]
     assert httpx.get(f"{server.url}/reef/scenarios/first/status").json()["training_disabled"] is None
+
+
+PROBE = [{"role": "user", "content": "spell the word banana backwards"}]
+
+
+def _probe(server, client, scenario):
+    """A greedy completion of a fixed prompt and the token record the server kept for it."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=PROBE, temperature=0, max_tokens=16, extra_headers={"x-reef-scenario": scenario})
+    receipt = raw.headers["x-reef-agent-record-id"]
+    detail = httpx.get(f"{server.url}/reef/scenarios/{scenario}/records/{receipt}").json()
+    return raw.parse().choices[0].message.content or "", detail["payload"]["tokens"]
+
+
+def test_rollback_of_weights_restores_exact_logprobs(reef_server):
+    server = reef_server("+recipe=sao", "+sao_profile=tiny", "engine.seed=0", "seed=2",
+                         "trainer.checkpoint_every_n_versions=1")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    scenario = "rewind"
+
+    # A new weights scenario starts with release 0, the base model reference, serving its first records.
+    text0, tokens0 = _probe(server, client, scenario)
+    rows = _releases(server, scenario)
+    assert [r["operation"] for r in rows] == ["creation"] and rows[0]["current"], server.log()[-3000:]
+    creation = rows[0]["release_id"]
+    assert rows[0]["metrics"]["serving_version"] == tokens0["version"]  # the record's version maps to it
+
+    # One batch (4 reports) trains one release, which then serves.
+    _report_tasks(server, client, scenario, reef_sao_tasks.task_stream(seed=11), 4)
+    trained = wait_until(lambda: [r for r in _releases(server, scenario) if r["operation"] == "training"], 300)
+    assert len(trained) == 1, server.log()
+    text1, tokens1 = _probe(server, client, scenario)
+    assert tokens1["version"] == trained[0]["metrics"]["serving_version"] != tokens0["version"]
+    moved = tokens1["output_ids"] != tokens0["output_ids"] or not torch.allclose(
+        torch.tensor(tokens1["output_logprobs"]), torch.tensor(tokens0["output_logprobs"]), atol=1e-5)
+    assert moved, "training left the probe's log-probs unchanged: the rollback check below would prove nothing"
+
+    rolled = httpx.post(f"{server.url}/reef/scenarios/{scenario}/rollback", json={"release_id": creation})
+    assert rolled.status_code == 200, rolled.text
+    text2, tokens2 = _probe(server, client, scenario)
+    assert tokens2["version"] not in (tokens0["version"], tokens1["version"])
+    assert (text2, tokens2["output_ids"]) == (text0, tokens0["output_ids"])
+    assert torch.allclose(torch.tensor(tokens2["output_logprobs"]), torch.tensor(tokens0["output_logprobs"]),
+                          atol=1e-5)
+    head = _releases(server, scenario)[0]
+    assert head["operation"] == "rollback" and head["current"]
+    assert head["release_id"] == rolled.json()["release_id"]
+    assert head["metrics"]["serving_version"] == tokens2["version"]
+    assert head["content_id"] == next(r["content_id"] for r in _releases(server, scenario)
+                                      if r["release_id"] == creation)
+    # After a restart (a new engine incarnation) the head serves under a new version; every record's
+    # version, old or new, maps to a release of the chain.
+    server.kill()
+    server.start()
+    text3, tokens3 = _probe(server, client, scenario)
+    assert (text3, tokens3["output_ids"]) == (text0, tokens0["output_ids"])
+    assert tokens3["version"].split(":")[0] != tokens2["version"].split(":")[0]
+    mapped = {v: r["release_id"] for r in _releases(server, scenario) for v in r["metrics"].get("serving_versions", [])}
+    served = {r["artifact_ref"] for r in _records(server, scenario) if r["request_type"] == "inference"}
+    assert len(served) == 4 and served <= set(mapped), (served, mapped)
+    assert mapped[tokens3["version"]] == mapped[tokens2["version"]] == head["release_id"]
+    assert mapped[tokens0["version"]] == creation

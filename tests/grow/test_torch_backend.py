@@ -384,3 +384,21 @@ def test_trainer_device_follows_the_engine_and_holds_policy_batches_and_payload(
         TorchTrainer.from_config(Reinforce(), setup, TrainerConfig(device="cuda:99"), who="test")
     with pytest.raises(ConfigError, match=r"^trainer\.device must be one of"):
         TorchTrainer(Reinforce(), loader(tok), device="gpu")
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_rollback_to_the_creation_release_resyncs_the_policy_to_the_base(tok, lora):
+    trainer = TorchTrainer(Reinforce(), loader(tok), lr=1e-2, lora=lora, lora_rank=4, lora_alpha=8)
+    base = logits(trainer.policy)
+    creation = {"base.json": b'{"digest": "sha256:0", "model": "tiny"}'}
+    ctx = TrainContext(scenario="s", step=2, serving_release_id="rel-0", serving_version="base:0",
+                       algorithm_state=None, current_files=lambda: creation)
+    trainer._sync(ctx)  # freshly loaded from the creation release: nothing to reset
+    trainer.accepted(trainer.step(TokenBatch.from_rows(rows(tok))), "rel-1")
+    assert not torch.allclose(logits(trainer.policy), base)
+    # The head was rolled back to (a republish of) the creation release: the next step starts from the base.
+    trainer._sync(TrainContext(scenario="s", step=3, serving_release_id="rel-2", serving_version="base:2",
+                               algorithm_state=None, current_files=lambda: creation))
+    assert torch.allclose(logits(trainer.policy), base, atol=1e-6)
+    trainer.rejected(None)  # and that is the new rollback point
+    assert torch.allclose(logits(trainer.policy), base, atol=1e-6)
