@@ -34,39 +34,50 @@ class FlakyHarnessPlugin:
         register("flaky_harness", lambda *, ports=None, options=None: FlakyHarness(ports.artifacts, options))
 
 
-class TwoTreeTrainer(Trainer):
+class CountingTrainer(Trainer):
+    """Numbers its own training calls: commit-log steps also count the scenario's creation release."""
+
+    calls = 0
+
+    def nth_call(self) -> int:
+        self.calls += 1
+        return self.calls
+
+
+class TwoTreeTrainer(CountingTrainer):
     """Step 1 proposes a good tree, every later step one the surface fails to activate."""
 
     artifact_kind = "harness"
 
     def train(self, batch, ctx):
-        if ctx.step == 1:
+        if self.nth_call() == 1:
             return CandidateUpdate(files={"system_prompt.md": b"good"})
         return CandidateUpdate(files={"system_prompt.md": b"bad", POISON: b"x"})
 
 
-class WeightsTrainer(Trainer):
+class WeightsTrainer(CountingTrainer):
     """Step 1 proposes weights that load (an empty partial state dict), step 2 a weight file that does not load,
     step 3 a release without weights (refused by the surface's validation, before anything is committed)."""
 
     def train(self, batch, ctx):
         from safetensors.torch import save
 
-        if ctx.step == 1:
+        step = self.nth_call()
+        if step == 1:
             return CandidateUpdate(files={"model.safetensors": save({})})
-        if ctx.step == 2:
+        if step == 2:
             return CandidateUpdate(files={"model.safetensors": b"this is not a safetensors file"})
         return CandidateUpdate(files={"notes.txt": b"no weights here"})
 
 
-class LiveWeightsTrainer(Trainer):
+class LiveWeightsTrainer(CountingTrainer):
     """Versions between checkpoints activate from memory: step 2's state dict names a tensor the model lacks."""
 
     def train(self, batch, ctx):
         import torch
         from safetensors.torch import save
 
-        state = {} if ctx.step == 1 else {"no.such.weight": torch.zeros(1)}
+        state = {} if self.nth_call() == 1 else {"no.such.weight": torch.zeros(1)}
         return CandidateUpdate(files={"model.safetensors": save(state)}, payload=state)
 
 
@@ -82,7 +93,11 @@ def _train_one_step(url: str, scenario: str, rows: int) -> list[dict]:
     report = httpx.post(f"{url}/reef/report", headers={"x-reef-scenario": scenario},
                         json={"score": 1, "references": [receipt]})
     assert report.status_code == 200, report.text
-    return wait_until(lambda: (lambda c: c if len(c) >= rows else None)(_commits(url, scenario)), timeout=120)
+    commits = wait_until(lambda: (lambda c: c if len(c) >= rows else None)(_commits(url, scenario)), timeout=120)
+    # A commit-log row is the commit point; activation (or the restore after a failed one) follows it: wait
+    # until the learner has finished its turn, so head, status and serving have settled.
+    wait_until(lambda: _status(url, scenario).get("learner") == "idle", timeout=120)
+    return commits
 
 
 def _commits(url: str, scenario: str) -> list[dict]:
@@ -209,14 +224,14 @@ def test_live_weights_activation_failure_keeps_previous_live_version(serve_train
                        "+recipe.processor_options.batch_size=1") as url:
         _train_one_step(url, "lw", 1)
         serving = _status(url, "lw")
-        assert serving["current_release_id"] == "live:lw:1"
+        assert serving["current_release_id"] == "live:lw:2"
         commits = _train_one_step(url, "lw", 3)
         assert [c["operation"] for c in commits] == ["training", "training", "restore"]
-        assert commits[2]["failed_release_id"] == "live:lw:2" and commits[2]["target_release_id"] == "live:lw:1"
+        assert commits[2]["failed_release_id"] == "live:lw:3" and commits[2]["target_release_id"] == "live:lw:2"
         assert "keys the model lacks" in commits[2]["error"]
         status = _status(url, "lw")
-        assert status["current_release_id"] == "live:lw:1" and status["current_version"] == serving["current_version"]
-        assert status["activation_error"]["release_id"] == "live:lw:2"
+        assert status["current_release_id"] == "live:lw:2" and status["current_version"] == serving["current_version"]
+        assert status["activation_error"]["release_id"] == "live:lw:3"
         assert status["versions_since_checkpoint"] == 1
         receipt = _chat(url, "lw").headers["x-reef-agent-record-id"]
         assert httpx.get(f"{url}/reef/scenarios/lw/records/{receipt}").json()["artifact_ref"] == \
