@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import random
-import uuid
 
 import pytest
-import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 
@@ -17,27 +15,14 @@ from reef_core.observe.engine import MIGRATIONS_DIR, create_engines, current_rev
 from reef_core.observe.processors.conversation import tokens_of
 from reef_core.observe.records import Record, RecordStore
 
-PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 VOCAB = 151_936  # a large (Qwen-sized) vocabulary: ids need more than 16 bits
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def target(request, tmp_path):
-    """(url, data_dir, open options) of an empty store location."""
-    if request.param == "sqlite":
-        yield None, tmp_path, {}
-        return
-    engine = sa.create_engine(PG_URL)
-    try:
-        with engine.connect():
-            pass
-    except sa.exc.OperationalError as exc:
-        pytest.skip(f"PostgreSQL not reachable at {PG_URL}: {exc.orig}")
-    schema = f"reef_test_{uuid.uuid4().hex[:12]}"
-    yield PG_URL, tmp_path, {"schema": schema}
-    with engine.begin() as conn:
-        conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-    engine.dispose()
+@pytest.fixture
+def target(records_database, tmp_path):
+    """(url, data_dir, open options) of an empty store location (SQLite, or a PostgreSQL schema of its own)."""
+    url, options = records_database
+    return url, tmp_path, options
 
 
 def _generation(n_out: int, k: int, seed: int = 0) -> TokenData:
