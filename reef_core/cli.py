@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="start the HTTP server (e.g. reef serve +recipe=sao server.port=8900)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides")
 
-    p = sub.add_parser("config", help="print the resolved config, secrets redacted")
+    p = sub.add_parser("config", help="print the resolved config, secrets redacted (routed recipes' own sections "
+                                      "under routed_recipes)")
     p.add_argument("overrides", nargs="*")
 
     p = sub.add_parser("plugins", help="list loaded plugins, their hooks and components")
@@ -85,9 +86,15 @@ def cmd_serve(args) -> int:
 
 def cmd_config(args) -> int:
     from .config import as_yaml, compose_config, redacted
+    from .config.recipes import recipe_bindings
 
     cfg = compose_config(args.overrides)
-    print(as_yaml(redacted(cfg)), end="")
+    data = redacted(cfg)
+    # A routed recipe runs with its own composition, not the top-level sections above: show what it runs with.
+    routed = {name: binding.sections() for name, binding in recipe_bindings(cfg).items() if not binding.default}
+    if routed:
+        data["routed_recipes"] = redacted(routed)
+    print(as_yaml(data), end="")
     return EXIT_OK
 
 

@@ -9,29 +9,32 @@ from .. import hookimpl
 
 
 def dry_run(cfg, output_dir: Path) -> dict:  # cfg: the job's ReefConfig
-    """Compose and validate the job's config (components resolvable), then write it resolved."""
+    """Compose and validate the job's config (components resolvable, routed recipes composed with their route
+    overrides and their components resolvable too), then write it resolved."""
+    from ..config.recipes import check_components, recipe_bindings
     from ..plugins import get_plugin_manager
 
     pm = get_plugin_manager()
-    checks = {}
-    recipe = cfg.recipe
-    for kind, name in (("processor", recipe.processor), ("trainer", recipe.trainer),
-                       ("surface", recipe.surface), ("report_schema", recipe.report_schema),
-                       ("engine", cfg.engine.kind), ("selection_policy", cfg.evaluation.policy),
-                       ("evaluator", cfg.evaluation.evaluator)):
-        if name and ":" in name:  # an explicit dotted path: it must import
-            from ..dotted import load_object
+    if ":" in cfg.engine.kind:  # an explicit dotted path: it must import
+        from ..dotted import load_object
 
-            load_object(name)
-            checks[kind] = name
-        elif name:
-            pm.get(kind, name)  # raises UnknownComponent with the available names
-            checks[kind] = name
+        load_object(cfg.engine.kind)
+    else:
+        pm.get("engine", cfg.engine.kind)  # raises UnknownComponent with the available names
+    checks, routed = {"engine": cfg.engine.kind}, {}
+    for name, binding in recipe_bindings(cfg, pm).items():
+        found = check_components(binding, pm)  # a ``module:Name`` path must import
+        if binding.default:
+            checks.update(found)
+        else:
+            routed[name] = {"patterns": list(binding.patterns), "components": found}
     output_dir.mkdir(parents=True, exist_ok=True)
     from ..config import as_yaml
 
     (output_dir / "resolved.yaml").write_text(as_yaml(cfg))
-    summary = {"task": "dry_run", "recipe": recipe.name, "seed": cfg.seed, "components": checks}
+    summary = {"task": "dry_run", "recipe": cfg.recipe.name, "seed": cfg.seed, "components": checks}
+    if routed:
+        summary["routed_recipes"] = routed
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

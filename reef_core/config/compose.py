@@ -8,6 +8,7 @@ whose free-form option sections are ordinary dicts and lists, never an OmegaConf
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Iterable
 
@@ -36,7 +37,11 @@ def compose_config(overrides: Iterable[str] = (), plugin_manager=None) -> ReefCo
     pm = plugin_manager or get_plugin_manager()
     register_schema()
     overrides = list(overrides)
-    GlobalHydra.instance().clear()
+    # Composing inside a running Hydra app (a ``reef sweep`` job composing a route's recipe) must leave that
+    # app's Hydra in place for the jobs after it.
+    global_hydra = GlobalHydra.instance()
+    outer = global_hydra.hydra if global_hydra.is_initialized() else None
+    global_hydra.clear()
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
             try:
@@ -48,6 +53,10 @@ def compose_config(overrides: Iterable[str] = (), plugin_manager=None) -> ReefCo
         raise ConfigError(f"invalid configuration: {exc}") from None
     except OmegaConfBaseException as exc:
         raise ConfigError(_omegaconf_message(exc)) from None
+    finally:
+        if outer is not None:
+            global_hydra.clear()
+            global_hydra.initialize(outer)
 
 
 def to_plain(cfg: DictConfig) -> ReefConfig:
@@ -88,9 +97,9 @@ def recipe_descriptions(plugin_manager=None) -> dict[str, str]:
     return out
 
 
-def redacted(cfg: ReefConfig) -> dict[str, Any]:
-    """A dict copy of the config with secret values replaced by ``***``."""
-    data = dataclasses.asdict(cfg)
+def redacted(cfg: ReefConfig | dict[str, Any]) -> dict[str, Any]:
+    """A dict copy of the config (or of a dict of config sections) with secret values replaced by ``***``."""
+    data = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else copy.deepcopy(cfg)
 
     def scrub(node):
         if isinstance(node, dict):

@@ -171,10 +171,16 @@ class LearnConfig:
 
 @dataclass
 class RouteConfig:
-    """Scenario names matching ``pattern`` (fnmatch) are bound to ``recipe`` at creation."""
+    """Scenario names matching ``pattern`` (fnmatch) are bound to ``recipe`` at creation.
+
+    The routed recipe runs with its own composition (``+recipe=<recipe>`` plus ``overrides``): its ``recipe``,
+    ``trainer`` and ``evaluation`` sections, not the top-level ones (see ``reef_core.config.recipes``)."""
 
     pattern: str = "*"
     recipe: str = ""
+    #: Hydra overrides of the routed recipe's own sections (``trainer.lora=true``, ``evaluation.policy=floor``,
+    #: ``+sao_profile=tiny``); deployment-wide keys (server, storage, engine, ...) are refused at start-up.
+    overrides: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -186,7 +192,8 @@ class ReefConfig:
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
     #: Extra scenario-name → recipe routes for several recipes in one deployment; the first match
-    #: wins and unmatched scenarios get ``recipe``.
+    #: wins and unmatched scenarios get ``recipe``. ``recipe``, ``trainer`` and ``evaluation`` above are the
+    #: default recipe's; a routed recipe composes its own (plus its route's ``overrides``).
     routes: list[RouteConfig] = field(default_factory=list)
     seed: int = 0
     #: Offline task a ``reef sweep`` job runs.

@@ -5,6 +5,12 @@ parts do not reach back into it: surfaces get :class:`~reef_core.loop.ports.Serv
 learners :class:`~reef_core.loop.ports.LearnerPorts` and
 :class:`~reef_core.loop.ports.LearnerSettings`; all learners share one
 :class:`~reef_core.loop.pool.LearnerPool` (``trainer.learner_workers`` threads).
+
+Every recipe runs with its own composition (:class:`~reef_core.config.recipes.RecipeBinding`): a scenario's
+processor, trainer, surface and their options come from its recipe's ``recipe`` section, and its learner's
+settings (the trainer factory's ``trainer`` section, the gate's ``evaluation`` section) from the same recipe.
+Surfaces are built once per (surface name, surface options), so two recipes' harness surfaces keep their own
+options; a weights surface is built once per deployment, since the engine holds one set of base weights.
 """
 
 from __future__ import annotations
@@ -14,12 +20,13 @@ import fnmatch
 import logging
 import threading
 import time
-from dataclasses import dataclass
+import json
 from pathlib import Path
 from typing import Any
 
 from ..commit.commitlog import WriterLock
-from ..config.schema import RecipeConfig, ReefConfig
+from ..config.recipes import RecipeBinding, check_components, recipe_bindings
+from ..config.schema import ReefConfig
 from ..errors import ConfigError, NotFound, ReefError, ScenarioQuarantined
 from ..observe.records import RecordStore, Scenario
 from .pool import LearnerPool
@@ -27,13 +34,7 @@ from .ports import LearnerPorts, LearnerSettings, ServingPorts
 
 log = logging.getLogger("reef.serve")
 
-
-@dataclass(frozen=True)
-class RecipeBinding:
-    """A recipe section as composed from its package's config group."""
-
-    name: str
-    config: RecipeConfig  # processor, trainer, surface, report_schema and their options
+__all__ = ["Deployment", "RecipeBinding"]
 
 
 class Deployment:
@@ -45,10 +46,13 @@ class Deployment:
         self.artifacts = artifacts
         self.data_dir = Path(cfg.storage.data_dir)
         self.recipes = self._load_recipes()
+        self._settings = {name: LearnerSettings(data_dir=self.data_dir, seed=cfg.seed, trainer=binding.trainer,
+                                                evaluation=binding.evaluation)
+                          for name, binding in self.recipes.items()}
         self._scenarios: dict[str, Scenario] = {}
         self._scenario_lock = asyncio.Lock()
         self._report_schemas: dict[str, Any] = {}
-        self._surfaces: dict[str, Any] = {}
+        self._surfaces: dict[tuple[str, str], Any] = {}  # (surface name, its options as JSON) -> instance
         self._learners: dict[str, Any] = {}
         self._learners_lock = threading.RLock()  # also guards the writer lock, taken by start() or a learner
         self._quarantined: dict[str, str] = {}  # scenario -> why it could not start
@@ -61,33 +65,28 @@ class Deployment:
                                           load_base_model=self.load_base_model)
         self.learner_ports = LearnerPorts(serving=self.serving_ports, records=store, create=plugin_manager.create,
                                           notify=plugin_manager.notify, pool=self.pool)
-        self.learner_settings = LearnerSettings(data_dir=self.data_dir, seed=cfg.seed, trainer=cfg.trainer,
-                                                evaluation=cfg.evaluation)
+        #: The default recipe's settings (deployment-wide paths: the commit logs' directory).
+        self.learner_settings = self._settings[cfg.recipe.name]
         # Build every recipe's surface now: an impossible pairing (a weights recipe on an engine that
         # cannot swap weights) fails at start-up with a clear message, not on the first request.
         for binding in self.recipes.values():
-            self.surface(binding.config.surface)
+            self.surface(binding.config.surface, binding.config.surface_options)
 
     # -- recipes and scenarios ----------------------------------------------------------------
 
     def _load_recipes(self) -> dict[str, RecipeBinding]:
-        from ..config import compose_config
+        """Every recipe this deployment runs, each with its own sections (see ``reef_core.config.recipes``)."""
+        from ..grow.device import trainer_device
 
-        recipes: dict[str, RecipeBinding] = {}
-        default = self.cfg.recipe
-        recipes[default.name] = RecipeBinding(default.name, default)
-        for route in self.cfg.routes:
-            if route.recipe and route.recipe not in recipes:
-                # Each routed recipe brings its own recipe section, composed from its config group.
-                composed = compose_config([f"+recipe={route.recipe}"], self.pm)
-                recipes[route.recipe] = RecipeBinding(route.recipe, composed.recipe)
+        recipes = recipe_bindings(self.cfg, self.pm)
         for binding in recipes.values():
             # Fail at start-up, naming the available components, rather than on first use.
-            for kind, key in (("report_schema", "report_schema"), ("processor", "processor"),
-                              ("trainer", "trainer"), ("surface", "surface")):
-                name = getattr(binding.config, key)
-                if name:
-                    self.pm.get(kind, name)
+            check_components(binding, self.pm)
+            if not binding.default and binding.trainer.device is not None:
+                try:  # the default recipe's device was checked with the engine's (assemble.check_devices)
+                    trainer_device(binding.trainer, self.cfg.engine)
+                except ConfigError as exc:
+                    raise ConfigError(f"{binding.where()}: {exc.message}", **exc.details) from None
         return recipes
 
     def recipe_for_new_scenario(self, name: str) -> str:
@@ -176,21 +175,37 @@ class Deployment:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def surface(self, name: str | None):
-        """The surface component named ``name`` (one instance per deployment), or None."""
+    def surface(self, name: str | None, options: dict | None = None):
+        """The surface component ``name`` built with ``options`` (one instance per name and options), or None.
+
+        A ``weights`` surface holds the engine's one set of weights: a second one would swap them behind the
+        first one's back, so recipes naming it with different options are refused."""
         if not name:
             return None
-        if name not in self._surfaces:
-            options = {}
-            for binding in self.recipes.values():
-                if binding.config.surface == name and binding.config.surface_options:
-                    options = dict(binding.config.surface_options)
-            self._surfaces[name] = self.pm.create("surface", name, ports=self.serving_ports, options=options)
-        return self._surfaces[name]
+        options = dict(options or {})
+        key = (name, json.dumps(options, sort_keys=True, default=str))
+        found = self._surfaces.get(key)
+        if found is None:
+            found = self.pm.create("surface", name, ports=self.serving_ports, options=options)
+            if getattr(found, "kind", None) == "weights":
+                other = next(((k, s) for k, s in self._surfaces.items() if getattr(s, "kind", None) == "weights"),
+                             None)
+                if other is not None:
+                    raise ConfigError(
+                        f"recipes use the weights surface {name!r} with surface_options {options} and "
+                        f"{other[0][0]!r} with {json.loads(other[0][1])}; the engine holds one set of weights, "
+                        f"so every recipe serving it must name the same weights surface with the same options")
+            self._surfaces[key] = found
+        return found
 
     def surface_for(self, scenario: Scenario):
         """The surface of the scenario's recipe."""
-        return self.surface(self.recipe(scenario).config.surface)
+        config = self.recipe(scenario).config
+        return self.surface(config.surface, config.surface_options)
+
+    def settings_for(self, scenario: Scenario) -> LearnerSettings:
+        """The learner settings of the scenario's recipe (its trainer and evaluation sections)."""
+        return self._settings[self.recipe(scenario).name]
 
     def learner(self, scenario: Scenario):
         """The scenario's learner (created, recovered and started on first use). A scenario whose learner cannot
@@ -204,7 +219,7 @@ class Deployment:
                 self._hold_writer_lock()  # not one scenario's fault: a second server on this data dir fails here
                 try:
                     found = ScenarioLearner(scenario.name, self.recipe(scenario).config, self.surface_for(scenario),
-                                            self.learner_ports, self.learner_settings)
+                                            self.learner_ports, self.settings_for(scenario))
                     try:
                         found.start()  # recovery runs here, before the scenario serves
                     except BaseException:

@@ -10,7 +10,7 @@ building a whole deployment:
 * :class:`LearnerPorts`: what a scenario's learner receives: the serving ports plus the record
   store (as :class:`RecordPort`), the plugin manager's ``create`` for the components it builds
   (processor, trainer, evaluator, selection policy), lifecycle ``notify``, and the worker pool.
-* :class:`LearnerSettings`: the config pieces a learner reads.
+* :class:`LearnerSettings`: the config pieces a learner reads (per recipe: its trainer and gate).
 """
 
 from __future__ import annotations
@@ -72,13 +72,15 @@ class LearnerPorts:
 
 @dataclass(frozen=True)
 class LearnerSettings:
-    """The config a learner reads (sections of the composed ``reef_core.config.schema.ReefConfig``)."""
+    """The config a learner reads: deployment-wide ``data_dir`` and ``seed``, and the ``trainer`` and
+    ``evaluation`` sections of the scenario's recipe (its own composition when routed, see
+    ``reef_core.config.recipes``)."""
 
     data_dir: Path
     seed: int
-    #: The ``trainer`` section (handed to trainer factories as ``trainer=``).
+    #: The recipe's ``trainer`` section (handed to trainer factories as ``trainer=``).
     trainer: TrainerConfig
-    #: The ``evaluation`` section: ``policy``, ``evaluator``, ``options``, ``publish``.
+    #: The recipe's ``evaluation`` section: ``policy``, ``evaluator``, ``options``, ``publish``.
     evaluation: EvaluationConfig
 
     @property
