@@ -106,7 +106,8 @@ def reef_register_artifact_stores(register):
 def reef_register_surfaces(register):
     """Register surfaces: how a published release reaches live requests.
 
-    The factory is called once per deployment as ``factory(ports=<ServingPorts>, options=<dict>)``
+    The factory is called once per distinct ``recipe.surface_options`` of the recipes naming it (a
+    ``weights`` surface: once per deployment) as ``factory(ports=<ServingPorts>, options=<dict>)``
     and returns a ``reef_core.api.Surface``. ``ports`` (``reef_core.api.ServingPorts``) holds
     what a surface may use: ``engine``, ``artifacts``, ``run_async(coroutine)`` (run on the
     server's event loop from a learner worker) and ``load_base_model()``. A surface validates a

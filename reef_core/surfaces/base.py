@@ -1,9 +1,10 @@
 """The surface contract.
 
-A surface component (registered through ``reef_register_surfaces``) is built once per
-deployment by ``factory(ports=<reef_core.loop.ports.ServingPorts>, options=<dict>)`` (the engine,
+A surface component (registered through ``reef_register_surfaces``) is built once per distinct
+``recipe.surface_options`` among the recipes naming it (a ``weights`` surface once per deployment: the engine
+has one set of weights) by ``factory(ports=<reef_core.loop.ports.ServingPorts>, options=<dict>)`` (the engine,
 the artifact store, ``run_async`` and the base-model loader; never the whole deployment) and serves every scenario
-whose recipe names it in ``recipe.surface``. The learner calls :meth:`Surface.activate` after a
+whose recipe names it in ``recipe.surface`` with those options. The learner calls :meth:`Surface.activate` after a
 release is committed (or at start-up, to restore the head); the request path calls
 :meth:`prepare_request` and :meth:`response_headers` for each inference of such a scenario.
 """
