@@ -86,6 +86,19 @@ def test_a_routed_recipe_gets_its_own_sections_and_its_route_overrides(pm):
     assert routed.trainer.learner_workers == 3  # deployment-wide: the value in force
 
 
+def test_real_recipes_keep_their_gate_and_trainer_sections_when_routed():
+    # GEPA's gate (python evaluator with its verifier, score_comparison) and SAO's trainer.grad_accumulation used to
+    # be read from the top level for routed scenarios; each now comes with its recipe.
+    cfg = compose_config(["+recipe=sao", "routes=[{pattern: 'support-*', recipe: gepa}]"])
+    bindings = recipe_bindings(cfg)
+    gepa, sao = bindings["gepa"], bindings["sao"]
+    assert (gepa.evaluation.policy, gepa.evaluation.evaluator) == ("score_comparison", "python")
+    assert gepa.evaluation.options["evaluator"]["path"] == gepa.config.options["verifier"]
+    assert gepa.trainer.grad_accumulation == 1 and gepa.config.surface_options["inject"] == "system"
+    assert (sao.evaluation.policy, sao.evaluation.evaluator) == ("always", None)
+    assert sao.trainer.grad_accumulation == 4
+
+
 @pytest.mark.parametrize("override, key", [
     ("engine.model=tiny", "engine.model"), ("server.port=1", "server.port"), ("storage.data_dir=/x", "storage.data_dir"),
     ("seed=3", "seed"), ("+learn.rollouts=2", "learn.rollouts"), ("task=learn", "task"),

@@ -551,6 +551,9 @@ class ScenarioLearner:
             "records_seen": self.last_sequence,
             "processor": self.processor.status() if self.processor is not None else None,
             "trainer": self.recipe.trainer,
+            # The recipe's own gate (a routed recipe's evaluation section, not the top level's).
+            "gate": {"policy": self.settings.evaluation.policy, "evaluator": self.settings.evaluation.evaluator,
+                     "publish": self.publish_mode},
             "counters": dict(self.counters),
             "last_metrics": self.last_metrics,
             "last_error": self.last_error,
