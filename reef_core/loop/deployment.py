@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import json
 import logging
 import threading
 import time
-import json
 from pathlib import Path
 from typing import Any
 
