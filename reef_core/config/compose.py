@@ -37,11 +37,7 @@ def compose_config(overrides: Iterable[str] = (), plugin_manager=None) -> ReefCo
     pm = plugin_manager or get_plugin_manager()
     register_schema()
     overrides = list(overrides)
-    # Composing inside a running Hydra app (a ``reef sweep`` job composing a route's recipe) must leave that
-    # app's Hydra in place for the jobs after it.
-    global_hydra = GlobalHydra.instance()
-    outer = global_hydra.hydra if global_hydra.is_initialized() else None
-    global_hydra.clear()
+    GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
             try:
@@ -53,10 +49,6 @@ def compose_config(overrides: Iterable[str] = (), plugin_manager=None) -> ReefCo
         raise ConfigError(f"invalid configuration: {exc}") from None
     except OmegaConfBaseException as exc:
         raise ConfigError(_omegaconf_message(exc)) from None
-    finally:
-        if outer is not None:
-            global_hydra.clear()
-            global_hydra.initialize(outer)
 
 
 def to_plain(cfg: DictConfig) -> ReefConfig:
