@@ -6,6 +6,7 @@ optimizer, micro-batching and export; the objective owns everything algorithm-sp
 policy runs as::
 
     objective.setup(policy, tokenizer, device, micro_batches=n)     # once, before any adapter is attached
+                                                                     # (+ reference=... if needs_reference)
     prepared = objective.prepare(policy, batch)                      # no policy gradient: critic steps, advantages
     if prepared.update_policy:
         for micro in prepared.batch.split(n):
@@ -24,6 +25,14 @@ small JSON summary (step counters) through :meth:`~Objective.json_state`/:meth:`
 :meth:`~Objective.snapshot`/:meth:`~Objective.restore` so a rejected candidate rolls the auxiliary models back with
 the policy.
 
+Reference model: an objective that compares the policy with the weights the scenario started from (a KL term to
+the base, a teacher scoring the student's tokens after a hinted prompt) sets ``needs_reference = True``; ``setup``
+then also receives ``reference=``, a :class:`~reef_core.grow.reference.ReferenceModel` (kept as ``self.reference``
+by the default ``setup``) whose ``logprobs(batch)`` and ``logprobs(batch, prompts=...)`` score the batch's action
+tokens under the frozen base, aligned like :func:`sequence_logprobs`. With LoRA it is the adapter-disabled policy (no
+second copy of the weights); with full weights one frozen copy per process and base, loaded on first use. An
+objective that does not ask is called without the keyword (its ``setup`` need not accept it) and loads nothing.
+
 Helpers shared by objectives: :func:`sequence_logprobs` (the policy's log-probability of every token) and
 :class:`ValueModel` (a critic: a copy of the policy's body with a zero-initialised scalar head).
 """
@@ -34,13 +43,16 @@ import copy
 import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from reef_core.grow.losses import gather_logprobs
 from reef_core.grow.token_batch import TokenBatch
+
+if TYPE_CHECKING:
+    from reef_core.grow.reference import ReferenceModel
 
 
 @dataclass
@@ -62,13 +74,21 @@ class Objective(ABC):
 
     #: Name recorded in metrics and release provenance.
     name: str = "objective"
+    #: True: :meth:`setup` receives ``reference=`` (the frozen base, see the module docstring).
+    needs_reference: bool = False
+    #: The frozen base given to :meth:`setup` (None unless ``needs_reference``).
+    reference: "ReferenceModel | None" = None
 
-    def setup(self, policy: nn.Module, tokenizer: Any, device: torch.device, *, micro_batches: int = 1) -> None:
-        """Build auxiliary models (critic, reference...) from the base ``policy``, before any adapter is attached.
+    def setup(self, policy: nn.Module, tokenizer: Any, device: torch.device, *, micro_batches: int = 1,
+              reference: "ReferenceModel | None" = None) -> None:
+        """Build auxiliary models (a critic...) from the base ``policy``, before any adapter is attached.
 
-        ``micro_batches`` is the backend's gradient-accumulation count, for auxiliary updates that need it."""
+        ``micro_batches`` is the backend's gradient-accumulation count, for auxiliary updates that need it.
+        ``reference`` (only passed when :attr:`needs_reference` is set) is the frozen base model; an override
+        that asks for it accepts the keyword and passes it on to this method."""
         self.device = torch.device(device)
         self.micro_batches = max(1, int(micro_batches))
+        self.reference = reference
 
     def prepare(self, policy: nn.Module, batch: TokenBatch) -> Prepared:
         """Work before the policy step that needs no policy gradient (advantages, critic updates)."""

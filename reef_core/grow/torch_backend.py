@@ -24,6 +24,12 @@ snapshot and restarts the optimizer's moments (copying AdamW state at every step
 The policy is kept in ``eval`` mode throughout, so its log-probs match the serving engine's (no dropout noise in
 the importance ratio).
 
+Reference model: an objective with ``needs_reference`` gets the frozen base in ``setup(..., reference=)`` (see
+:mod:`reef_core.grow.reference`). With LoRA it is the policy with its adapter disabled; with full weights a frozen
+copy shared by every trainer of the same base (``reference_key``) in the process. It always comes from
+``load_reference_model`` (the scenario's base, never a later checkpoint). A LoRA policy is built on that base too:
+the adapter of the serving release is restored over it (:meth:`~TorchTrainer._load_release`), never merged in.
+
 The base model is loaded on first use (:meth:`~TorchTrainer.load`, called by the first step or by reading
 ``policy``), not in the constructor: a learner may build its trainer before it knows the scenario's head.
 
@@ -33,6 +39,7 @@ weights are loaded from that release's files (``ctx.current_files()``) and the o
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import tempfile
@@ -49,6 +56,7 @@ from reef_core.config.schema import EngineConfig, TrainerConfig
 from reef_core.errors import ConfigError
 from reef_core.grow.device import resolve_device
 from reef_core.grow.objective import Objective
+from reef_core.grow.reference import AdapterBaseReference, ReferenceModel, SharedBaseReference
 from reef_core.grow.token_batch import TokenBatch
 from reef_core.grow.trainer import CandidateUpdate, TrainContext, Trainer
 from reef_core.surfaces.weights import ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, MODEL_FILE, base_reference
@@ -146,7 +154,13 @@ class TorchTrainer(Trainer):
 
     Args:
         objective: the recipe's loss.
-        load_base_model: ``() -> (model, tokenizer)`` (``TrainerSetup.load_base_model``).
+        load_base_model: ``() -> (model, tokenizer)`` (``TrainerSetup.load_base_model``): the model a full-weight
+            policy starts from (the scenario's head checkpoint on a restart).
+        load_reference_model: ``() -> (model, tokenizer)`` of the scenario's base, never a later checkpoint
+            (``TrainerSetup.load_reference_model``): the reference model, the base under a LoRA adapter and the
+            base a rollback to the creation release restores. Default: ``load_base_model``.
+        reference_key: the base's identity in the process-wide reference cache (two trainers with equal keys share
+            one frozen copy); default: ``load_reference_model`` itself.
         lr, weight_decay, betas: AdamW settings (constant learning rate).
         lora, lora_rank, lora_alpha, lora_dropout, lora_target_modules: train a LoRA adapter instead of every
             weight (``peft``; ``"all-linear"`` adapts every linear layer but the output head).
@@ -168,7 +182,8 @@ class TorchTrainer(Trainer):
                     **overrides) -> "TorchTrainer":
         """Build from the deployment's ``trainer`` section (``backend``, ``lr``, ``lora``, ``lora_rank``,
         ``lora_alpha``, ``grad_accumulation``, ``device``); ``overrides`` win. ``who`` names the recipe in errors.
-        An unset ``trainer.device`` follows the engine's (``context.device``)."""
+        An unset ``trainer.device`` follows the engine's (``context.device``); ``context.load_reference_model`` (the
+        scenario's base) is passed on when set."""
         if trainer.backend != "torch":
             raise ConfigError(f"{who} trains with the torch backend; trainer.backend is {trainer.backend!r}")
         if context is None or getattr(context, "load_base_model", None) is None:
@@ -177,6 +192,8 @@ class TorchTrainer(Trainer):
                         grad_accumulation=trainer.grad_accumulation,
                         device=trainer.device if trainer.device is not None else getattr(context, "device", None),
                         seed=int(getattr(context, "seed", 0) or 0))
+        if getattr(context, "load_reference_model", None) is not None:
+            settings["load_reference_model"] = context.load_reference_model
         settings.update(overrides)
         return cls(objective, context.load_base_model, **settings)
 
@@ -201,6 +218,8 @@ class TorchTrainer(Trainer):
         lag_metric_prefix: str = "",
         seed: int = 0,
         name: str = "torch",
+        load_reference_model: Callable[[], tuple[Any, Any]] | None = None,
+        reference_key: Any = None,
     ):
         if load_base_model is None:
             raise ConfigError("the torch trainer needs a base model loader (TrainerSetup.load_base_model)")
@@ -222,6 +241,9 @@ class TorchTrainer(Trainer):
         self.name = name
         self.steps = 0
         self._loader = load_base_model
+        self._reference_loader = load_reference_model if load_reference_model is not None else load_base_model
+        self._reference_key = reference_key if reference_key is not None else self._reference_loader
+        self._reference: ReferenceModel | None = None
         self._lora_args = (int(lora_rank), float(lora_alpha), float(lora_dropout), lora_target_modules, int(seed))
         self._opt_args = {"lr": self.lr, "betas": tuple(betas), "weight_decay": float(weight_decay)}
         self._loaded = False
@@ -242,7 +264,8 @@ class TorchTrainer(Trainer):
         with self._load_lock:
             if self._loaded:
                 return
-            model, tokenizer = self._loader()
+            # A LoRA policy trains over the plain base: the serving release's adapter is restored over it.
+            model, tokenizer = (self._reference_loader if self.lora else self._loader)()
             model.to(self.device)
             model.eval()  # see the module docstring: no dropout in the importance ratio
             self._tokenizer = tokenizer
@@ -252,9 +275,16 @@ class TorchTrainer(Trainer):
             self.pad_token_id = int(pad) if pad is not None else 0
             self._static_files = self._static_model_files(model, tokenizer) if not self.lora else {}
             # Auxiliary models copy the plain base model, before an adapter is injected into it.
-            self.objective.setup(model, tokenizer, self.device, micro_batches=self.grad_accumulation)
+            self._reference = self._make_reference(model) if self.objective.needs_reference else None
+            if self._reference is not None:
+                self.objective.setup(model, tokenizer, self.device, micro_batches=self.grad_accumulation,
+                                     reference=self._reference)
+            else:
+                self.objective.setup(model, tokenizer, self.device, micro_batches=self.grad_accumulation)
             if self.lora:
                 model = self._attach_lora(model, *self._lora_args)
+                if isinstance(self._reference, AdapterBaseReference):
+                    self._reference.bind(model)  # from now on: the PeftModel with its adapter disabled
             else:
                 model.requires_grad_(True)
             self._policy: nn.Module = model
@@ -266,11 +296,27 @@ class TorchTrainer(Trainer):
             self._snapshot = self._take_snapshot()
             self._loaded = True
 
+    def _make_reference(self, model: nn.Module) -> ReferenceModel:
+        """The objective's frozen base: the (soon adapted) policy itself with LoRA, else the shared frozen copy."""
+        accepts = inspect.signature(self.objective.setup).parameters
+        if "reference" not in accepts and not any(p.kind is p.VAR_KEYWORD for p in accepts.values()):
+            raise ConfigError(f"objective {self.objective.name!r} sets needs_reference but its setup() does not "
+                              "accept reference=")
+        if self.lora:
+            return AdapterBaseReference(model)
+        return SharedBaseReference(self._reference_key, self._reference_loader, self.device)
+
     @property
     def policy(self) -> nn.Module:
         """The trained model (a ``PeftModel`` in LoRA mode)."""
         self.load()
         return self._policy
+
+    @property
+    def reference(self) -> ReferenceModel | None:
+        """The frozen base given to the objective (None unless it sets ``needs_reference``)."""
+        self.load()
+        return self._reference
 
     @property
     def tokenizer(self) -> Any:
@@ -418,7 +464,7 @@ class TorchTrainer(Trainer):
                     if "lora_B" in name:
                         param.zero_()
             else:
-                base = self._loader()[0].state_dict()
+                base = self._reference_loader()[0].state_dict()
                 self._policy.load_state_dict({k: base[k] for k in self._export_keys}, strict=False)
 
     # -- export ------------------------------------------------------------------------------------------------

@@ -31,6 +31,9 @@ class TrainerSetup:
     engine: Any = None
     #: Builds the local model the scenario starts from (weights trainers): ``() -> (model, tokenizer)``.
     load_base_model: Callable[[], tuple[Any, Any]] | None = None
+    #: Builds the base model the scenario was created from, never a later checkpoint (the frozen reference of
+    #: objectives, the base under a LoRA adapter): ``() -> (model, tokenizer)``; None: ``load_base_model``.
+    load_reference_model: Callable[[], tuple[Any, Any]] | None = None
     seed: int = 0
     #: Run a coroutine on the server's event loop from the learner thread (e.g. engine calls).
     run_async: Callable[..., Any] | None = None

@@ -135,7 +135,8 @@ class ScenarioLearner:
         if self._trainer is None:
             serving = self.ports.serving
             setup = TrainerSetup(data_dir=self.settings.data_dir, engine=serving.engine,
-                                 load_base_model=self._load_start_model, seed=self.settings.seed,
+                                 load_base_model=self._load_start_model,
+                                 load_reference_model=serving.load_base_model, seed=self.settings.seed,
                                  run_async=serving.run_async, device=_device_of(serving.engine))
             self._trainer = self.ports.create("trainer", self.recipe.trainer, scenario=self.name,
                                               recipe=self.recipe, trainer=self.settings.trainer, context=setup)
