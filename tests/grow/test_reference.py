@@ -269,3 +269,42 @@ def test_other_prompts_are_checked(tok):
         trainer.reference.logprobs(tb, prompts=[[1]])
     with pytest.raises(TokenDataError, match="empty"):
         trainer.reference.logprobs(tb, prompts=[[1]] * (tb.size - 1) + [[]])
+
+
+def test_lora_restart_restores_the_adapter_over_the_base_once(tok):
+    """A restarted learner's start loader gives base + adapter merged (the head); the LoRA policy must not apply the
+    adapter twice, and its reference stays the base."""
+    from reef_core.grow.trainer import TrainContext
+    from reef_core.surfaces.weights import state_dict_from_files
+
+    base_loader = Loader(tok)
+    before = TorchTrainer(WithReference(), base_loader, lora=True, lr=5e-2, seed=3)
+    tb = batch(tok)
+    train(before, tb)
+    files = dict(before._files(before._payload()))
+
+    def head_checkpoint():  # what the learner's start loader builds from the head release
+        model, tokenizer = base_loader()
+        model.load_state_dict(state_dict_from_files(files, base_loader), strict=False)
+        return model, tokenizer
+
+    after = TorchTrainer(WithReference(), head_checkpoint, load_reference_model=base_loader, lora=True, seed=3)
+    after._sync(TrainContext(scenario="s", step=4, serving_release_id="r3", serving_version="x:3",
+                             algorithm_state=None, current_files=lambda: files))
+    with torch.no_grad():
+        expected = sequence_logprobs(before.policy, tb) * tb.action_mask
+        assert torch.allclose(sequence_logprobs(after.policy, tb) * tb.action_mask, expected, atol=1e-5)
+    base, _ = build_tiny_model(seed=0, tokenizer=tok)
+    assert torch.allclose(after.reference.logprobs(tb), base_logprobs(base, tb), atol=1e-6)
+
+
+def test_full_rollback_to_the_creation_release_restores_the_scenarios_base_not_the_start_checkpoint(tok):
+    trainer = TorchTrainer(Reinforce(), Loader(tok, seed=1), load_reference_model=Loader(tok))
+    trainer.load()
+    trainer._expected_release = "r2"  # the trainer serves a later release; the head goes back to release 0
+    trainer._load_release("r0", {"base.json": b'{"model": "tiny", "digest": "sha256:0"}'})
+    base, _ = build_tiny_model(seed=0, tokenizer=tok)
+    tb = batch(tok)
+    with torch.no_grad():
+        assert torch.allclose(sequence_logprobs(trainer.policy, tb) * tb.action_mask, base_logprobs(base, tb),
+                              atol=1e-6)
