@@ -86,7 +86,9 @@ _LAZY = {
     "ValueModel": "reef_core.grow.objective",
     "sequence_logprobs": "reef_core.grow.objective",
     "token_sum": "reef_core.grow.objective",
+    "action_logits": "reef_core.grow.objective",
     "ReferenceModel": "reef_core.grow.reference",
+    "ReferenceScores": "reef_core.grow.reference",
     "TokenBatch": "reef_core.grow.token_batch",
     "TokenRow": "reef_core.grow.token_batch",
     "TokenDataError": "reef_core.grow.token_batch",
@@ -116,8 +118,8 @@ if TYPE_CHECKING:
     from reef_core.loop.ports import RunAsync, ServingPorts
     from reef_core.grow.losses import dis_weight, explained_variance, length_adaptive_lambda, skip_observation_gae
     from reef_core.grow.models import build_tiny_model, build_tiny_tokenizer
-    from reef_core.grow.objective import Objective, Prepared, ValueModel, sequence_logprobs, token_sum
-    from reef_core.grow.reference import ReferenceModel
+    from reef_core.grow.objective import Objective, Prepared, ValueModel, action_logits, sequence_logprobs, token_sum
+    from reef_core.grow.reference import ReferenceModel, ReferenceScores
     from reef_core.grow.token_batch import TokenBatch, TokenDataError, TokenRow, row_from_sample, row_from_tokens
     from reef_core.grow.torch_backend import TorchTrainer
 
@@ -143,7 +145,8 @@ __all__ = [
     "Record", "Processor", "Segment", "Sample", "Batch",
     # grow: trainers and what they hand to the gate
     "Trainer", "TrainerSetup", "TrainContext", "CandidateUpdate",
-    "Objective", "Prepared", "ValueModel", "sequence_logprobs", "token_sum", "ReferenceModel",
+    "Objective", "Prepared", "ValueModel", "sequence_logprobs", "action_logits", "token_sum",
+    "ReferenceModel", "ReferenceScores",
     "TokenBatch", "TokenRow", "TokenDataError", "row_from_sample", "row_from_tokens",
     "dis_weight", "explained_variance", "length_adaptive_lambda", "skip_observation_gae",
     "TorchTrainer", "build_tiny_model", "build_tiny_tokenizer",

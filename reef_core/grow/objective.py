@@ -33,7 +33,8 @@ tokens under the frozen base, aligned like :func:`sequence_logprobs`. With LoRA 
 second copy of the weights); with full weights one frozen copy per process and base, loaded on first use. An
 objective that does not ask is called without the keyword (its ``setup`` need not accept it) and loads nothing.
 
-Helpers shared by objectives: :func:`sequence_logprobs` (the policy's log-probability of every token) and
+Helpers shared by objectives: :func:`sequence_logprobs` (the policy's log-probability of every token),
+:func:`action_logits` (its next-token logits over the action span, e.g. to score a top-K set) and
 :class:`ValueModel` (a critic: a copy of the policy's body with a zero-initialised scalar head).
 """
 
@@ -138,24 +139,33 @@ def _base_forward_params(model: nn.Module) -> set[str]:
     return set(inspect.signature(base.forward).parameters)
 
 
-def sequence_logprobs(model: nn.Module, batch: TokenBatch) -> Tensor:
-    """``[B, L]`` log-probability the model gives each token of ``batch.input_ids`` given the tokens before it.
+def action_logits(model: nn.Module, batch: TokenBatch) -> tuple[int, Tensor]:
+    """``(first, logits)``: the model's next-token logits ``[B, L - first, V]`` where ``logits[:, j]`` scores the token
+    at position ``first + j`` (it is read at ``first + j - 1``); ``first`` is the batch's first action column (>= 1).
 
-    Full-vocabulary ``log_softmax`` at temperature 1 (the distribution the local engine records), float32.
-    Only positions from the first action token on are computed (``logits_to_keep``), so a long prompt costs no
-    vocabulary-sized logits; earlier positions are 0.
-    """
-    ids, length = batch.input_ids, batch.seq_len
+    Only those positions are computed (``logits_to_keep``), so a long prompt costs no vocabulary-sized logits."""
+    length = batch.seq_len
     cols = torch.nonzero(batch.action_mask.sum(dim=0) > 0)
     first = int(cols[0]) if cols.numel() else length - 1
     first = max(first, 1)
     keep = length - first + 1  # logits at positions first-1 .. L-1
-    kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": batch.attention_mask, "use_cache": False}
+    kwargs: dict[str, Any] = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
     if "logits_to_keep" in _base_forward_params(model):
         kwargs["logits_to_keep"] = keep
     logits = model(**kwargs).logits
     logits = logits[:, -keep:]  # (a model without logits_to_keep returned every position)
-    picked = gather_logprobs(logits[:, :-1], ids[:, first:])  # logits at t-1 score the token at t
+    return first, logits[:, :-1]  # the last position scores no token of the batch
+
+
+def sequence_logprobs(model: nn.Module, batch: TokenBatch) -> Tensor:
+    """``[B, L]`` log-probability the model gives each token of ``batch.input_ids`` given the tokens before it.
+
+    Full-vocabulary ``log_softmax`` at temperature 1 (the distribution the local engine records), float32.
+    Only positions from the first action token on are computed (:func:`action_logits`); earlier positions are 0.
+    """
+    ids = batch.input_ids
+    first, logits = action_logits(model, batch)
+    picked = gather_logprobs(logits, ids[:, first:])  # logits at t-1 score the token at t
     out = torch.zeros(ids.shape, dtype=picked.dtype, device=picked.device)
     out[:, first:] = picked
     return out

@@ -229,17 +229,13 @@ def test_full_reference_uses_the_base_not_the_start_checkpoint_and_is_freed_with
 
 
 def by_hand(model, prompt, row_ids, row_action):
-    """Score ``row_ids`` from its first action token after ``prompt``, one row alone, back at the row's positions."""
+    """Log-softmax rows of ``row_ids`` from its first action token after ``prompt``, one row alone, placed back at the
+    row's positions: ``{t: log-probs of the token at t}`` for its action tokens."""
     first = row_action.index(1)
     seq = list(prompt) + list(row_ids[first:])
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=torch.tensor([seq])).logits[0].float(), -1)
-    out = [0.0] * len(row_ids)
-    for t in range(first, len(row_ids)):
-        if row_action[t]:
-            s = len(prompt) + t - first
-            out[t] = float(logp[s - 1, seq[s]])
-    return out
+    return {t: logp[len(prompt) + t - first - 1] for t in range(first, len(row_ids)) if row_action[t]}
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -249,17 +245,38 @@ def test_other_prompts_score_the_same_tokens_realigned_to_the_students_positions
     train(trainer, tb, steps=1)  # a LoRA policy now carries a non-zero adapter the teacher must not see
     base, _ = build_tiny_model(seed=0, tokenizer=tok)
     hinted = [prompt_ids(tok, f"hint {b}: be brief and kind" if b % 2 else "x") for b in range(tb.size)]
-    got = trainer.reference.logprobs(tb, prompts=hinted)
-    assert got.shape == tb.input_ids.shape
+    candidates = torch.randint(0, 512, (*tb.input_ids.shape, 4), generator=torch.Generator().manual_seed(0))
+    got = trainer.reference.score(tb, prompts=hinted, token_ids=candidates, top_k=3)
+    assert got.logprobs.shape == tb.input_ids.shape and got.token_logprobs.shape == candidates.shape
+    assert got.top_k_ids.shape == (*tb.input_ids.shape, 3)
     for b in range(tb.size):
         n = int(tb.attention_mask[b].sum())
         ids, action = tb.input_ids[b, :n].tolist(), [int(a) for a in tb.action_mask[b, :n].tolist()]
-        expected = torch.tensor(by_hand(base, hinted[b], ids, action))
-        assert torch.allclose(got[b, :n], expected, atol=1e-5), b
-        assert torch.all(got[b, n:] == 0)
+        rows = by_hand(base, hinted[b], ids, action)
+        for t in range(tb.seq_len):
+            if t not in rows:  # prompt, observation and padding positions are 0
+                assert got.logprobs[b, t] == 0 and not got.token_logprobs[b, t].any() and not got.top_k_ids[b, t].any()
+                continue
+            assert torch.allclose(got.logprobs[b, t], rows[t][ids[t]], atol=1e-5), (b, t)
+            assert torch.allclose(got.token_logprobs[b, t], rows[t][candidates[b, t]], atol=1e-5), (b, t)
+            values, indices = rows[t].topk(3)
+            assert torch.equal(got.top_k_ids[b, t], indices), (b, t)
+            assert torch.allclose(got.top_k_logprobs[b, t], values, atol=1e-5), (b, t)
+    assert torch.equal(trainer.reference.logprobs(tb, prompts=hinted), got.logprobs)
     # the rows' own prompts give the plain scores
     own = [tb.input_ids[b, :int(torch.nonzero(tb.action_mask[b])[0])].tolist() for b in range(tb.size)]
     assert torch.allclose(trainer.reference.logprobs(tb, prompts=own), trainer.reference.logprobs(tb), atol=1e-5)
+
+
+def test_plain_scores_are_exactly_sequence_logprobs_of_the_base(tok):
+    trainer = TorchTrainer(WithReference(), Loader(tok))
+    tb = batch(tok)
+    scores = trainer.reference.score(tb, token_ids=tb.input_ids.unsqueeze(-1), top_k=1)
+    with torch.no_grad():
+        expected = sequence_logprobs(trainer.reference.model, tb) * tb.action_mask
+    assert torch.equal(scores.logprobs, expected)
+    assert torch.equal(scores.token_logprobs.squeeze(-1), expected)  # the sampled token as its own candidate
+    assert torch.all(scores.top_k_logprobs.squeeze(-1) >= scores.logprobs)
 
 
 def test_other_prompts_are_checked(tok):
@@ -269,6 +286,10 @@ def test_other_prompts_are_checked(tok):
         trainer.reference.logprobs(tb, prompts=[[1]])
     with pytest.raises(TokenDataError, match="empty"):
         trainer.reference.logprobs(tb, prompts=[[1]] * (tb.size - 1) + [[]])
+    with pytest.raises(TokenDataError, match="token_ids"):
+        trainer.reference.score(tb, token_ids=tb.input_ids)
+    with pytest.raises(TokenDataError, match="top_k"):
+        trainer.reference.score(tb, top_k=-1)
 
 
 def test_lora_restart_restores_the_adapter_over_the_base_once(tok):
