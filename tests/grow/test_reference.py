@@ -329,3 +329,27 @@ def test_full_rollback_to_the_creation_release_restores_the_scenarios_base_not_t
     with torch.no_grad():
         assert torch.allclose(sequence_logprobs(trainer.policy, tb) * tb.action_mask, base_logprobs(base, tb),
                               atol=1e-6)
+
+
+def test_a_learner_hands_its_trainer_the_deployments_base_as_the_reference(tmp_path):
+    """The start loader may give the head checkpoint; the reference loader is the serving ports' plain base."""
+    from reef_core.config.schema import EvaluationConfig, RecipeConfig, TrainerConfig
+    from reef_core.loop.learner import ScenarioLearner
+    from reef_core.loop.ports import LearnerPorts, LearnerSettings, ServingPorts
+
+    def base():
+        raise AssertionError("not loaded by building the trainer")
+
+    serving = ServingPorts(engine=None, artifacts=None, run_async=None, load_base_model=base)
+    contexts = []
+
+    def create(kind, name, **kwargs):
+        contexts.append(kwargs["context"])
+        return SimpleNamespace()
+
+    ports = LearnerPorts(serving=serving, records=None, create=create, notify=None, pool=None)
+    settings = LearnerSettings(data_dir=tmp_path, seed=0, trainer=TrainerConfig(), evaluation=EvaluationConfig())
+    learner = ScenarioLearner("s", RecipeConfig(name="t", trainer="torch"), None, ports, settings)
+    assert learner.trainer is not None
+    (context,) = contexts
+    assert context.load_reference_model is base and context.load_base_model == learner._load_start_model
