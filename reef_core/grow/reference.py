@@ -88,8 +88,9 @@ class ReferenceModel(ABC):
         ``token_ids`` ``[B, L, K]``: also the log-probs of these candidate tokens at each position (a teacher's view
         of the student's top-K set: pass ``batch.top_k_ids``). ``top_k``: also the base's own ``top_k`` most likely
         tokens at each position with their log-probs."""
-        if token_ids is not None and (token_ids.dim() != 3 or tuple(token_ids.shape[:2]) != tuple(batch.input_ids.shape)):
-            raise TokenDataError(f"token_ids must be [B, L, K] for a batch of shape {tuple(batch.input_ids.shape)}, "
+        shape = tuple(batch.input_ids.shape)
+        if token_ids is not None and (token_ids.dim() != 3 or tuple(token_ids.shape[:2]) != shape):
+            raise TokenDataError(f"token_ids must be [B, L, K] for a batch of shape {shape}, "
                                  f"got {tuple(token_ids.shape)}")
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
             raise TokenDataError(f"top_k must be a non-negative integer, got {top_k!r}")
@@ -174,8 +175,9 @@ def _score_after(module: nn.Module, batch: TokenBatch, prompts: Sequence[Sequenc
         if moved_ids is not None:
             moved_ids[b, new:new + n] = token_ids[b, old:old + n]
     zeros = torch.zeros(batch.size, dtype=torch.long, device=device)
-    moved = TokenBatch(input_ids=ids, attention_mask=attn, action_mask=action, rollout_logprobs=torch.zeros_like(action),
-                       rewards=torch.zeros(batch.size, device=device), response_starts=zeros, response_lengths=zeros)
+    moved = TokenBatch(input_ids=ids, attention_mask=attn, action_mask=action,
+                       rollout_logprobs=torch.zeros_like(action), rewards=torch.zeros(batch.size, device=device),
+                       response_starts=zeros, response_lengths=zeros)
     scored = _score(module, moved, moved_ids, top_k)
 
     def back(value: Tensor | None) -> Tensor | None:
