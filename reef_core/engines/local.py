@@ -22,6 +22,15 @@ Versioned weights: ``version`` (default ``"base"``) names the weights being serv
 is queued on the worker like a request, so it happens between requests: a request that started on
 version v finishes on v, and every response's ``TokenData.version`` names the weights that produced it.
 
+Adapters: :meth:`load_adapter` adds (or replaces) a named LoRA adapter kept *unmerged* beside the base weights
+(``peft``: the model is wrapped once, each adapter gets its own slot), :meth:`drop_adapter` removes one. A request
+is served by the adapter whose version it was frozen on (``EngineRequest.version`` -- each adapter's versions are
+remembered under its name, so a request frozen just before a replacement is served by the replacement and says
+so); a version no adapter ever served runs the base with every adapter disabled. The adapter is switched on the
+worker thread, right before the request's generation, so log-probs and top-K come from that adapter's
+distribution. While any adapter exists a full-weight :meth:`swap_weights` is refused: it would move the base
+every adapter sits on.
+
 Streams: ``chat.completion.chunk`` events (role chunk, content chunks, finish chunk, an optional usage
 chunk), then ``StreamEvent(TOKENS_EVENT, TokenData.to_event())``, then ``"[DONE]"``.
 """
@@ -43,6 +52,7 @@ import torch
 
 from reef_core.config.schema import EngineConfig
 from reef_core.content import content_text
+from reef_core.engines.adapter import AdapterWeights
 from reef_core.engines.base import (
     TOKENS_EVENT,
     Engine,
@@ -53,8 +63,11 @@ from reef_core.engines.base import (
 )
 from reef_core.engines.topk import MAX_K, TopK
 from reef_core.engines.translate import anthropic_count_tokens_to_openai
-from reef_core.errors import ConfigError, ReefError, UpstreamError, ValidationFailed
+from reef_core.errors import ConfigError, Conflict, ReefError, UpstreamError, ValidationFailed
 from reef_core.grow.device import resolve_device
+
+
+_UNKNOWN = object()  # which adapter the model applies is not known (a slot was just added or removed)
 
 
 def _load_model(model_dir: Path):
@@ -183,6 +196,15 @@ class _TextStream:
 
 
 @dataclass
+class _Adapter:
+    """What requests naming an adapter get: ``slot`` (its peft adapter name; None: the base) under ``version``."""
+
+    version: str
+    slot: str | None
+    config: dict | None
+
+
+@dataclass
 class _Result:
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
@@ -253,6 +275,11 @@ class LocalEngine(Engine):
         self._max_len: int | None = None
         self._max_token_chars = 1
         self._active: set[threading.Event] = set()
+        self._peft = None  # the PeftModel around the model once an adapter is loaded (worker thread only)
+        self._adapters: dict[str, _Adapter] = {}
+        self._adapter_of: dict[str, str] = {}  # every version an adapter served under -> its name
+        self._slots = 0  # peft adapter names are slot ids, never the (arbitrary) adapter names
+        self._serving_slot: str | None | object = _UNKNOWN  # the adapter enabled now (None: all disabled)
         #: Counters updated by the worker: generations run, tokens sampled, generations cut short by a
         #: consumer that went away.
         self.stats = {"generations": 0, "output_tokens": 0, "cancelled": 0}
@@ -300,7 +327,9 @@ class LocalEngine(Engine):
         for ev in list(self._active):
             ev.set()  # stop generations in flight at their next token
         await asyncio.to_thread(executor.shutdown, True)
-        self._model = self._tok = None
+        self._model = self._tok = self._peft = None
+        self._adapters.clear()
+        self._adapter_of.clear()
 
     def model_ids(self) -> list[str]:
         return [self.name]
@@ -323,6 +352,9 @@ class LocalEngine(Engine):
         await self._run(self._swap, str(version), state_dict)
 
     def _swap(self, version: str, state_dict: dict | None) -> None:
+        if state_dict is not None and self._adapters:
+            raise Conflict(f"engine {self.name} serves LoRA adapters ({', '.join(sorted(self._adapters))}) on its base "
+                           "weights; a full-weight swap would move the base under every one of them")
         if state_dict is not None:
             own = self._model.state_dict()
             unknown = sorted(k for k in state_dict if k not in own)
@@ -335,6 +367,112 @@ class LocalEngine(Engine):
                 for k, v in state_dict.items():
                     own[k].copy_(v.to(device=own[k].device, dtype=own[k].dtype))
         self.version = version
+
+    # ---- adapters ----------------------------------------------------------------------------------------
+    async def load_adapter(self, name: str, version: str, adapter: AdapterWeights | None) -> None:
+        """From the next request on, serve requests frozen on any of ``name``'s versions with ``adapter``, as
+        ``version``.
+
+        Queued on the worker like a request: requests already submitted finish on what they started with. A
+        replacement is atomic: the new tensors are checked against the adapter's expected keys and shapes first
+        (:class:`ValidationFailed`, nothing changes). ``adapter=None`` serves the base under ``version`` for
+        ``name`` (a scenario rolled back to its start keeps its own version line)."""
+        await self._run(self._guard, self._load_adapter, str(name), str(version), adapter)
+
+    async def drop_adapter(self, name: str) -> None:
+        """Forget adapter ``name``: requests frozen on its versions are served by the base (under :attr:`version`)."""
+        await self._run(self._guard, self._drop_adapter, str(name))
+
+    def adapters(self) -> dict[str, str]:
+        """Adapter name -> the version it serves now."""
+        return {name: a.version for name, a in self._adapters.items()}
+
+    def _load_adapter(self, name: str, version: str, adapter: AdapterWeights | None) -> None:
+        old = self._adapters.get(name)
+        slot = None
+        if adapter is not None:
+            same = old is not None and old.slot is not None and old.config == adapter.config
+            slot = old.slot if same else self._new_slot(adapter.config)
+            try:
+                self._set_adapter_tensors(slot, adapter.tensors)
+            except BaseException:
+                if not same:
+                    self._delete_slot(slot)
+                raise
+        if old is not None and old.slot is not None and old.slot != slot:
+            self._delete_slot(old.slot)
+        self._adapters[name] = _Adapter(version, slot, adapter.config if adapter is not None else None)
+        self._adapter_of[version] = name
+
+    def _drop_adapter(self, name: str) -> None:
+        old = self._adapters.pop(name, None)
+        if old is not None and old.slot is not None:
+            self._delete_slot(old.slot)
+        for version in [v for v, n in self._adapter_of.items() if n == name]:
+            del self._adapter_of[version]
+
+    def _new_slot(self, config: dict):
+        from peft import PeftConfig, get_peft_model
+
+        try:
+            peft_config = PeftConfig.from_peft_type(**{**config, "inference_mode": True})
+        except (TypeError, ValueError) as exc:
+            raise ValidationFailed(f"adapter config does not load: {exc}") from None
+        self._slots += 1
+        slot = f"reef_{self._slots}"
+        if self._peft is None:
+            self._peft = get_peft_model(self._model, peft_config, adapter_name=slot)
+            self._peft.eval()
+        else:
+            self._peft.add_adapter(slot, peft_config)
+        self._serving_slot = _UNKNOWN  # peft enables the slot it builds: decided again per request
+        return slot
+
+    def _delete_slot(self, slot: str) -> None:
+        if self._peft is None:
+            return
+        if set(self._peft.peft_config) == {slot}:
+            self._peft.base_model.unload()  # the last one: back to the plain model (its layers, not merged)
+            self._peft = None
+        else:
+            self._peft.delete_adapter(slot)
+        self._serving_slot = _UNKNOWN
+
+    def _set_adapter_tensors(self, slot: str, tensors) -> None:
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+        own = get_peft_model_state_dict(self._peft, adapter_name=slot)
+        unknown = sorted(set(tensors) - set(own))
+        missing = sorted(set(own) - set(tensors))
+        if unknown or missing:
+            raise ValidationFailed(f"adapter tensors do not fit the model: unknown {unknown[:3]}, missing {missing[:3]}")
+        bad = sorted(k for k, v in tensors.items() if tuple(v.shape) != tuple(own[k].shape))
+        if bad:
+            raise ValidationFailed(f"adapter tensor shapes differ from the model's: {bad[:3]}")
+        with torch.no_grad():
+            set_peft_model_state_dict(self._peft, {k: v.to(self.device) for k, v in tensors.items()},
+                                      adapter_name=slot)
+
+    def _enable(self, slot: str | None) -> None:
+        """Worker thread: make ``slot`` the adapter the model applies (None: the base, every adapter disabled)."""
+        if self._peft is None or slot == self._serving_slot:
+            return
+        tuner = self._peft.base_model
+        if slot is None:
+            tuner.disable_adapter_layers()
+        else:
+            tuner.enable_adapter_layers()
+            self._peft.set_adapter(slot, inference_mode=True)
+        self._serving_slot = slot
+
+    def _serve_as(self, frozen: str | None) -> str:
+        """Worker thread: enable the adapter a request frozen on ``frozen`` is served by; the version it serves."""
+        adapter = self._adapters.get(self._adapter_of.get(frozen)) if frozen is not None else None
+        if adapter is None:
+            self._enable(None)
+            return self.version
+        self._enable(adapter.slot)
+        return adapter.version
 
     # ---- requests ----------------------------------------------------------------------------------------
     def _params(self, body: dict) -> _Params:
@@ -386,8 +524,8 @@ class LocalEngine(Engine):
     @torch.inference_mode()
     def _generate(self, messages: list[dict], tools: list | None, p: _Params,
                   emit: Callable[[str, list[dict]], None] | None, cancel: threading.Event,
-                  started: Callable[[str], None] | None = None) -> _Result:
-        """Worker thread: one whole generation.
+                  started: Callable[[str], None] | None = None, frozen: str | None = None) -> _Result:
+        """Worker thread: one whole generation, by the adapter the ``frozen`` version names (else the base).
 
         ``started(version)`` is called once the prompt is accepted; ``emit(text, logprob_entries)``
         receives each piece of released text.
@@ -401,6 +539,7 @@ class LocalEngine(Engine):
                 raise ValidationFailed(f"messages: the prompt of {len(res.prompt_ids)} tokens fills the model's context "
                                        f"of {self._max_len} tokens")
             max_new = min(max_new, room)
+        res.version = self._serve_as(frozen)
         if p.seed is not None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(p.seed)
@@ -458,9 +597,9 @@ class LocalEngine(Engine):
             res.lp_entries = pending  # non-streamed: every entry (emit was None)
         return res
 
-    def _job(self, body: dict, emit, cancel: threading.Event, started=None) -> _Result:
+    def _job(self, body: dict, emit, cancel: threading.Event, started=None, frozen: str | None = None) -> _Result:
         p = self._params(body)
-        return self._generate(_chat_messages(body), body.get("tools"), p, emit, cancel, started)
+        return self._generate(_chat_messages(body), body.get("tools"), p, emit, cancel, started, frozen)
 
     def _completion_body(self, res: _Result, p: _Params, rid: str, created: int) -> dict:
         logprobs = {"content": res.lp_entries, "refusal": None} if p.logprobs else None
@@ -481,7 +620,7 @@ class LocalEngine(Engine):
         cancel = threading.Event()
         self._active.add(cancel)
         try:
-            res = await self._run(self._guard, self._job, req.body, None, cancel)
+            res = await self._run(self._guard, self._job, req.body, None, cancel, None, req.version)
         except asyncio.CancelledError:
             cancel.set()
             raise
@@ -518,7 +657,7 @@ class LocalEngine(Engine):
         def job() -> None:
             try:
                 res = self._guard(self._job, req.body, lambda text, lps: put(("text", (text, lps))), cancel,
-                                  lambda version: put(("start", version)))
+                                  lambda version: put(("start", version)), req.version)
                 put(("done", res))
             except BaseException as exc:  # handed to the consumer, raised there
                 put(("error", exc))
