@@ -6,9 +6,10 @@ batch, split into ``grad_accumulation`` micro-batches (see the scaling rule in :
 
 What a step returns (:class:`~reef_core.grow.trainer.CandidateUpdate`):
 
-* ``payload``: a state dict the local engine's ``swap_weights(version, state_dict)`` takes as it is. Full weights:
-  every tensor of the model (tied duplicates left out: they follow their source). LoRA: only the merged weights of
-  the adapted layers, ``W + ΔW`` under the base model's own key names (``swap_weights`` accepts a partial dict).
+* ``payload``: what the local engine loads as it is. Full weights: a state dict for ``swap_weights(version,
+  state_dict)``, every tensor of the model (tied duplicates left out: they follow their source). LoRA: an
+  :class:`~reef_core.engines.adapter.AdapterWeights` (the adapter's config and its own tensors, never merged) for
+  ``load_adapter(name, version, adapter)``, so several scenarios' adapters share the engine's one base.
 * ``files``: the checkpoint, serialised on first access (a version kept only in memory never pays for it). Full:
   ``model.safetensors``, ``config.json``, ``generation_config.json`` and the tokenizer files, a directory
   ``from_pretrained`` loads. LoRA: ``adapter/adapter_config.json`` and ``adapter/adapter_model.safetensors``, a
@@ -40,6 +41,7 @@ weights are loaded from that release's files (``ctx.current_files()``) and the o
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import math
 import tempfile
@@ -59,12 +61,10 @@ from reef_core.grow.objective import Objective
 from reef_core.grow.reference import AdapterBaseReference, ReferenceModel, SharedBaseReference
 from reef_core.grow.token_batch import TokenBatch
 from reef_core.grow.trainer import CandidateUpdate, TrainContext, Trainer
-from reef_core.surfaces.weights import ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, MODEL_FILE, base_reference
+from reef_core.engines.adapter import AdapterWeights
+from reef_core.surfaces.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_FILE, base_reference
 
 log = logging.getLogger("reef.grow.torch")
-
-_PEFT_PREFIX = "base_model.model."
-
 
 def _safetensors_bytes(tensors: Mapping[str, Tensor]) -> bytes:
     from safetensors.torch import save
@@ -123,10 +123,11 @@ class LazyFiles(Mapping):
 
 
 def policy_lag(versions: list[list[str | None]], serving: str | None) -> list[int]:
-    """Serving sequence minus producing sequence, per sample (its oldest turn), within the serving incarnation.
+    """Serving sequence minus producing sequence, per sample (its oldest turn), within the serving incarnation (an
+    adapter's own version line; the base counts as its sequence 0, see ``eligibility.on_line``).
 
     Samples from another incarnation, with unparseable versions or ahead of the serving version are left out."""
-    from reef_core.observe.processors.eligibility import parse_version
+    from reef_core.observe.processors.eligibility import on_line, parse_version
 
     if not serving:
         return []
@@ -139,7 +140,7 @@ def policy_lag(versions: list[list[str | None]], serving: str | None) -> list[in
         seqs = []
         for v in turns:
             try:
-                inc, seq = parse_version(v) if v else (None, None)
+                inc, seq = on_line(parse_version(v), (incarnation, now)) if v else (None, None)
             except ValueError:
                 inc, seq = None, None
             if inc == incarnation and seq is not None and seq <= now:
@@ -469,36 +470,27 @@ class TorchTrainer(Trainer):
 
     # -- export ------------------------------------------------------------------------------------------------
 
-    def _payload(self) -> dict[str, Tensor]:
-        """What ``LocalEngine.swap_weights`` takes (see the module docstring)."""
+    def _payload(self) -> dict[str, Tensor] | AdapterWeights:
+        """What the local engine loads (see the module docstring): the full state dict, or the LoRA adapter."""
         with torch.no_grad():
             if not self.lora:
                 own = self._policy.state_dict()
                 return {k: own[k].detach().clone() for k in self._export_keys}
-            merged: dict[str, Tensor] = {}
-            for name, module in self._policy.named_modules():
-                if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
-                    if "default" not in getattr(module, "lora_A", {}):
-                        continue
-                    base = module.base_layer.weight
-                    delta = module.get_delta_weight("default").to(base.dtype)
-                    key = (name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name) + ".weight"
-                    merged[key] = (base + delta).detach().clone()
-            return merged
+            from peft import get_peft_model_state_dict
 
-    def _files(self, payload: dict[str, Tensor]) -> LazyFiles:
+            tensors = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self._policy).items()}
+            return AdapterWeights(json.loads(self._adapter_config), tensors)
+
+    def _files(self, payload: dict[str, Tensor] | AdapterWeights) -> LazyFiles:
         extra: dict[str, Tensor] | None = None
         names: list[str] = []
         if self.export_objective_state:
             extra = {k: v.detach().clone() for k, v in self.objective.state_dict().items()}
             names.append(f"algorithm/{self.objective.name}.safetensors")
-        if self.lora:
-            from peft import get_peft_model_state_dict
-
-            adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self._policy).items()}
+        if isinstance(payload, AdapterWeights):
             static = {ADAPTER_CONFIG: self._adapter_config}
             names.insert(0, ADAPTER_WEIGHTS)
-            main = (ADAPTER_WEIGHTS, adapter)
+            main = (ADAPTER_WEIGHTS, payload.tensors)
         else:
             static = self._static_files
             names.insert(0, MODEL_FILE)

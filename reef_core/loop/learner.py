@@ -70,9 +70,9 @@ class ScenarioLearner:
         #: Why this scenario does not train (records are still stored and observed), or None.
         self.training_disabled: str | None = None
         if self.recipe.trainer and self.surface is not None and self.surface.kind == "weights":
-            # One engine, one set of weights: only one scenario per process may train them.
+            # One engine, one base: one full-weight scenario, or any number of LoRA scenarios (own adapters).
             try:
-                self.surface.claim(scenario)
+                self.surface.claim(scenario, lora=bool(settings.trainer.lora))
             except Conflict as exc:
                 self.training_disabled = exc.message
                 log.warning("scenario %s will not train: %s", scenario, exc.message)

@@ -1,17 +1,33 @@
 """The weights surface: publish model weights into the embedded engine between requests.
 
-Versions are ``<incarnation>:<sequence>``: the incarnation is fixed when the engine starts, the
-sequence grows with every swap. The engine swaps on its worker thread after the requests already
-submitted, so a request that started on version v finishes on v and the next one gets v+1.
-One process trains at most one full-weight scenario: the engine has one set of weights.
+Two kinds of weights scenario, never both on one engine:
+
+* **Full weights**: versions are ``<incarnation>:<sequence>``: the incarnation is fixed when the engine starts,
+  the sequence grows with every swap. One process trains at most one full-weight scenario (the ``owner``): the
+  engine has one set of weights.
+* **LoRA adapters**: any number of scenarios, each served by its own adapter kept unmerged on the shared base
+  (``LocalEngine.load_adapter``). Each has its own version line ``<incarnation>.<key>:<sequence>`` (``key``:
+  :func:`scenario_key`), so staleness and policy lag count only that scenario's updates; before its first adapter
+  it is served by the base under the engine's version (sequence 0 of every line, see
+  ``reef_core.observe.processors.eligibility``).
+
+A full-weight swap would move the base under every adapter, so the kinds exclude each other: the learner
+claims (:meth:`~WeightsSurface.claim`) each training scenario with its trainer's mode (``trainer.lora``) and the second kind
+is refused with a :class:`Conflict` naming the scenarios and the fix. A release's own form decides at activation too
+(an adapter payload or ``adapter/`` files are a LoRA release).
+
+The engine switches on its worker thread after the requests already submitted, so a request that started on
+version v finishes on v and the next one gets the next version.
 
 A scenario's first release (``creation``) holds no weights: ``base.json`` names the base model the
 engine loaded and a digest of its files (:func:`base_reference`). Activating it restores the base
-weights (a no-op while the engine still serves them), so a rollback to the start works and the
-version a scenario's first records name maps to a release.
+weights (a no-op while the engine still serves them; for a LoRA scenario that has served an adapter, the base on
+the scenario's own line), so a rollback to the start works and the version a scenario's first records name maps to
+a release. Restart: the learner activates each scenario's head release from its files, which reloads every LoRA
+scenario's adapter under the new incarnation.
 
 Devices: a trainer's payload lives on ``trainer.device`` and a release's files load on the CPU; the
-engine copies each tensor onto its own ``engine.device`` when it swaps, so the two may differ.
+engine copies each tensor onto its own ``engine.device`` when it loads it, so the two may differ.
 """
 
 from __future__ import annotations
@@ -24,7 +40,9 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from ..engines.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterWeights
 from ..errors import ConfigError, Conflict, ValidationFailed
+from ..observe.processors.eligibility import adapter_line, format_version
 from .base import Surface
 
 if TYPE_CHECKING:
@@ -34,13 +52,17 @@ log = logging.getLogger("reef.surfaces")
 
 #: The files that carry a weights release (written by ``reef_core.grow.torch_backend``).
 MODEL_FILE = "model.safetensors"
-ADAPTER_DIR = "adapter"
-ADAPTER_WEIGHTS = f"{ADAPTER_DIR}/adapter_model.safetensors"
-ADAPTER_CONFIG = f"{ADAPTER_DIR}/adapter_config.json"
+#: A LoRA release's files (``ADAPTER_CONFIG``, ``ADAPTER_WEIGHTS``) are named in ``reef_core.engines.adapter``.
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "BASE_REFERENCE", "MODEL_FILE", "WeightsSurface"]
 
 
 #: The file of a creation release: the base model it stands for (no weights are copied).
 BASE_REFERENCE = "base.json"
+
+
+def scenario_key(scenario: str) -> str:
+    """The short, version-safe key of a scenario in its adapter versions (8 hex digits of its name's sha256)."""
+    return hashlib.sha256(scenario.encode()).hexdigest()[:8]
 
 
 def model_digest(model_dir: Path) -> str:
@@ -103,6 +125,10 @@ def state_dict_from_files(files: Mapping[str, bytes], load_base_model: Callable[
 
 
 class WeightsSurface(Surface):
+    """Weights releases into the embedded engine: one full-weight scenario, or any number of LoRA scenarios.
+
+    See the module docstring for versions and the rule that full weights and adapters do not share an engine."""
+
     kind = "weights"
 
     def __init__(self, ports: ServingPorts, options: Mapping[str, Any] | None = None):
@@ -115,7 +141,11 @@ class WeightsSurface(Surface):
         incarnation, _, seq = str(engine.version).rpartition(":")
         self.incarnation = incarnation or str(engine.version)
         self.sequence = int(seq) if seq.isdigit() else 0
+        #: The scenario whose training moves the engine's own weights (full weights), or None.
         self.owner: str | None = None
+        #: LoRA scenarios -> the sequence of their own version line (0: no adapter loaded yet in this process).
+        self.adapters: dict[str, int] = {}
+        self._on_line: dict[str, bool] = {}  # LoRA scenario -> it serves a version of its own line now
         self.release_of: dict[str, str] = {}
         self._lock = threading.Lock()
         self._digest: str | None = None  # of the base model's files, computed once
@@ -131,17 +161,39 @@ class WeightsSurface(Surface):
         ref = {"model": str(getattr(self.engine, "name", "")), "digest": self.base_digest()}
         return {BASE_REFERENCE: (json.dumps(ref, sort_keys=True, indent=1) + "\n").encode()}
 
-    def claim(self, scenario: str) -> None:
-        """Make ``scenario`` the one whose training moves the engine's weights (first come, first served)."""
-        with self._lock:
-            self._claim(scenario)
+    # -- who trains what ---------------------------------------------------------------------------------------
 
-    def _claim(self, scenario: str) -> None:
+    def claim(self, scenario: str, lora: bool = False) -> None:
+        """Register ``scenario`` as trained here: through its own LoRA adapter (``lora``), else as the one scenario
+        whose training moves the engine's full weights. Raises :class:`Conflict` (the scenario does not train)
+        when the two kinds would share the engine, or for a second full-weight scenario."""
+        with self._lock:
+            self._claim(scenario, lora)
+
+    def _claim(self, scenario: str, lora: bool) -> None:
+        if lora:
+            if self.owner is not None:
+                raise Conflict(
+                    f"scenario {scenario!r} trains a LoRA adapter, but scenario {self.owner!r} trains this engine's "
+                    f"full weights, which would move the adapter's base; set trainer.lora=true for {self.owner!r} "
+                    f"too, or serve {scenario!r} from another deployment")
+            self.adapters.setdefault(scenario, 0)
+            return
+        if self.adapters and scenario not in self.adapters:
+            names = ", ".join(repr(n) for n in sorted(self.adapters))
+            raise Conflict(
+                f"scenario {scenario!r} trains full weights, but LoRA adapters of scenario(s) {names} sit on this "
+                f"engine's base weights, which a full-weight swap would move under them; set trainer.lora=true "
+                f"for {scenario!r}, or serve it from another deployment")
+        if scenario in self.adapters:
+            raise Conflict(f"scenario {scenario!r} trains a LoRA adapter here; a full-weight release of it cannot be "
+                           f"served beside the adapters (set trainer.lora=true consistently)")
         if self.owner is None:
             self.owner = scenario
         elif self.owner != scenario:
             raise Conflict(f"this process already trains the weights of scenario {self.owner!r}; one full-weight "
-                           f"scenario per process (start another deployment for {scenario!r})")
+                           f"scenario per process (set trainer.lora=true to train each through its own adapter, "
+                           f"or start another deployment for {scenario!r})")
 
     def validate(self, files) -> None:
         """A weights release must name its weights: a full checkpoint or a PEFT adapter with its config.
@@ -158,26 +210,59 @@ class WeightsSurface(Surface):
         raise ValidationFailed(f"a weights release holds {MODEL_FILE} or {ADAPTER_WEIGHTS}; got "
                                f"{', '.join(sorted(names)[:5]) or 'no files'}")
 
+    # -- activation --------------------------------------------------------------------------------------------
+
     def activate(self, scenario, release_id, payload=None, files=None) -> None:
         with self._lock:
-            self._claim(scenario)
             contents = files() if payload is None else None
             ref = base_reference(contents) if contents is not None else None
             if ref is not None and ref["digest"] != self.base_digest():
                 raise ConfigError(f"release {release_id} of scenario {scenario!r} names base model "
                                   f"{ref.get('model')!r} ({ref['digest']}), but the engine loaded "
                                   f"{getattr(self.engine, 'name', '?')!r} ({self.base_digest()})")
-            if ref is not None and self._on_base:
-                # The engine already serves the base: its current version is this release (no swap, no new version).
+            adapter = payload if isinstance(payload, AdapterWeights) else None
+            if adapter is None and contents is not None and ADAPTER_WEIGHTS in contents:
+                adapter = AdapterWeights.from_files(contents)
+            if adapter is not None:
+                self._claim(scenario, lora=True)
+                version = self._next_adapter_version(scenario, adapter)
+            elif ref is not None and scenario in self.adapters:
+                # The start of a LoRA scenario: the base, on its own line once an adapter has served it.
+                version = self._next_adapter_version(scenario, None) if self._on_line.get(scenario) else \
+                    str(self.engine.version)
+            elif ref is not None and self.owner != scenario:
+                # Not (yet) known to train here: it is served what the engine serves, the base unless an owner
+                # moved it, which a creation release of another scenario never undoes.
+                if self.owner is not None and not self._on_base:
+                    self._claim(scenario, lora=False)  # raises: the owner's weights are not this scenario's base
                 version = str(self.engine.version)
             else:
-                state = payload if payload is not None else state_dict_from_files(contents, self.ports.load_base_model)
-                version = f"{self.incarnation}:{self.sequence + 1}"
-                self.ports.run_async(self.engine.swap_weights(version, state))
-                self.sequence += 1
-                self._on_base = ref is not None  # only once the swap succeeded
+                self._claim(scenario, lora=False)
+                version = self._swap_full(ref, payload, contents)
             self.release_of[version] = release_id
             log.info("scenario %s now served by %s (release %s)", scenario, version, release_id)
 
+    def _next_adapter_version(self, scenario: str, adapter: AdapterWeights | None) -> str:
+        """Load ``adapter`` (None: the base) as ``scenario``'s next version; its sequence moves only once loaded."""
+        seq = self.adapters.get(scenario, 0) + 1
+        version = format_version(adapter_line(self.incarnation, scenario_key(scenario)), seq)
+        self.ports.run_async(self.engine.load_adapter(scenario, version, adapter))
+        self.adapters[scenario] = seq
+        self._on_line[scenario] = True
+        return version
+
+    def _swap_full(self, ref: dict | None, payload: Any, contents: Mapping[str, Any] | None) -> str:
+        if ref is not None and self._on_base:
+            # The engine already serves the base: its current version is this release (no swap, no new version).
+            return str(self.engine.version)
+        state = payload if payload is not None else state_dict_from_files(contents, self.ports.load_base_model)
+        version = f"{self.incarnation}:{self.sequence + 1}"
+        self.ports.run_async(self.engine.swap_weights(version, state))
+        self.sequence += 1
+        self._on_base = ref is not None  # only once the swap succeeded
+        return version
+
     def serving_version(self, scenario: str) -> str | None:
+        if self._on_line.get(scenario):
+            return format_version(adapter_line(self.incarnation, scenario_key(scenario)), self.adapters[scenario])
         return str(self.engine.version)

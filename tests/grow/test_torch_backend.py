@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
+from reef_core.engines.adapter import AdapterWeights
 from reef_core.errors import ConfigError, ValidationFailed
 from reef_core.grow.models import build_tiny_model, build_tiny_tokenizer
 from reef_core.grow.objective import Objective, Prepared, ValueModel, sequence_logprobs, token_sum
@@ -243,15 +244,15 @@ def test_lora_step_trains_only_the_adapter_and_exports_a_peft_dir(tok, tmp_path)
     assert lora_b and any(p.abs().sum() > 0 for p in lora_b)
     base_after = trainer.policy.get_base_model().state_dict()
     assert all(torch.equal(base_before[k], base_after[k]) for k in base_before)
-    # payload: merged weights of the adapted layers under the base model's own names (swap_weights form)
+    # payload: the adapter itself (config + its own tensors, unmerged), which peft loads onto a fresh base
+    from peft import PeftConfig, get_peft_model, set_peft_model_state_dict
+
+    assert isinstance(update.payload, AdapterWeights) and update.payload.config["r"] == 4
+    assert all("lora_" in k for k in update.payload.tensors)
     fresh, _ = build_tiny_model(seed=0, tokenizer=tok)
-    own = fresh.state_dict()
-    assert update.payload and all(k in own for k in update.payload)
-    assert "model.layers.0.self_attn.q_proj.weight" in update.payload
-    with torch.no_grad():
-        for k, v in update.payload.items():
-            own[k].copy_(v)
-    assert torch.allclose(logits(fresh), logits(trainer.policy), atol=1e-5)
+    fresh = get_peft_model(fresh, PeftConfig.from_peft_type(**update.payload.config))
+    set_peft_model_state_dict(fresh, dict(update.payload.tensors))
+    assert torch.allclose(logits(fresh.eval()), logits(trainer.policy), atol=1e-6)
     # files: a PEFT adapter directory
     assert set(update.files) == {ADAPTER_CONFIG, ADAPTER_WEIGHTS}
     assert json.loads(update.files[ADAPTER_CONFIG])["r"] == 4

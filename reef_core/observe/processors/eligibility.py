@@ -5,6 +5,11 @@ incarnation changes whenever the engine starts fresh, ``seq`` (a non-negative in
 inside one incarnation. The incarnation is everything before the last colon. ``"base"`` (the unmodified weights of
 the local engine) is incarnation ``"base"``, sequence 0. See :func:`parse_version`.
 
+Adapter lines. A scenario trained through a LoRA adapter counts its own versions, ``"<incarnation>.<key>:<seq>"``
+(:func:`adapter_line`; ``key`` is short and names the scenario), so only its own updates age its samples. Its first
+records are served by the base before any adapter exists: the base version ``"<incarnation>:0"`` counts as sequence 0
+of every adapter line of that incarnation (:func:`on_line`).
+
 Staleness (``max_staleness``, counted in versions). ``None`` disables the check (text-artifact recipes). ``0`` admits
 only samples every turn of which the currently serving version produced; ``W`` admits ``0 <= serving_seq -
 producing_seq <= W`` within the serving incarnation. Another incarnation never trains. Versions that do not parse are
@@ -54,6 +59,20 @@ def parse_version(version: str) -> tuple[str, int]:
     return incarnation, int(seq)
 
 
+def adapter_line(incarnation: str, key: str) -> str:
+    """The incarnation part of a scenario's adapter versions: ``"<incarnation>.<key>"``."""
+    return f"{incarnation}.{key}"
+
+
+def on_line(producing: tuple[str, int], serving: tuple[str, int]) -> tuple[str, int]:
+    """``producing`` as a position on the serving version's line: the base ``(<incarnation>, 0)`` is sequence 0 of
+    every adapter line ``<incarnation>.<key>`` (see the module docstring); any other version is left as it is."""
+    incarnation, seq = producing
+    if seq == 0 and serving[0].startswith(adapter_line(incarnation, "")):
+        return serving[0], 0
+    return producing
+
+
 def format_version(incarnation: str, seq: int) -> str:
     """The inverse of :func:`parse_version` (``("base", 0)`` → ``"base"``)."""
     if incarnation == "base" and seq == 0:
@@ -69,6 +88,7 @@ def staleness_reason(producing: str | None, serving: str, max_staleness: int) ->
         made, now = parse_version(producing), parse_version(serving)
     except ValueError:
         return None if producing == serving else UNKNOWN_VERSION
+    made = on_line(made, now)
     if made[0] != now[0]:
         return CROSS_INCARNATION
     lag = now[1] - made[1]
