@@ -445,7 +445,8 @@ class LocalEngine(Engine):
         unknown = sorted(set(tensors) - set(own))
         missing = sorted(set(own) - set(tensors))
         if unknown or missing:
-            raise ValidationFailed(f"adapter tensors do not fit the model: unknown {unknown[:3]}, missing {missing[:3]}")
+            raise ValidationFailed(f"adapter tensors do not fit the model: unknown {unknown[:3]}, "
+                                   f"missing {missing[:3]}")
         bad = sorted(k for k, v in tensors.items() if tuple(v.shape) != tuple(own[k].shape))
         if bad:
             raise ValidationFailed(f"adapter tensor shapes differ from the model's: {bad[:3]}")

@@ -12,9 +12,10 @@ Two kinds of weights scenario, never both on one engine:
   ``reef_core.observe.processors.eligibility``).
 
 A full-weight swap would move the base under every adapter, so the kinds exclude each other: the learner
-claims (:meth:`~WeightsSurface.claim`) each training scenario with its trainer's mode (``trainer.lora``) and the second kind
-is refused with a :class:`Conflict` naming the scenarios and the fix. A release's own form decides at activation too
-(an adapter payload or ``adapter/`` files are a LoRA release).
+claims (:meth:`~WeightsSurface.claim`) each training scenario with its trainer's mode (``trainer.lora``) and the
+second kind is refused with a :class:`Conflict` naming the scenarios and the fix (that scenario does not train; its
+status says why). A release's own form decides at activation too (an adapter payload or ``adapter/`` files are a
+LoRA release; the full-weight owner's adapter files are merged into its weights).
 
 The engine switches on its worker thread after the requests already submitted, so a request that started on
 version v finishes on v and the next one gets the next version.
@@ -220,27 +221,33 @@ class WeightsSurface(Surface):
                 raise ConfigError(f"release {release_id} of scenario {scenario!r} names base model "
                                   f"{ref.get('model')!r} ({ref['digest']}), but the engine loaded "
                                   f"{getattr(self.engine, 'name', '?')!r} ({self.base_digest()})")
-            adapter = payload if isinstance(payload, AdapterWeights) else None
-            if adapter is None and contents is not None and ADAPTER_WEIGHTS in contents:
-                adapter = AdapterWeights.from_files(contents)
-            if adapter is not None:
-                self._claim(scenario, lora=True)
-                version = self._next_adapter_version(scenario, adapter)
-            elif ref is not None and scenario in self.adapters:
-                # The start of a LoRA scenario: the base, on its own line once an adapter has served it.
-                version = self._next_adapter_version(scenario, None) if self._on_line.get(scenario) else \
-                    str(self.engine.version)
-            elif ref is not None and self.owner != scenario:
-                # Not (yet) known to train here: it is served what the engine serves, the base unless an owner
-                # moved it, which a creation release of another scenario never undoes.
-                if self.owner is not None and not self._on_base:
-                    self._claim(scenario, lora=False)  # raises: the owner's weights are not this scenario's base
-                version = str(self.engine.version)
-            else:
-                self._claim(scenario, lora=False)
-                version = self._swap_full(ref, payload, contents)
+            version = self._activate(scenario, ref, payload, contents)
             self.release_of[version] = release_id
             log.info("scenario %s now served by %s (release %s)", scenario, version, release_id)
+
+    def _activate(self, scenario: str, ref: dict | None, payload: Any, contents: Mapping[str, Any] | None) -> str:
+        """Serve the release (``ref``: a creation release); the version that serves ``scenario`` now."""
+        adapter = payload if isinstance(payload, AdapterWeights) else None
+        if self.owner == scenario and adapter is None:
+            # The full-weight owner: each of its releases moves the engine's weights (an adapter's files merged).
+            return self._swap_full(ref, payload, contents)
+        if adapter is None and contents is not None and ADAPTER_WEIGHTS in contents:
+            adapter = AdapterWeights.from_files(contents)
+        if adapter is not None:
+            self._claim(scenario, lora=True)
+            return self._next_adapter_version(scenario, adapter)
+        if ref is None:  # full weights
+            self._claim(scenario, lora=False)
+            return self._swap_full(ref, payload, contents)
+        if scenario in self.adapters:
+            # The start of a LoRA scenario: the base, on its own line once an adapter has served it.
+            if self._on_line.get(scenario):
+                return self._next_adapter_version(scenario, None)
+            return str(self.engine.version)
+        # A start of a scenario not known to train here: it gets what the engine serves, which must be the base.
+        if self.owner is not None and not self._on_base:
+            self._claim(scenario, lora=False)  # raises: the owner moved the weights away from this scenario's base
+        return str(self.engine.version)
 
     def _next_adapter_version(self, scenario: str, adapter: AdapterWeights | None) -> str:
         """Load ``adapter`` (None: the base) as ``scenario``'s next version; its sequence moves only once loaded."""

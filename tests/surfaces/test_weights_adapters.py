@@ -1,4 +1,4 @@
-"""The weights surface with LoRA scenarios: one adapter each on the engine's shared base, each on its own version line."""
+"""The weights surface with LoRA scenarios: an adapter each on the engine's shared base, each on its own version line."""
 
 from __future__ import annotations
 
