@@ -172,3 +172,34 @@ def test_staleness_and_policy_lag_count_a_scenarios_own_updates():
     assert staleness_reason("inc:1", f"{line}:2", 5) == CROSS_INCARNATION  # a full-weight version is no base
     assert staleness_reason("old:0", f"{line}:2", 5) == CROSS_INCARNATION
     assert policy_lag([["inc:0"], [f"{line}:1", f"{line}:2"], [f"inc.{scenario_key('b')}:1"]], f"{line}:2") == [2, 1]
+
+
+def test_a_learner_claims_with_its_trainers_mode_and_a_full_weight_scenario_beside_adapters_does_not_train(tmp_path):
+    from types import SimpleNamespace
+
+    from reef_core.config.schema import EvaluationConfig, RecipeConfig, TrainerConfig
+    from reef_core.loop.learner import ScenarioLearner
+    from reef_core.loop.pool import LearnerPool
+    from reef_core.loop.ports import LearnerPorts, LearnerSettings
+
+    engine = SimpleNamespace(version="inc:0", swap_weights=None)
+    serving = ServingPorts(engine=engine, artifacts=None, run_async=None, load_base_model=None)
+    surface = WeightsSurface(serving)
+    pool = LearnerPool(workers=1)
+    ports = LearnerPorts(serving=serving, records=None, create=None, notify=None, pool=pool)
+    recipe = RecipeConfig(name="weights", trainer="torch", surface="weights")
+
+    def learner(name, lora):
+        settings = LearnerSettings(data_dir=tmp_path, seed=0, trainer=TrainerConfig(lora=lora),
+                                   evaluation=EvaluationConfig())
+        return ScenarioLearner(name, recipe, surface, ports, settings)
+
+    try:
+        assert learner("math-a", True).training_disabled is None
+        assert learner("math-b", True).training_disabled is None
+        refused = learner("full-c", False)
+        assert "'math-a', 'math-b'" in refused.training_disabled and "trainer.lora=true" in refused.training_disabled
+        assert refused.status()["training_disabled"] == refused.training_disabled
+        assert surface.owner is None and set(surface.adapters) == {"math-a", "math-b"}
+    finally:
+        pool.close()
