@@ -63,7 +63,9 @@ class EngineRequest:
     route: str  # "chat" | "messages" | "count_tokens"
     body: dict  # the client's JSON body, possibly translated
     headers: dict[str, str] = field(default_factory=dict)  # already filtered: no auth, no x-reef-*
-    version: str | None = None  # artifact version (release id) the server froze for this request
+    # Artifact version (release id) the server froze for this request; the local engine serves it with the LoRA
+    # adapter that version belongs to (the base for any other), see reef_core.engines.local.
+    version: str | None = None
 
 
 @dataclass

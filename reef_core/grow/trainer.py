@@ -50,7 +50,8 @@ class TrainContext:
     step: int
     #: Release now serving the scenario (None before the first publication).
     serving_release_id: str | None
-    #: Engine version now serving the scenario (``<incarnation>:<sequence>`` for weights).
+    #: Engine version now serving the scenario (``<incarnation>:<sequence>`` for weights; a LoRA scenario's own line
+    #: ``<incarnation>.<key>:<sequence>``).
     serving_version: str | None
     #: Algorithm state committed with the previous step (JSON), or None.
     algorithm_state: Any

@@ -251,6 +251,9 @@ class WeightsSurface(Surface):
 
     def _next_adapter_version(self, scenario: str, adapter: AdapterWeights | None) -> str:
         """Load ``adapter`` (None: the base) as ``scenario``'s next version; its sequence moves only once loaded."""
+        if not hasattr(self.engine, "load_adapter"):
+            raise ConfigError(f"scenario {scenario!r} trains a LoRA adapter, but engine "
+                              f"{getattr(self.engine, 'name', '?')!r} cannot serve adapters (engine.kind=local can)")
         seq = self.adapters.get(scenario, 0) + 1
         version = format_version(adapter_line(self.incarnation, scenario_key(scenario)), seq)
         self.ports.run_async(self.engine.load_adapter(scenario, version, adapter))
