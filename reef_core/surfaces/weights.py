@@ -173,6 +173,9 @@ class WeightsSurface(Surface):
 
     def _claim(self, scenario: str, lora: bool) -> None:
         if lora:
+            if self.owner == scenario:
+                raise Conflict(f"scenario {scenario!r} trains this engine's full weights; a LoRA adapter of it cannot "
+                               f"be served beside them (set trainer.lora consistently)")
             if self.owner is not None:
                 raise Conflict(
                     f"scenario {scenario!r} trains a LoRA adapter, but scenario {self.owner!r} trains this engine's "
