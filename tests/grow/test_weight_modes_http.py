@@ -1,0 +1,60 @@
+"""Full weights and LoRA adapters in one deployment, over real HTTP: the limit is reported, serving goes on.
+
+``full-*`` scenarios train every weight (``duo_weights``), ``lora-*`` scenarios a LoRA adapter (``duo_lora``). The
+engine has one set of base weights: once a full-weight scenario owns them, a LoRA scenario cannot put an adapter
+on top (the next full swap would move its base), so it serves and records but does not train, and its status
+says why and how to fix it; the full-weight scenario keeps training.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from reef_core.config import compose_config
+from reef_core.loop.assemble import build_deployment
+from reef_core.plugins import PluginManager
+from reef_core.serve.app import create_app
+from reef_core.testing.fake_upstream import serve_asgi
+from reef_core.testing.fixtures import wait_until
+
+from .test_two_recipes_http import DuoPlugin, _step
+
+pytest.importorskip("peft")
+
+ROUTES = "routes=[{pattern: 'full-*', recipe: duo_weights}, {pattern: 'lora-*', recipe: duo_lora}]"
+
+
+def _status(url: str, scenario: str) -> dict:
+    return httpx.get(f"{url}/reef/scenarios/{scenario}/status").json()
+
+
+def test_a_lora_scenario_beside_a_full_weight_owner_serves_without_training(tmp_path):
+    pm = PluginManager(load_entry_points=False, extra_plugins=(DuoPlugin,))
+    cfg = compose_config(["engine.kind=local", "engine.model=tiny", "engine.max_new_tokens=4", "engine.seed=0",
+                          f"storage.data_dir={tmp_path}", ROUTES], pm)
+    dep = build_deployment(cfg, pm)
+    with serve_asgi(create_app(dep), lifespan="on") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        full = _step(url, client, "full-1", 2)
+        assert [row["operation"] for row in full] == ["creation", "training"]
+
+        # The LoRA scenario: its request is served and recorded (a receipt), but it never trains.
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "hello"}], extra_headers={"x-reef-scenario": "lora-1"})
+        assert raw.headers["x-reef-agent-record-id"]
+        status = wait_until(lambda: (s := _status(url, "lora-1")).get("training_disabled") and s, timeout=60,
+                            what="lora-1 reports why it does not train")
+        reason = status["training_disabled"]
+        assert "full-1" in reason and "lora-1" in reason and "another deployment" in reason, reason
+        report = httpx.post(f"{url}/reef/report", headers={"x-reef-scenario": "lora-1"},
+                            json={"score": 1.0, "references": [raw.headers["x-reef-agent-record-id"]]})
+        assert report.status_code == 200, report.text
+        assert _status(url, "lora-1")["counters"].get("selected", 0) == 0
+
+        # The full-weight owner is unaffected: it trains again and its version moves on.
+        full = _step(url, client, "full-1", 3)
+        assert full[-1]["decision"]["decision"] == "select"
+        assert _status(url, "full-1")["current_version"].endswith(":2")
+        assert _status(url, "full-1").get("training_disabled") is None
