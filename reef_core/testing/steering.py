@@ -1,36 +1,34 @@
 """Test support: steer a tiny model so its replies use only two chosen letters.
 
 The gate tests need candidates that are reliably better or worse than what serves. :func:`steer` rewrites
-the weights so that the final norm keeps a single hidden dimension and the output embeddings read only that
-dimension, for two letter tokens (+scale, -scale): whatever the prompt, one of the two letters has the top
-logit, and the reply repeats it. With vowels the SAO verifier scores such a reply 1.0, with consonants 0.0.
+the (tied) embeddings so that one hidden dimension carries a large positive constant through the residual
+stream (every token embeds ``scale`` there, the two letters ``2 * scale``), and the final norm keeps only
+that dimension: whatever the prompt, the two letters out-score every other token by about
+``sqrt(hidden_size) * scale`` logits, and the reply is made of them, greedy or sampled. With vowels the SAO
+verifier scores such a reply 1.0, with consonants 0.0.
 
-:func:`make_steered_trainer` (a ``recipe.trainer`` given by dotted path, for ``reef serve`` in a
-subprocess) builds the trainer factory named by ``REEF_TEST_STEER_TRAINER`` (a dotted path, e.g.
-``reef_sao.trainer:make_sao_trainer``), lets it train as usual, and then steers its n-th candidate by the
-n-th entry of ``REEF_TEST_STEER`` (comma-separated letter pairs, e.g. ``zx,ae``; an empty entry leaves the
-candidate as the recipe made it). It reaches into :class:`TorchTrainer`'s export helpers: test code only.
+:class:`SteeredTrainer` wraps a recipe's trainer (a :class:`TorchTrainer`): it trains as usual, then steers its
+n-th candidate by the n-th entry of its plan (a letter pair; an empty entry leaves the candidate as the recipe made
+it). It reaches into :class:`TorchTrainer`'s export helpers: test code only.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 
-def steer(model, tokenizer, letters: str, scale: float = 50.0, dim: int = 0) -> None:
-    """Make ``model``'s greedy replies repeat ``letters[0]`` or ``letters[1]`` (in place)."""
+def steer(model, tokenizer, letters: str, scale: float = 10.0, dim: int = 0) -> None:
+    """Make ``model`` reply with ``letters[0]`` and ``letters[1]`` only (in place; see the module docstring)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     first, second = (tokenizer.convert_tokens_to_ids(c) for c in letters[:2])
     with torch.no_grad():
         norm = base.model.norm.weight
         norm.zero_()
         norm[dim] = 1.0
-        out = base.get_output_embeddings().weight
-        out[:, dim] = 0.0
-        out[first, dim] = scale
-        out[second, dim] = -scale
+        out = base.get_output_embeddings().weight  # tied: the input embeddings too
+        out[:, dim] = scale
+        out[first, dim] = 2 * scale
+        out[second, dim] = 2 * scale
 
 
 class SteeredTrainer:
@@ -58,12 +56,3 @@ class SteeredTrainer:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
-
-
-def make_steered_trainer(**kwargs):
-    """The trainer factory named by ``REEF_TEST_STEER_TRAINER``, steered by ``REEF_TEST_STEER`` (module docstring)."""
-    from reef_core.dotted import load_object
-
-    inner = load_object(os.environ["REEF_TEST_STEER_TRAINER"])(**kwargs)
-    plan = [p.strip() for p in os.environ.get("REEF_TEST_STEER", "").split(",")]
-    return SteeredTrainer(inner, plan)
