@@ -1,7 +1,8 @@
 """Built-in evaluators and selection policies of the evaluation gate.
 
 Evaluator factories are called as ``factory(tasks=..., run=..., options=...)``: ``tasks`` are
-the evaluation tasks (dicts), ``run(subject, task)`` produces an output for a candidate or the
+the evaluation tasks (dicts: ``evaluation.tasks``, the trainer's own, or for ``replay`` the
+processor's held-out records), ``run(subject, task)`` produces an output for a candidate or the
 current release, and ``options`` come from ``evaluation.options``. Selection-policy factories
 take the policy's options as keyword arguments.
 """

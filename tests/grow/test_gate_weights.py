@@ -269,3 +269,24 @@ def test_replay_runs_the_candidate_on_held_out_prompts_against_reported_scores(m
     assert result.baseline_scores == [t["reported_score"] for t in tasks]
     assert result.metadata["task_ids"] == [t["id"] for t in tasks]
     assert json.dumps(result.to_dict())
+
+
+def test_lora_current_is_the_merged_snapshot_adapter(model_dir):
+    trainer = TorchTrainer(Unused(), lambda: load_model(model_dir), device="cpu", lora=True, lora_rank=4,
+                           eval_model_dir=model_dir, eval_max_new_tokens=8)
+    try:
+        base_reply = trainer.run_task(Current("s", None), TASK)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():  # a trained adapter, as a step would leave it
+            for name, param in trainer.policy.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 2.0)
+        candidate = Candidate("s:1", "s", None, payload=trainer._payload())
+        reply = trainer.run_task(candidate, TASK)
+        assert reply != base_reply
+        assert trainer.run_task(Current("s", None), TASK) == base_reply  # the snapshot, not the live adapter
+        trainer.accepted(None, "rel-1")
+        assert trainer.run_task(Current("s", "rel-1"), TASK) == reply
+    finally:
+        if trainer._eval_engine is not None:
+            trainer._eval_engine.close()
