@@ -30,6 +30,10 @@ copy shared by every trainer of the same base (``reference_key``) in the process
 ``load_reference_model`` (the scenario's base, never a later checkpoint). A LoRA policy is built on that base too:
 the adapter of the serving release is restored over it (:meth:`~TorchTrainer._load_release`), never merged in.
 
+:meth:`~TorchTrainer.run_task` answers the gate's evaluation tasks from a private copy of the local engine holding
+the candidate's payload, or the snapshot's weights for the current release (see :mod:`reef_core.grow.eval_engine`;
+it costs one more copy of the model, made on the first evaluation).
+
 The base model is loaded on first use (:meth:`~TorchTrainer.load`, called by the first step or by reading
 ``policy``), not in the constructor: a learner may build its trainer before it knows the scenario's head.
 
@@ -270,6 +274,8 @@ class TorchTrainer(Trainer):
         self._eval_model_dir = eval_model_dir
         self._eval_settings = (eval_generation or EvalGeneration(), int(eval_max_new_tokens))
         self._eval_engine: EvalEngine | None = None
+        #: Candidates made by this process (a retried step may reuse a candidate id, never this count).
+        self._candidates_made = 0
 
     # -- setup -------------------------------------------------------------------------------------------------
 
@@ -443,7 +449,7 @@ class TorchTrainer(Trainer):
 
         self.load()
         if isinstance(subject, Candidate):
-            key = ("candidate", subject.candidate_id)
+            key = ("candidate", subject.candidate_id, self._candidates_made)
         elif isinstance(subject, Current):
             key = ("current", self._snapshot["serial"])
         else:
@@ -652,6 +658,7 @@ class TorchTrainer(Trainer):
         metrics.update({"loss": total, "grad_norm": grad_norm, "lr": self.lr,
                         "step_seconds": time.monotonic() - started})
         payload = self._payload()
+        self._candidates_made += 1
         self._last_update = CandidateUpdate(
             files=self._files(payload),
             payload=payload,
