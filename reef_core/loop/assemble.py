@@ -15,10 +15,6 @@ def build_deployment(cfg: ReefConfig, plugin_manager=None):
 
     # A device the machine lacks is a config error before anything is built or written.
     check_devices(cfg)
-    if cfg.evaluation.tasks:  # a missing or malformed evaluation task file fails at start, naming its key
-        from .taskfile import load_tasks
-
-        load_tasks(cfg.evaluation.tasks, key="evaluation.tasks")
     pm = plugin_manager or get_plugin_manager()
     data_dir = Path(cfg.storage.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)

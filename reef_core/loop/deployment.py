@@ -31,6 +31,7 @@ from ..errors import ConfigError, NotFound, ReefError, ScenarioQuarantined
 from ..observe.records import RecordStore, Scenario
 from .pool import LearnerPool
 from .ports import LearnerPorts, LearnerSettings, ServingPorts
+from .taskfile import load_tasks
 
 log = logging.getLogger("reef.serve")
 
@@ -69,6 +70,11 @@ class Deployment:
         self.learner_settings = self._settings[cfg.recipe.name]
         # Build every recipe's surface now: an impossible pairing (a weights recipe on an engine that
         # cannot swap weights) fails at start-up with a clear message, not on the first request.
+        # A missing or malformed evaluation task file fails at start-up too, naming its key (and its recipe).
+        for name, binding in self.recipes.items():
+            if binding.evaluation.tasks:
+                load_tasks(binding.evaluation.tasks, key="evaluation.tasks" if name == cfg.recipe.name
+                           else f"evaluation.tasks of recipe {name!r}")
         for binding in self.recipes.values():
             self.surface(binding.config.surface, binding.config.surface_options)
 

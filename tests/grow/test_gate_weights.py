@@ -160,6 +160,10 @@ def test_evaluation_tasks_are_checked_at_start(tmp_path):
         build("evaluation.tasks=pkg://no_such_package/x.jsonl")
     dep = build("evaluation.tasks=pkg://reef_sao/data/vowels.jsonl")
     dep.store.close()
+    # A routed recipe's own evaluation section is checked as well.
+    missing = tmp_path / "routed.jsonl"
+    with pytest.raises(ConfigError, match=r"evaluation.tasks of recipe 'sao' .*routed.jsonl' is not a file"):
+        build(f"routes=[{{pattern: 'm-*', recipe: sao, overrides: ['evaluation.tasks={missing}']}}]")
 
 
 def test_the_learner_hands_config_tasks_or_held_out_records_to_the_evaluator():
