@@ -160,6 +160,10 @@ def test_evaluation_tasks_are_checked_at_start(tmp_path):
         build("evaluation.tasks=pkg://no_such_package/x.jsonl")
     dep = build("evaluation.tasks=pkg://reef_sao/data/vowels.jsonl")
     dep.store.close()
+    with pytest.raises(ConfigError, match="evaluation.options.generation.temperature"):
+        build("+evaluation.options.generation.temperature=-1")
+    with pytest.raises(ConfigError, match="evaluation.options.generation has unknown keys"):
+        build("+evaluation.options.generation.top_p=0.5")
     # A routed recipe's own evaluation section is checked as well.
     missing = tmp_path / "routed.jsonl"
     with pytest.raises(ConfigError, match=r"evaluation.tasks of recipe 'sao' .*routed.jsonl' is not a file"):
