@@ -76,8 +76,11 @@ def reef_register_evaluators(register):
     options=<dict>)``. Evaluation is the first half of the gate; it must be idempotent per
     candidate id. Built-ins:
     ``exact_match``, ``regex``, ``json_schema``, ``python`` (a verifier named by dotted path) and
-    ``replay`` (held-out recorded tasks with their reported scores). ``evaluation.evaluator`` names
-    one, or is an explicit ``package.module:factory`` path called the same way.
+    ``replay`` (the processor's held-out records: the candidate answers them, the scorer named by
+    ``options["scorer"]`` judges the replies, their reported scores are the baseline). The learner
+    passes ``evaluation.tasks`` when set (else the trainer's ``eval_tasks``; the held-out records for
+    ``replay``). ``evaluation.evaluator`` names one, or is an explicit ``package.module:factory`` path
+    called the same way.
     """
 
 

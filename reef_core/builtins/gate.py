@@ -1,7 +1,8 @@
 """Built-in evaluators and selection policies of the evaluation gate.
 
 Evaluator factories are called as ``factory(tasks=..., run=..., options=...)``: ``tasks`` are
-the evaluation tasks (dicts), ``run(subject, task)`` produces an output for a candidate or the
+the evaluation tasks (dicts: ``evaluation.tasks``, the trainer's own, or for ``replay`` the
+processor's held-out records), ``run(subject, task)`` produces an output for a candidate or the
 current release, and ``options`` come from ``evaluation.options``. Selection-policy factories
 take the policy's options as keyword arguments.
 """
@@ -24,9 +25,17 @@ def _task_evaluator(scorer_name: str):
 
 
 def _replay(*, tasks, run, options=None):
-    from ..commit.evaluators import ReplayEvaluator
+    """``tasks`` are the processor's held-out records; ``options.scorer`` names the scorer that judges the
+    candidate's replies (``python``, ``exact_match``...), the other options are that scorer's."""
+    from ..commit.evaluators import SCORERS, ReplayEvaluator
+    from ..errors import ConfigError
 
-    return ReplayEvaluator(tasks, run)
+    options = dict(options or {})
+    scorer_name = options.pop("scorer", None)
+    if scorer_name not in SCORERS:
+        raise ConfigError(f"the replay evaluator needs evaluation.options.evaluator.scorer, one of "
+                          f"{', '.join(sorted(SCORERS))} (got {scorer_name!r})")
+    return ReplayEvaluator(tasks, run, SCORERS[scorer_name](**options))
 
 
 def _policy(name: str):

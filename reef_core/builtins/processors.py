@@ -16,7 +16,7 @@ from .. import hookimpl
 from ..dotted import load_callable
 from ..errors import ConfigError
 
-_REPORTED = ("batch_size", "max_staleness", "require_score", "max_held_inferences")
+_REPORTED = ("batch_size", "max_staleness", "require_score", "max_held_inferences", "holdout", "max_replay_tasks")
 _GROUPED = ("batch_size", "group_size", "key", "groups_per_batch", "partial_policy", "timeout_s", "min_partial_size", "slot",
             "max_staleness", "require_score", "max_held_inferences")
 _GRID = ("batch_size", "groups", "rollouts_per_group", "timeout_s", "max_staleness", "max_held_inferences")

@@ -7,8 +7,9 @@ Two layers:
 * **evaluators** (``evaluate(candidate) -> EvaluationResult``):
   :class:`TaskEvaluator` runs ``run(subject, task) -> output`` for the candidate and for the
   current release (:class:`reef_core.commit.gate.Current`) on the same tasks, interleaved per
-  pair, and scores both; :class:`ReplayEvaluator` scores the candidate on held-out recorded
-  tasks and compares with the scores clients reported for them.
+  pair, and scores both; :class:`ReplayEvaluator` runs and scores the candidate on held-out
+  recorded prompts (a processor's hold-out, never trained on) and compares with the scores
+  clients reported for them.
 
 The ``run`` callable is the only recipe-specific part: a weight recipe generates with the
 candidate weights, a harness recipe runs its agent with the candidate text tree. An episode
@@ -175,33 +176,44 @@ class TaskEvaluator:
 
 
 class ReplayEvaluator:
-    """Held-out recorded tasks ``{input, reported_score}``: the candidate is scored on each
-    input by ``score(candidate, input)``; the scores clients reported for the serving
-    release at the time are the baseline."""
+    """Held-out recorded tasks ``{id, input, reported_score, metadata}``: the candidate answers each
+    ``input`` (the recorded chat messages) through ``run(candidate, task)``, ``scorer(output, task)``
+    scores the reply, and the scores clients reported for the release that served them are the
+    baseline. ``task`` is the record's ``metadata`` (what the report carried, e.g. an ``expected``
+    answer) with the record's own fields and ``messages`` = ``input`` on top."""
 
     def __init__(
         self,
         records: Sequence[dict],
-        score: Callable[[Candidate, Any], Any],
+        run: Callable[[Any, dict], Any],
+        scorer: Scorer,
         *,
         name: str = "replay",
-        version: str = "1",
+        version: str = "2",
     ):
         for i, rec in enumerate(records):
-            if "input" not in rec or "reported_score" not in rec:
+            if not isinstance(rec, dict) or "input" not in rec or "reported_score" not in rec:
                 raise ConfigError(f"replay record {i} needs 'input' and 'reported_score'")
         self.records = list(records)
-        self.score = score
+        self.run = run
+        self.scorer = scorer
         self.name = name
         self.version = version
+
+    @staticmethod
+    def task_of(record: dict) -> dict:
+        """The task a replay record stands for (what ``run`` and the scorer see)."""
+        metadata = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
+        return {**metadata, **record, "messages": record["input"]}
 
     def evaluate(self, candidate: Candidate) -> EvaluationResult:
         scores: list[float | None] = []
         errors: list[str] = []
         for rec in self.records:
+            task = self.task_of(rec)
             try:
-                scores.append(as_score(self.score(candidate, rec["input"])))
-            except Exception as exc:  # noqa: BLE001
+                scores.append(as_score(self.scorer(self.run(candidate, task), task)))
+            except Exception as exc:  # noqa: BLE001 - an infrastructure fault, scored None
                 errors.append(f"{type(exc).__name__}: {exc}")
                 scores.append(None)
         baseline = [as_score(rec["reported_score"]) for rec in self.records]

@@ -125,6 +125,9 @@ class EvaluationConfig:
     policy: str = "always"
     #: ``auto`` serves a selected candidate at once; ``review`` holds it as pending until promoted.
     publish: str = "auto"
+    #: JSONL file of evaluation tasks (the ``learn.file`` format; ``pkg://<package>/<path>`` allowed): when set, the
+    #: gate evaluates every candidate and the current release on these tasks instead of the trainer's own.
+    tasks: Optional[str] = None
     options: dict[str, Any] = field(default_factory=dict)
 
 

@@ -31,6 +31,10 @@ copy shared by every trainer of the same base (``reference_key``) in the process
 ``load_reference_model`` (the scenario's base, never a later checkpoint). A LoRA policy is built on that base too:
 the adapter of the serving release is restored over it (:meth:`~TorchTrainer._load_release`), never merged in.
 
+:meth:`~TorchTrainer.run_task` answers the gate's evaluation tasks from a private copy of the local engine holding
+the candidate's payload, or the snapshot's weights for the current release (see :mod:`reef_core.grow.eval_engine`;
+it costs one more copy of the model, made on the first evaluation).
+
 The base model is loaded on first use (:meth:`~TorchTrainer.load`, called by the first step or by reading
 ``policy``), not in the constructor: a learner may build its trainer before it knows the scenario's head.
 
@@ -41,6 +45,7 @@ weights are loaded from that release's files (``ctx.current_files()``) and the o
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import logging
 import math
@@ -57,6 +62,7 @@ from torch import Tensor, nn
 from reef_core.config.schema import EngineConfig, TrainerConfig
 from reef_core.errors import ConfigError
 from reef_core.grow.device import resolve_device
+from reef_core.grow.eval_engine import EvalEngine, EvalGeneration
 from reef_core.grow.objective import Objective
 from reef_core.grow.reference import AdapterBaseReference, ReferenceModel, SharedBaseReference
 from reef_core.grow.token_batch import TokenBatch
@@ -65,6 +71,11 @@ from reef_core.engines.adapter import AdapterWeights
 from reef_core.surfaces.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_FILE, base_reference
 
 log = logging.getLogger("reef.grow.torch")
+
+_SNAPSHOT_SERIALS = itertools.count(1)
+
+_PEFT_PREFIX = "base_model.model."
+
 
 def _safetensors_bytes(tensors: Mapping[str, Tensor]) -> bytes:
     from safetensors.torch import save
@@ -174,6 +185,8 @@ class TorchTrainer(Trainer):
         lag_metric_prefix: prefix of the ``policy_lag_*`` metric names (``"sao/"`` gives SAO's names).
         seed: seeds the adapter initialisation (the caller's RNG state is left alone).
         name: recorded in the release provenance.
+        eval_model_dir, eval_generation, eval_max_new_tokens: the private evaluation engine of :meth:`run_task`
+            (the served model's directory, ``evaluation.options.generation``, the reply budget by default).
     """
 
     artifact_kind = "weights"
@@ -195,6 +208,13 @@ class TorchTrainer(Trainer):
                         seed=int(getattr(context, "seed", 0) or 0))
         if getattr(context, "load_reference_model", None) is not None:
             settings["load_reference_model"] = context.load_reference_model
+        evaluation = getattr(context, "evaluation", None)
+        engine = getattr(context, "engine", None)
+        # The gate's replies come from a private copy of the served model (see run_task).
+        settings.update(eval_model_dir=getattr(engine, "model_dir", None),
+                        eval_max_new_tokens=getattr(engine, "max_new_tokens", 64),
+                        eval_generation=EvalGeneration.from_options(
+                            (getattr(evaluation, "options", None) or {}).get("generation")))
         settings.update(overrides)
         return cls(objective, context.load_base_model, **settings)
 
@@ -221,6 +241,9 @@ class TorchTrainer(Trainer):
         name: str = "torch",
         load_reference_model: Callable[[], tuple[Any, Any]] | None = None,
         reference_key: Any = None,
+        eval_model_dir: str | Path | None = None,
+        eval_generation: EvalGeneration | None = None,
+        eval_max_new_tokens: int = 64,
     ):
         if load_base_model is None:
             raise ConfigError("the torch trainer needs a base model loader (TrainerSetup.load_base_model)")
@@ -252,6 +275,11 @@ class TorchTrainer(Trainer):
         self._expected_release: str | None = None
         self._first_step = True
         self._last_update: CandidateUpdate | None = None
+        self._eval_model_dir = eval_model_dir
+        self._eval_settings = (eval_generation or EvalGeneration(), int(eval_max_new_tokens))
+        self._eval_engine: EvalEngine | None = None
+        #: Candidates made by this process (a retried step may reuse a candidate id, never this count).
+        self._candidates_made = 0
 
     # -- setup -------------------------------------------------------------------------------------------------
 
@@ -385,7 +413,9 @@ class TorchTrainer(Trainer):
                 params.append(kept)
             else:
                 params.append(p.detach().clone())
-        return {"params": params, "objective": self.objective.snapshot(), "steps": self.steps}
+        # ``serial`` names these weights for the evaluation engine (reloaded only when they change).
+        return {"params": params, "objective": self.objective.snapshot(), "steps": self.steps,
+                "serial": next(_SNAPSHOT_SERIALS)}
 
     def _restore_snapshot(self, snap: dict) -> None:
         with torch.no_grad():
@@ -411,6 +441,59 @@ class TorchTrainer(Trainer):
         if not self._loaded:
             return  # nothing trained yet
         self._restore_snapshot(self._snapshot)
+
+    # -- evaluation (gate) -------------------------------------------------------------------------------------
+
+    def run_task(self, subject: Any, task: dict) -> str:
+        """The reply to ``task["messages"]`` with ``subject``'s weights, from the private evaluation engine.
+
+        A ``Candidate`` is its payload (this trainer's step); a ``Current`` is the last accepted weights (the
+        snapshot: what serves now). Serving is never touched (see :mod:`reef_core.grow.eval_engine`)."""
+        from reef_core.commit.gate import Candidate, Current
+
+        self.load()
+        if isinstance(subject, Candidate):
+            key = ("candidate", subject.candidate_id, self._candidates_made)
+        elif isinstance(subject, Current):
+            key = ("current", self._snapshot["serial"])
+        else:
+            raise TypeError(f"run_task takes a Candidate or a Current, not {type(subject).__name__}")
+        engine = self._evaluation_engine()
+        return engine.generate(key, lambda target: self._load_eval_weights(target, subject), task["messages"])
+
+    def _evaluation_engine(self) -> EvalEngine:
+        if self._eval_engine is None:
+            if self._eval_model_dir is None:
+                raise ConfigError("evaluating weight candidates on tasks needs the local engine (engine.kind=local): "
+                                  "the trainer has no model directory to start its evaluation engine from")
+            generation, max_new = self._eval_settings
+            self._eval_engine = EvalEngine(self._eval_model_dir, device=str(self.device), generation=generation,
+                                           max_new_tokens=max_new)
+        return self._eval_engine
+
+    def _load_eval_weights(self, engine: Any, subject: Any) -> None:
+        """Put ``subject``'s weights into the evaluation engine: the one place that knows the payload's form."""
+        from reef_core.commit.gate import Candidate
+
+        if isinstance(subject, Candidate):
+            if not isinstance(subject.payload, (Mapping, AdapterWeights)):
+                raise ValueError(f"candidate {subject.candidate_id} carries no weights payload")
+            state = subject.payload
+        elif not self.lora:
+            # Full weights: the snapshot's tensors under their parameter names (tied copies follow their source).
+            state = dict(zip(self._param_names, self._snapshot["params"]))
+        else:
+            # LoRA: the snapshot's adapter (its tensors are small to copy in and out of the live policy).
+            with torch.no_grad():
+                live = [p.detach().clone() for p in self._params]
+                for p, saved in zip(self._params, self._snapshot["params"]):
+                    p.copy_(saved)
+                try:
+                    state = self._payload()
+                finally:
+                    for p, kept in zip(self._params, live):
+                        p.copy_(kept)
+        self._eval_engine.swap(engine, state)
 
     # -- restart / rollback sync -------------------------------------------------------------------------------
 
@@ -570,6 +653,7 @@ class TorchTrainer(Trainer):
         metrics.update({"loss": total, "grad_norm": grad_norm, "lr": self.lr,
                         "step_seconds": time.monotonic() - started})
         payload = self._payload()
+        self._candidates_made += 1
         self._last_update = CandidateUpdate(
             files=self._files(payload),
             payload=payload,

@@ -39,6 +39,8 @@ class TrainerSetup:
     run_async: Callable[..., Any] | None = None
     #: The local engine's resolved device: where a weights trainer runs when ``trainer.device`` is unset.
     device: str | None = None
+    #: The deployment's ``evaluation`` section (a weights trainer reads ``options.generation`` for gate replies).
+    evaluation: Any = None
 
 
 @dataclass

@@ -28,9 +28,11 @@ from ..commit.commitlog import WriterLock
 from ..config.recipes import RecipeBinding, check_components, recipe_bindings
 from ..config.schema import ReefConfig
 from ..errors import ConfigError, NotFound, ReefError, ScenarioQuarantined
+from ..grow.eval_engine import EvalGeneration
 from ..observe.records import RecordStore, Scenario
 from .pool import LearnerPool
 from .ports import LearnerPorts, LearnerSettings, ServingPorts
+from .taskfile import load_tasks
 
 log = logging.getLogger("reef.serve")
 
@@ -69,6 +71,13 @@ class Deployment:
         self.learner_settings = self._settings[cfg.recipe.name]
         # Build every recipe's surface now: an impossible pairing (a weights recipe on an engine that
         # cannot swap weights) fails at start-up with a clear message, not on the first request.
+        # A missing or malformed evaluation task file (or evaluation reply settings) fails at start-up too, naming
+        # its key (and its recipe).
+        for name, binding in self.recipes.items():
+            EvalGeneration.from_options(binding.evaluation.options.get("generation"))
+            if binding.evaluation.tasks:
+                load_tasks(binding.evaluation.tasks, key="evaluation.tasks" if name == cfg.recipe.name
+                           else f"evaluation.tasks of recipe {name!r}")
         for binding in self.recipes.values():
             self.surface(binding.config.surface, binding.config.surface_options)
 

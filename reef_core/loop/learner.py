@@ -38,6 +38,7 @@ from ..commit.release import Release
 from ..errors import ActivationFailed, ConfigError, Conflict, NotFound, ReefError, ValidationFailed
 from ..grow.trainer import CandidateUpdate, TrainContext, Trainer, TrainerSetup
 from .ports import LearnerPorts, LearnerSettings
+from .taskfile import load_tasks
 
 log = logging.getLogger("reef.learner")
 
@@ -79,6 +80,9 @@ class ScenarioLearner:
         # A weights trainer holds a model copy and optimizer state: build it when a batch first needs it.
         elif self.recipe.trainer:
             self._build_trainer()
+        #: ``evaluation.tasks``, loaded once (None: the gate runs the trainer's own eval tasks).
+        self.eval_tasks = (load_tasks(settings.evaluation.tasks, key="evaluation.tasks")
+                           if getattr(settings.evaluation, "tasks", None) else None)
         self.checkpoint_every = settings.checkpoint_every
         self.publish_mode = settings.evaluation.publish
         self.head: Release | None = None
@@ -137,7 +141,8 @@ class ScenarioLearner:
             setup = TrainerSetup(data_dir=self.settings.data_dir, engine=serving.engine,
                                  load_base_model=self._load_start_model,
                                  load_reference_model=serving.load_base_model, seed=self.settings.seed,
-                                 run_async=serving.run_async, device=_device_of(serving.engine))
+                                 run_async=serving.run_async, device=_device_of(serving.engine),
+                                 evaluation=self.settings.evaluation)
             self._trainer = self.ports.create("trainer", self.recipe.trainer, scenario=self.name,
                                               recipe=self.recipe, trainer=self.settings.trainer, context=setup)
         return self._trainer
@@ -289,14 +294,22 @@ class ScenarioLearner:
             if not hasattr(policy, "decide"):
                 raise ConfigError(f"selection policy {cfg.policy!r} has no decide(candidate, evaluation) method")
             if cfg.evaluator:
-                evaluator = create("evaluator", cfg.evaluator, tasks=update.eval_tasks,
-                                      run=self.trainer.run_task, options=evaluator_options)
+                evaluator = create("evaluator", cfg.evaluator, tasks=self._evaluation_tasks(update),
+                                   run=self.trainer.run_task, options=evaluator_options)
             else:
                 evaluator = _NoEvaluation()
         except Exception as exc:  # noqa: BLE001 - a broken gate rejects (fail closed)
             return Decision(decision="reject", policy=cfg.policy, reason=f"gate setup failed: {exc}",
                             evaluation=empty, metrics={})
         return run_gate(evaluator, policy, candidate)
+
+    def _evaluation_tasks(self, update: CandidateUpdate) -> list:
+        """What the evaluator runs: the processor's held-out records for ``replay``, else the
+        ``evaluation.tasks`` file when set, else the trainer's own ``eval_tasks``."""
+        if self.settings.evaluation.evaluator == "replay":
+            replay_tasks = getattr(self.processor, "replay_tasks", None)
+            return replay_tasks() if replay_tasks is not None else []
+        return list(self.eval_tasks) if self.eval_tasks is not None else update.eval_tasks
 
     def _accept(self, batch, update: CandidateUpdate, metrics: dict, decision: Decision) -> None:
         accepted_at = time.perf_counter()

@@ -19,34 +19,37 @@ from ..errors import ConfigError
 PKG_PREFIX = "pkg://"
 
 
-def resolve_task_file(spec: str) -> Path:
-    """The file ``spec`` names: a path, or ``pkg://<package>/<path>`` inside an installed package."""
+def resolve_task_file(spec: str, key: str = "learn.file") -> Path:
+    """The file ``spec`` names: a path, or ``pkg://<package>/<path>`` inside an installed package.
+
+    ``key`` is the config key that names it, for error messages."""
     if spec.startswith(PKG_PREFIX):
         package, _, inner = spec[len(PKG_PREFIX):].partition("/")
         if not package or not inner:
-            raise ConfigError(f"learn.file {spec!r} must read pkg://<package>/<path>")
+            raise ConfigError(f"{key} {spec!r} must read pkg://<package>/<path>")
         try:
             root = resources.files(package)
         except ModuleNotFoundError:
-            raise ConfigError(f"learn.file {spec!r}: no installed package {package!r}") from None
+            raise ConfigError(f"{key} {spec!r}: no installed package {package!r}") from None
         path = Path(str(root.joinpath(inner)))
     else:
         path = Path(spec).expanduser()
     if not path.is_file():
-        raise ConfigError(f"learn.file {spec!r} is not a file")
+        raise ConfigError(f"{key} {spec!r} is not a file")
     return path
 
 
-def load_tasks(spec: str | None) -> list[dict]:
-    """Parse a task file; every task gets ``messages``. A malformed line fails naming its number."""
+def load_tasks(spec: str | None, key: str = "learn.file") -> list[dict]:
+    """Parse a task file; every task gets ``messages``. A malformed line fails naming its number (and ``key``,
+    the config key naming the file: ``learn.file``, ``evaluation.tasks``)."""
     if not spec:
-        raise ConfigError("learn.file is not set: name a JSONL task file (one {\"messages\": [...]} per line)")
-    path = resolve_task_file(spec)
+        raise ConfigError(f"{key} is not set: name a JSONL task file " + '(one {"messages": [...]} per line)')
+    path = resolve_task_file(spec, key)
     tasks = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
-        where = f"{path.name} line {number}"
+        where = f"{key}: {path.name} line {number}"
         try:
             task = json.loads(line)
         except ValueError as exc:
@@ -55,7 +58,7 @@ def load_tasks(spec: str | None) -> list[dict]:
             raise ConfigError(f"{where}: a task must be a JSON object")
         tasks.append({**task, "messages": _messages(task, where)})
     if not tasks:
-        raise ConfigError(f"learn.file {spec!r} holds no task")
+        raise ConfigError(f"{key} {spec!r} holds no task")
     return tasks
 
 

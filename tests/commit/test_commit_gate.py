@@ -193,13 +193,22 @@ def test_task_evaluator_pairs_candidate_and_current():
 
 
 def test_replay_evaluator_uses_reported_scores_as_baseline():
-    records = [{"input": "x", "reported_score": 0.2}, {"input": "y", "reported_score": 0.9}]
-    result = ReplayEvaluator(records, lambda cand, inp: 1.0 if inp == "x" else 0.5).evaluate(CAND)
-    assert result.scores == [1.0, 0.5] and result.baseline_scores == [0.2, 0.9]
+    records = [{"id": "r1", "input": "x", "reported_score": 0.2, "metadata": {"expected": "yes"}},
+               {"id": "r2", "input": "y", "reported_score": 0.9, "metadata": {"expected": "yes"}}]
+    seen = []
+
+    def run(cand, task):
+        seen.append((type(cand).__name__, task["messages"], task["id"]))
+        return "yes" if task["messages"] == "x" else "no"
+
+    result = ReplayEvaluator(records, run, exact_match()).evaluate(CAND)
+    assert result.scores == [1.0, 0.0] and result.baseline_scores == [0.2, 0.9]
+    assert seen == [("Candidate", "x", "r1"), ("Candidate", "y", "r2")]  # only the candidate runs
+    assert result.metadata["task_ids"] == ["r1", "r2"]
     d = score_comparison().decide(CAND, result)
     assert d.metrics == {"wins": 1, "losses": 1, "ties": 0} and not d.selected
     with pytest.raises(ConfigError):
-        ReplayEvaluator([{"input": "x"}], lambda c, i: 1.0)
+        ReplayEvaluator([{"input": "x"}], run, exact_match())
 
 
 # ------------------------------------------------------------------------------- the gate

@@ -7,6 +7,12 @@ already trained (``already_consumed``) or that a pending unit holds (``duplicate
 incomplete or failed inference (``incomplete``) or one the processor no longer holds (``unknown_reference``) is
 counted as dropped and never trains.
 
+Hold-out (``holdout``, a fraction in [0, 1)): a report whose referenced inference falls in the hold-out never trains.
+The choice hashes the inference's record id, so a restart (which replays the same records) holds out the same ones,
+and every report quoting that inference is held out with it. A held-out report with a score becomes a replay task
+``{id, input, reported_score, metadata}`` (``input``: the chat before the last reply; ``metadata``: the report's),
+the newest ``max_replay_tasks`` of them kept, for the gate's ``replay`` evaluator (:meth:`replay_tasks`).
+
 Inference records wait for a report quoting them, at most ``max_held_inferences`` of them (the oldest unquoted ones
 are forgotten first; ``status()["inferences_evicted"]``). Only what deciding needs is held per record (:class:`Held`:
 id, version, why it cannot train); the bodies are read back through ``load_records`` (the record store) when a report
@@ -15,6 +21,7 @@ turns them into a sample. Without ``load_records`` (offline use, tests) the whol
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import deque
@@ -31,6 +38,15 @@ from reef_core.observe.processors.samples import trajectory_sample
 log = logging.getLogger("reef.observe.processors")
 
 DEFAULT_MAX_HELD_INFERENCES = 50_000
+DEFAULT_MAX_REPLAY_TASKS = 256
+
+
+def in_holdout(record_id: str, fraction: float) -> bool:
+    """Whether ``record_id`` falls in a hold-out of ``fraction``: a hash of the id, so stable across restarts."""
+    if fraction <= 0:
+        return False
+    point = int.from_bytes(hashlib.sha256(record_id.encode("utf-8")).digest()[:8], "big") / 2.0 ** 64
+    return point < fraction
 
 #: Reads stored records by id (``None`` for an id the store no longer has), in the order asked.
 RecordLoader = Callable[[Sequence[str]], Sequence[Record | None]]
@@ -60,6 +76,8 @@ class ReportedProcessor(BufferedProcessor):
             reports count as ``filtered``.
         max_held_inferences: cap on inference records held while waiting for a report.
         load_records: reads quoted inference records back from the store (see the module docstring).
+        holdout: fraction of inferences held out of training as replay tasks (see the module docstring).
+        max_replay_tasks: how many replay tasks are kept (the newest).
         clock: wall-clock source (``time.time``), injectable for tests.
     """
 
@@ -67,10 +85,18 @@ class ReportedProcessor(BufferedProcessor):
                  serving_version: ServingVersion | None = None, require_score: bool = True,
                  accept_report: Callable[[Record], bool] | None = None,
                  max_held_inferences: int = DEFAULT_MAX_HELD_INFERENCES, load_records: RecordLoader | None = None,
+                 holdout: float = 0.0, max_replay_tasks: int = DEFAULT_MAX_REPLAY_TASKS,
                  clock: Callable[[], float] = time.time):
         super().__init__(scenario, max_staleness=max_staleness, serving_version=serving_version, clock=clock)
         if max_held_inferences < 1:
             raise ValueError("max_held_inferences must be positive")
+        if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 <= holdout < 1:
+            raise ValueError(f"holdout must be a fraction in [0, 1), got {holdout!r}")
+        if isinstance(max_replay_tasks, bool) or not isinstance(max_replay_tasks, int) or max_replay_tasks < 1:
+            raise ValueError(f"max_replay_tasks must be a positive integer, got {max_replay_tasks!r}")
+        self.holdout = float(holdout)
+        self._replay: deque[dict] = deque(maxlen=max_replay_tasks)
+        self._held_out = 0
         self.require_score = bool(require_score)
         self.accept_report = accept_report
         self.max_held_inferences = int(max_held_inferences)
@@ -120,7 +146,27 @@ class ReportedProcessor(BufferedProcessor):
         if isinstance(unit_or_reason, str):
             self._count_drop(unit_or_reason)
             return
+        if any(in_holdout(ref, self.holdout) for ref in report.references):
+            self._hold_out(unit_or_reason)
+            return
         self._admit(unit_or_reason, report)
+
+    def _hold_out(self, unit: Unit) -> None:
+        """Keep a held-out report as a replay task; it never trains (its records are never consumed)."""
+        sample = unit.sample
+        self._held_out += 1
+        self._forget(list(unit.claims))
+        replies = [i for i, m in enumerate(sample.messages) if m.get("role") == "assistant"]
+        if sample.reward is None or not replies or replies[-1] == 0:
+            return
+        metadata = {k: v for k, v in sample.metadata.items() if k != "reef"}
+        self._replay.append({"id": sample.report_id, "input": sample.messages[:replies[-1]],
+                             "reported_score": float(sample.reward), "metadata": metadata})
+
+    def replay_tasks(self) -> list[dict]:
+        """The held-out replay tasks, oldest first (at most ``max_replay_tasks``, the newest)."""
+        with self._lock:
+            return [dict(task) for task in self._replay]
 
     def _unit_for(self, report: Record) -> Unit | str:
         """The unit a report makes, or the reason it makes none."""
@@ -173,7 +219,8 @@ class ReportedProcessor(BufferedProcessor):
 
     def _status_extra(self) -> dict:
         return {"held_inferences": len(self._inferences), "inferences_evicted": self._evicted,
-                "require_score": self.require_score}
+                "require_score": self.require_score, "holdout": self.holdout, "held_out": self._held_out,
+                "replay_tasks": len(self._replay)}
 
 
 class PerReportProcessor(ReportedProcessor):
