@@ -58,3 +58,59 @@ def test_a_lora_scenario_beside_a_full_weight_owner_serves_without_training(tmp_
         assert full[-1]["decision"]["decision"] == "select"
         assert _status(url, "full-1")["current_version"].endswith(":2")
         assert _status(url, "full-1").get("training_disabled") is None
+
+
+LORA_ROUTES = "routes=[{pattern: 'lora-*', recipe: duo_lora, overrides: ['trainer.lr=0.005']}]"
+PROBE = [{"role": "user", "content": "how do I reset my password?"}]
+
+
+def _reply_logprob(dep, scenario: str, tokens: dict) -> float:
+    """Sum of the log-probs the served engine gives ``tokens``' reply under ``scenario``'s serving adapter.
+
+    Scored directly (the engine is idle here): enable the adapter the scenario's serving version names, then one
+    forward pass over prompt + reply."""
+    import torch
+
+    engine = dep.engine
+    with torch.no_grad():
+        engine._serve_as(dep.serving_version(dep._scenarios[scenario]))
+        ids = torch.tensor([tokens["prompt_ids"] + tokens["output_ids"]])
+        logits = engine._model(input_ids=ids).logits[0, len(tokens["prompt_ids"]) - 1:-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens["output_ids"])[:, None])
+    return float(lp.sum())
+
+
+def test_two_lora_scenarios_move_their_own_adapters_in_opposite_directions(tmp_path):
+    """The same reply, rewarded +1 in one scenario and -1 in the other: after one step each, the rewarded
+    scenario's adapter makes that reply more likely than the base does, the punished one less likely, and each
+    scenario's requests are recorded on its own adapter line."""
+    pm = PluginManager(load_entry_points=False, extra_plugins=(DuoPlugin,))
+    cfg = compose_config(["engine.kind=local", "engine.model=tiny", "engine.max_new_tokens=6", "engine.seed=0",
+                          f"storage.data_dir={tmp_path}", LORA_ROUTES], pm)
+    dep = build_deployment(cfg, pm)
+    with serve_asgi(create_app(dep), lifespan="on") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        receipts, tokens = {}, {}
+        for scenario in ("lora-up", "lora-down"):
+            raw = client.chat.completions.with_raw_response.create(
+                model="tiny", messages=PROBE, temperature=0, extra_headers={"x-reef-scenario": scenario})
+            receipts[scenario] = raw.headers["x-reef-agent-record-id"]
+            detail = httpx.get(f"{url}/reef/scenarios/{scenario}/records/{receipts[scenario]}").json()
+            tokens[scenario] = detail["payload"]["tokens"]
+        assert tokens["lora-up"]["output_ids"] == tokens["lora-down"]["output_ids"]  # both greedy on the base
+        reply = tokens["lora-up"]
+        base = _reply_logprob(dep, "lora-up", reply)
+
+        for scenario, score in (("lora-up", 1.0), ("lora-down", -1.0)):
+            report = httpx.post(f"{url}/reef/report", headers={"x-reef-scenario": scenario},
+                                json={"score": score, "references": [receipts[scenario]]})
+            assert report.status_code == 200, report.text
+        for scenario in ("lora-up", "lora-down"):
+            wait_until(lambda s=scenario: len(httpx.get(f"{url}/reef/scenarios/{s}/commits").json()["commits"]) >= 2
+                       and _status(url, s)["learner"] == "idle", timeout=120, what=f"{scenario} trained one step")
+
+        up, down = _reply_logprob(dep, "lora-up", reply), _reply_logprob(dep, "lora-down", reply)
+        assert up > base + 0.05 and down < base - 0.05, (base, up, down)
+        versions = {s: _status(url, s)["current_version"] for s in ("lora-up", "lora-down")}
+        assert versions["lora-up"] != versions["lora-down"]
+        assert all(v.endswith(":1") for v in versions.values()), versions  # each line counts only its own update
