@@ -1,4 +1,6 @@
-"""Full weights and LoRA adapters in one deployment, over real HTTP: the limit is reported, serving goes on.
+"""Weight scenarios sharing one engine, over real HTTP: LoRA scenarios learn apart; full weights stay alone.
+
+Two LoRA scenarios given opposite rewards for the same reply move their own adapters in opposite directions.
 
 ``full-*`` scenarios train every weight (``duo_weights``), ``lora-*`` scenarios a LoRA adapter (``duo_lora``). The
 engine has one set of base weights: once a full-weight scenario owns them, a LoRA scenario cannot put an adapter
