@@ -95,8 +95,12 @@ def test_torch_trainer_takes_every_backend_knob_from_the_trainer_section():
     section = TrainerConfig(lr=0.125, lora=True, lora_rank=3, lora_alpha=5, grad_accumulation=2, device="meta")
     setup = TrainerSetup(data_dir=None, load_base_model=lambda: None, seed=7)
     built = _spy_trainer_class().from_config(object(), setup, section, who="test")
-    assert built.settings == {"lr": 0.125, "lora": True, "lora_rank": 3, "lora_alpha": 5, "grad_accumulation": 2,
-                              "device": "meta", "seed": 7}
+    knobs = {"lr": 0.125, "lora": True, "lora_rank": 3, "lora_alpha": 5, "grad_accumulation": 2, "device": "meta",
+             "seed": 7}
+    assert {k: built.settings[k] for k in knobs} == knobs
+    # The rest is the gate's private evaluation engine, from the engine (none here) and evaluation sections.
+    assert set(built.settings) - set(knobs) == {"eval_model_dir", "eval_max_new_tokens", "eval_generation"}
+    assert built.settings["eval_model_dir"] is None
 
 
 def test_torch_trainer_defaults_are_the_trainer_sections():
