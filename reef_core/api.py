@@ -59,6 +59,19 @@ from reef_core.surfaces.harness import (
     validate_harness_path,
     validate_tree,
 )
+from reef_core.surfaces.skills import (
+    CATALOG_OPEN,
+    SKILLS_DIR,
+    Skill,
+    credential_problem,
+    parse_skill,
+    pool_files,
+    render_catalog,
+    render_skill,
+    skill_path,
+    validate_pool,
+    validate_slug,
+)
 
 # name -> module, imported on first access: the torch-backed names need ``reef-core[train]``, and the
 # HTTP client stack (aiohttp) is not worth importing for every plugin that only registers hooks.
@@ -160,6 +173,8 @@ __all__ = [
     "load_object", "load_callable", "serve_asgi", "serve_reef", "content_text",
     "ChatModel", "CallableChat", "HttpChat", "EngineChat", "reply_text", "resolve_chat_model",
     "SEPARATOR", "encode_tree", "inject_system", "render_system_prompt", "validate_harness_path", "validate_tree",
+    "Skill", "SKILLS_DIR", "CATALOG_OPEN", "credential_problem", "parse_skill", "pool_files", "render_catalog",
+    "render_skill", "skill_path", "validate_pool", "validate_slug",
     # errors
     "ReefError", "ConfigError", "ValidationFailed", "UpstreamError", "UpstreamTimeout", "NotFound", "Conflict",
     "PayloadTooLarge", "PluginError", "UnknownComponent", "StorageUnavailable",

@@ -1,4 +1,4 @@
-"""Built-in harness surface (registered through ``reef_register_surfaces``)."""
+"""Built-in harness and skill surfaces (registered through ``reef_register_surfaces``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,16 @@ def make_harness_surface(*, ports=None, options=None):
     return HarnessSurface(ports.artifacts if ports is not None else None, options)
 
 
+def make_skill_surface(*, ports=None, options=None):
+    """A harness surface whose releases are skill pools (``skills/<slug>/SKILL.md``)."""
+    from ..surfaces.skills import SkillSurface
+
+    return SkillSurface(ports.artifacts if ports is not None else None, options)
+
+
 @hookimpl
 def reef_register_surfaces(register):
     register("harness", make_harness_surface,
              description="a text tree (prompts, rules, skills) pulled by clients or injected as the system prompt")
+    register("skills", make_skill_surface,
+             description="a shared skill pool (skills/<slug>/SKILL.md); its catalog is injected into every request")

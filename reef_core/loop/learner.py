@@ -285,6 +285,8 @@ class ScenarioLearner:
         if self.surface is not None:
             try:  # a release its surface could not serve is never published
                 self.surface.validate(update.files)
+                if self.head is not None:
+                    self.surface.validate_successor(update.files, self._files(self.head.release_id))
             except ValidationFailed as exc:
                 return Decision(decision="reject", policy=cfg.policy, evaluation=empty, metrics={},
                                 reason=f"the {self.surface.kind} surface refused the candidate: {exc.message}")

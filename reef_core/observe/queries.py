@@ -40,6 +40,7 @@ PAGE = (sa.select(records)
         .where(records.c.scenario == sa.bindparam("scenario"), records.c.sequence > sa.bindparam("after"))
         .order_by(records.c.sequence).limit(sa.bindparam("limit")))
 COUNT = sa.select(sa.func.count()).select_from(records).where(records.c.scenario == sa.bindparam("scenario"))
+LAST_SEQUENCE = sa.select(sa.func.max(records.c.sequence)).where(records.c.scenario == sa.bindparam("scenario"))
 RECENT_BY_REQUEST_HASH = (sa.select(records)
                           .where(records.c.scenario == sa.bindparam("scenario"),
                                  records.c.request_hash == sa.bindparam("request_hash"),

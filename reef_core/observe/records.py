@@ -211,6 +211,11 @@ class RecordStore:
         with self._read() as conn:
             return int(conn.execute(q.COUNT, {"scenario": scenario}).scalar_one())
 
+    def last_sequence(self, scenario: str) -> int:
+        """The highest store sequence of ``scenario``'s records (0 when it has none)."""
+        with self._read() as conn:
+            return int(conn.execute(q.LAST_SEQUENCE, {"scenario": scenario}).scalar_one() or 0)
+
     def find_recent_by_request_hash(self, scenario: str, request_hash: str, within_s: float = 600) -> Record | None:
         """The newest record of ``scenario`` with ``request_hash`` created in the last ``within_s`` seconds.
 

@@ -2,7 +2,8 @@
 
 Validation (all before anything is stored or created): the scenario header; only the known top-level
 fields; ``score`` a finite number and not a bool; ``feedback`` text or a JSON object within a size
-cap; ``agent_record_id`` and each of ``references`` a record id (:mod:`reef_core.observe.names`);
+cap; ``metadata.unscored`` (the unscored sentinel) a boolean, and when true the score null (an errored run is
+never scored as a number); ``agent_record_id`` and each of ``references`` a record id (:mod:`reef_core.observe.names`);
 ``references`` unique receipts of stored inference records of the same scenario (checked again
 inside the write transaction); ``metadata`` an object; then the recipe's typed report schema, if
 any, and the processor's door rule (:meth:`~reef_core.observe.processor.Processor.report_key`): a key
@@ -80,6 +81,13 @@ def validate_report(body: dict) -> dict:
             raise ValidationFailed("metadata.training.eligible is not supported: eligibility is the recipe's decision")
         if len(json.dumps(metadata).encode()) > MAX_METADATA_BYTES:
             raise ValidationFailed(f"metadata is larger than {MAX_METADATA_BYTES} bytes")
+        # The unscored sentinel: a graded run that could not be scored (the task errored) says so explicitly,
+        # with no number, so nothing averages it as a score (never a fake 0 or -1).
+        unscored = metadata.get("unscored")
+        if unscored is not None and not isinstance(unscored, bool):
+            raise ValidationFailed("metadata.unscored must be true or false", param="metadata")
+        if unscored and "score" in report:
+            raise ValidationFailed("an unscored report (metadata.unscored: true) carries score null", param="score")
         report["metadata"] = metadata
     record_id = body.get("agent_record_id")
     if record_id is not None:

@@ -22,6 +22,10 @@ class Surface(ABC):
     def validate(self, files: Mapping[str, Any]) -> None:
         """Refuse a release that must not be published (raise ``ValidationFailed``)."""
 
+    def validate_successor(self, files: Mapping[str, Any], previous: Callable[[], Mapping[str, Any]]) -> None:
+        """Refuse a trainer's candidate ``files`` as the successor of the serving release (``previous()`` reads
+        its files); e.g. a skill pool that would lose a skill. Called by the gate after :meth:`validate`."""
+
     def creation_files(self) -> Mapping[str, Any]:
         """The files of a new scenario's first release (``creation``) when its trainer seeds none.
 

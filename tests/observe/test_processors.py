@@ -687,3 +687,53 @@ def test_held_inferences_keep_no_bodies_and_are_read_back_for_a_sample(kind):
     del stored[inferences[8].record_id]
     proc.ingest(stream.report([inferences[8].record_id], 0.5))
     assert proc.status()["dropped"].get("unknown_reference") == 1
+
+
+def test_close_batch_forms_a_partial_batch_of_the_reports_stored_before_it():
+    s = Stream()
+    p = PerReportProcessor(SCENARIO, batch_size=5, require_score=False)
+    first = [s.inference([{"role": "user", "content": f"q{i}"}], f"a{i}") for i in range(3)]
+    for inf in first:
+        p.ingest(inf)
+    reports = [s.report([first[0].record_id], 1.0), s.report([first[1].record_id], None,
+                                                            metadata={"unscored": True})]
+    for rep in reports:
+        p.ingest(rep)
+    assert not p.ready()
+    assert p.close_batch(reports[-1].sequence) == 2
+    # A report stored after the close belongs to the next day.
+    late = s.report([first[2].record_id], 0.0)
+    p.ingest(late)
+    batch = p.pending_batch()
+    assert batch is not None and [x.report_id for x in batch.samples] == [r.record_id for r in reports]
+    assert [x.reward for x in batch.samples] == [1.0, None]  # the unscored sentinel stays None, never a 0
+    p.acknowledge(batch.batch_id)
+    assert not p.ready() and p.status()["close_through"] is None and p.status()["batches_closed_early"] == 1
+    assert p.status()["pending_units"] == 1
+
+
+def test_close_batch_waits_for_reports_not_yet_ingested():
+    s = Stream()
+    p = PerReportProcessor(SCENARIO, batch_size=5)
+    inf = s.inference([{"role": "user", "content": "q"}], "a")
+    rep = s.report([inf.record_id], 0.5)
+    p.ingest(inf)
+    p.close_batch(rep.sequence)  # the report is stored, not ingested yet: the close holds
+    assert not p.ready() and p.status()["close_through"] == rep.sequence
+    p.ingest(rep)
+    assert p.ready() and len(p.pending_batch().samples) == 1
+    with pytest.raises(ValueError):
+        p.close_batch(-1)
+
+
+def test_store_last_sequence(tmp_path):
+    store = RecordStore.open(None, tmp_path)
+    try:
+        assert store.last_sequence(SCENARIO) == 0
+        s = Stream()
+        stored = store.append_many_sync([s.inference([{"role": "user", "content": "q"}], "a"),
+                                         s.inference([{"role": "user", "content": "r"}], "b")])
+        assert store.last_sequence(SCENARIO) == max(r.sequence for r in stored)
+        assert store.last_sequence("other") == 0
+    finally:
+        store.close()

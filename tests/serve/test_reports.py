@@ -65,6 +65,9 @@ def test_bad_references_are_400_and_store_nothing(server):
     ({"references": [f"r{i}" for i in range(101)]}, "at most 100"),
     ({"metadata": {"training": {"eligible": True}}}, "eligible"),
     ({"metadata": [1]}, "metadata"),
+    ({"score": 0.0, "metadata": {"unscored": True}}, "score null"),  # the sentinel never carries a fake number
+    ({"score": -1.0, "metadata": {"unscored": True}}, "score null"),
+    ({"metadata": {"unscored": "yes"}}, "unscored must be"),
 ])
 def test_report_validation(server, body, needle):
     response = report(server, "validation", body)

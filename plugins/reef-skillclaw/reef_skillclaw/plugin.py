@@ -1,4 +1,9 @@
-"""Hook implementations of reef-skillclaw, loaded through the ``reef`` entry point."""
+"""Hook implementations of reef-skillclaw, loaded through the ``reef`` entry point.
+
+The recipe (``+recipe=skillclaw``, ``conf/recipe/skillclaw.yaml``) combines Reef's built-in ``per_report``
+processor (one sample per graded session; ``batch_size`` sessions make a day), the ``skillclaw`` report
+schema and trainer registered here, and Reef's built-in ``skills`` surface.
+"""
 
 from __future__ import annotations
 
@@ -8,3 +13,27 @@ from reef_core.api import hookimpl
 @hookimpl
 def reef_config_searchpath():
     return "pkg://reef_skillclaw.conf"
+
+
+def _make_trainer(**kwargs):
+    from .trainer import make_trainer
+
+    return make_trainer(**kwargs)
+
+
+def _make_report_schema(**kwargs):
+    from .schema import make_report_schema
+
+    return make_report_schema(**kwargs)
+
+
+@hookimpl
+def reef_register_trainers(register):
+    register("skillclaw", _make_trainer,
+             description="SkillClaw: a nightly evolver improves, describes and creates skills of a shared pool")
+
+
+@hookimpl
+def reef_register_report_schemas(register):
+    register("skillclaw", _make_report_schema,
+             description="one report per graded session: task, category, score or the unscored sentinel")

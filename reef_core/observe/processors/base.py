@@ -42,6 +42,8 @@ class Unit:
     arrived_at: float
     #: the serving version the unit was last found admissible under (skip re-checking until it changes)
     checked_under: str | None = field(default=None, repr=False)
+    #: store sequence of the record that made the unit (its report), when stored
+    sequence: int | None = None
 
 
 class SeenRecords:

@@ -205,7 +205,7 @@ class ReportedProcessor(BufferedProcessor):
         except UnusableRecord:
             return el.NOT_CHAT
         return Unit(sample=sample, record_ids=(*refs, report.record_id), claims=tuple(refs),
-                    arrived_at=report.created_at)
+                    arrived_at=report.created_at, sequence=report.sequence)
 
     def _admit(self, unit: Unit, report: Record) -> None:
         """Hold a new unit (subclass: FIFO queue or a group)."""
@@ -227,6 +227,8 @@ class PerReportProcessor(ReportedProcessor):
     """One sample per report; a batch is the oldest ``batch_size`` waiting samples, in arrival order.
 
     Staleness drops single samples (not their neighbours) before the batch forms; see :mod:`.eligibility`.
+    :meth:`close_batch` lets a batch form early, with every report stored up to a sequence (a "day" that ends
+    before ``batch_size`` sessions were graded).
     """
 
     name = "per_report"
@@ -237,6 +239,8 @@ class PerReportProcessor(ReportedProcessor):
             raise ValueError("batch_size must be a positive integer")
         self.batch_size = batch_size
         self._queue: deque[Unit] = deque()
+        self._close_through: int | None = None
+        self._batches_closed = 0
 
     def _admit(self, unit: Unit, report: Record) -> None:
         self._claim(unit)
@@ -255,17 +259,47 @@ class PerReportProcessor(ReportedProcessor):
                 self._drop_unit(unit, why)
         self._queue = kept
 
+    def close_batch(self, through_sequence: int) -> int:
+        """Close the batch early: the next batch holds the waiting units whose report is stored at or below
+        ``through_sequence`` (the store's last sequence when the close was asked), up to ``batch_size`` of them,
+        even if fewer than ``batch_size``. The close holds until the processor has ingested that far and no such
+        unit waits. Returns how many units wait now."""
+        if isinstance(through_sequence, bool) or not isinstance(through_sequence, int) or through_sequence < 0:
+            raise ValueError("through_sequence must be a non-negative integer")
+        with self._lock:
+            self._close_through = max(through_sequence, self._close_through or 0)
+            return len(self._queue)
+
+    def _closed_units(self) -> int:
+        """How many leading waiting units the pending close covers (clearing a close that covers nothing)."""
+        through = self._close_through
+        if through is None:
+            return 0
+        count = 0
+        for unit in self._queue:
+            if unit.sequence is None or unit.sequence > through or count == self.batch_size:
+                break
+            count += 1
+        if count == 0 and self._seen.floor >= through:
+            self._close_through = None  # everything up to the close was ingested and batched
+        return count
+
     def _can_select(self) -> bool:
-        return len(self._queue) >= self.batch_size
+        return len(self._queue) >= self.batch_size or self._closed_units() > 0
 
     def _select(self) -> list[Unit] | None:
-        if not self._can_select():
+        if len(self._queue) >= self.batch_size:
+            return [self._queue.popleft() for _ in range(self.batch_size)]
+        count = self._closed_units()
+        if count == 0:
             return None
-        return [self._queue.popleft() for _ in range(self.batch_size)]
+        self._batches_closed += 1
+        return [self._queue.popleft() for _ in range(count)]
 
     def _put_back(self, units: list[Unit]) -> None:
         self._queue.extendleft(reversed(units))
 
     def _status_extra(self) -> dict:
-        return {**super()._status_extra(), "batch_size": self.batch_size}
+        return {**super()._status_extra(), "batch_size": self.batch_size, "close_through": self._close_through,
+                "batches_closed_early": self._batches_closed}
 

@@ -357,6 +357,17 @@ def summarize_traceback(text: str) -> tuple[str, str]:
     return "nothing logged", notable[-1][:200] if notable else ""
 
 
+def _apportion(total: int, weights: list[int]) -> list[int]:
+    """``total`` split by ``weights`` (largest remainders, so the shares add up to ``total``), each at least 1."""
+    whole = sum(weights)
+    exact = [total * w / whole for w in weights]
+    shares = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: exact[i] - shares[i], reverse=True)
+    for i in by_remainder[:total - sum(shares)]:
+        shares[i] += 1
+    return [max(1, share) for share in shares]
+
+
 def fuzz(target: Target, cases: int, *, seed: int | None = 0, rss_warmup: int = 100, batch: int = 50,
          routes: list[str] | None = None, progress=None, reduce: bool = True) -> FuzzResult:
     """Run about ``cases`` cases spread over the routes (by ``WEIGHTS``); return what was observed.
@@ -367,15 +378,15 @@ def fuzz(target: Target, cases: int, *, seed: int | None = 0, rss_warmup: int = 
     runner = Runner(target, result, batch)
     strategies = route_strategies(target.pools)
     names = routes or list(strategies)
-    total_weight = sum(WEIGHTS.get(name, 1) for name in names)
     started = time.monotonic()
     result.rss_start_mib = rss_mib(target.pid)
     warm = False
     # Interleave routes in rounds, so that state built by one (receipts, deletions) feeds the others.
     rounds = max(1, cases // 400)
+    weights = [WEIGHTS.get(name, 1) for name in names]
     for round_index in range(rounds):
-        for name in names:
-            share = max(1, round(cases * WEIGHTS.get(name, 1) / total_weight / rounds))
+        quota = cases // rounds + (1 if round_index < cases % rounds else 0)
+        for name, share in zip(names, _apportion(quota, weights)):
             _run_route(runner, strategies[name], share, None if seed is None else seed * 1000 + round_index)
             if not warm and result.cases >= rss_warmup:
                 result.rss_start_mib, warm = rss_mib(target.pid), True

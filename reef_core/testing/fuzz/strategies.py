@@ -32,6 +32,8 @@ class Pools:
     #: scenarios of the plain (none) recipe and of the harness (gepa) recipe, created at set-up
     plain: list[str]
     harness: list[str]
+    #: scenarios of the skill-pool (skillclaw) recipe, created at set-up
+    skills: list[str] = field(default_factory=list)
     #: scenarios that exist only to be deleted by the admin DELETE strategy
     deletable: list[str] = field(default_factory=list)
     receipts: dict[str, list[str]] = field(default_factory=dict)  # scenario -> receipts
@@ -154,9 +156,9 @@ def odd_name():
     )
 
 
-def scenario_names(pools: Pools, harness: bool = False):
+def scenario_names(pools: Pools, harness: bool = False, pool: list[str] | None = None):
     """Mostly an existing scenario, sometimes a new valid one (a small set, so they repeat), sometimes odd."""
-    existing = st.sampled_from(pools.harness if harness else pools.plain + pools.harness)
+    existing = st.sampled_from(pool or (pools.harness if harness else pools.plain + pools.harness))
     fresh = st.integers(0, 7).map(lambda i: f"fz-new{i}")
     return st.one_of(existing, existing, existing, fresh, odd_name())
 
@@ -206,7 +208,7 @@ def extra_headers(draw):
 @st.composite
 def request_case(draw, pools: Pools, method: str, route: str, target: str, *, scenario_header: bool = False,
                  harness: bool = False, body=None, admin: bool = False, names=(), stream: bool = False,
-                 note: str = "valid"):
+                 note: str = "valid", pool: list[str] | None = None):
     """Assemble a case: token, scenario header, optional headers and the body."""
     headers, auth_note = draw(auth_header(pools, admin))
     notes = [note] if note != "valid" else []
@@ -216,11 +218,12 @@ def request_case(draw, pools: Pools, method: str, route: str, target: str, *, sc
     if scenario_header:
         present = draw(st.integers(0, 19))
         if present:
-            name = draw(scenario_names(pools, harness))
+            name = draw(scenario_names(pools, harness, pool))
             raw = encode_header(name)
             headers.append((b"x-reef-scenario", raw))
             names.append(raw)
-            if name not in pools.plain and name not in pools.harness and not str(name).startswith("fz-new"):
+            if (name not in pools.plain and name not in pools.harness and name not in pools.skills
+                    and not str(name).startswith("fz-new")):
                 notes.append(f"scenario {name!r:.40}")
         else:
             notes.append("no x-reef-scenario")
@@ -324,7 +327,7 @@ def _path_scenario(draw, pools: Pools, pool=None):
         segment = draw(st.sampled_from(["%zz", "%ff%fe", "%00", "%C3%28", "..", "%2e%2e"]))
         return segment, b"", f"odd percent-encoding {segment!r}"
     data = name if isinstance(name, bytes) else name.encode("utf-8", "surrogatepass")
-    known = name in pools.plain or name in pools.harness
+    known = name in pools.plain or name in pools.harness or name in pools.skills
     return path_segment(name, raw), data, "valid" if known else f"path scenario {name!r:.40}" + (" (raw)" if raw else "")
 
 
@@ -402,6 +405,21 @@ def _harness_file(draw, pools: Pools):
     return draw(_harness(pools, "/reef/harness/files/{path}", f"/reef/harness/files/{path}"))
 
 
+#: Skill slugs: the seeded one, an unknown valid one, and ones the door refuses.
+SLUGS = ["deploy-basics", "no-such-skill", "Deploy", "a_b", "a--b", "-a", "..", "%2e%2e", "%00", "x" * 70, "%C3%A9"]
+
+
+@st.composite
+def _skills(draw, pools: Pools, route: str, target: str):
+    return draw(request_case(pools, "GET", route, target, scenario_header=True, pool=pools.skills or None))
+
+
+@st.composite
+def _skill(draw, pools: Pools):
+    slug = draw(st.one_of(st.just(SLUGS[0]), st.just(SLUGS[0]), st.sampled_from(SLUGS), odd_text.map(path_segment)))
+    return draw(_skills(pools, "/reef/skills/{slug}", f"/reef/skills/{slug}"))
+
+
 @st.composite
 def _plain_get(draw, pools: Pools, route: str):
     headers = []
@@ -441,6 +459,11 @@ def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
         "GET /reef/harness": _harness(pools, "/reef/harness", "/reef/harness"),
         "GET /reef/harness/files/{path}": _harness_file(pools),
         "GET /reef/harness/releases": _harness(pools, "/reef/harness/releases", "/reef/harness/releases"),
+        "GET /reef/skills": _skills(pools, "/reef/skills", "/reef/skills"),
+        "GET /reef/skills/{slug}": _skill(pools),
+        "POST /reef/scenarios/{scenario}/skills/close-day": _scenario_route(
+            pools, "POST", "/reef/scenarios/{scenario}/skills/close-day", "/skills/close-day", admin=True,
+            pool=pools.skills or None),
     }
     for route in plain:
         routes[f"GET {route}"] = _scenario_route(pools, "GET", route, route.rsplit("}", 1)[1],

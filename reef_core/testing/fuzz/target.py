@@ -12,24 +12,28 @@ from .run import Target
 
 INFERENCE_TOKEN = "fuzz-inference-token"
 ADMIN_TOKEN = "fuzz-admin-token"
-#: Scenarios named ``h-*`` are bound to the harness recipe (gepa); the rest to the default recipe (none).
+#: Scenarios named ``h-*`` are bound to the harness recipe (gepa), ``k-*`` to the skill-pool recipe (skillclaw,
+#: seeded with the demo's pool); the rest to the default recipe (none).
 HARNESS_PREFIX = "h-"
+SKILLS_PREFIX = "k-"
 
 
 def server_overrides() -> list[str]:
-    """``reef serve`` overrides of a fuzz target (besides the engine): both tokens, a harness route."""
+    """``reef serve`` overrides of a fuzz target (besides the engine): both tokens, a harness and a skills route."""
+    seed = "recipe.options.initial_skills=reef_skillclaw.examples:seed_skills"
     return [f"server.tokens=[{INFERENCE_TOKEN}]", f"server.admin_tokens=[{ADMIN_TOKEN}]",
-            f"routes=[{{pattern:'{HARNESS_PREFIX}*',recipe:gepa}}]", "server.log_level=warning"]
+            f"routes=[{{pattern:'{HARNESS_PREFIX}*',recipe:gepa}},"
+            f"{{pattern:'{SKILLS_PREFIX}*',recipe:skillclaw,overrides:['{seed}']}}]", "server.log_level=warning"]
 
 
 def prepare(host: str, port: int, pid: int, log_path: Path, deletable: int = 6) -> Target:
     """Create the pool scenarios with one valid chat each (their receipts seed the report strategy)."""
     pools = Pools(INFERENCE_TOKEN, ADMIN_TOKEN, plain=["fz-a", "fz-b"], harness=[f"{HARNESS_PREFIX}fz"],
-                  deletable=[f"fz-del{i}" for i in range(deletable)])
+                  skills=[f"{SKILLS_PREFIX}fz"], deletable=[f"fz-del{i}" for i in range(deletable)])
     wire = Wire(host, port)
     auth = [(b"authorization", f"Bearer {INFERENCE_TOKEN}".encode()), (b"content-type", b"application/json")]
     body = json.dumps({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}).encode()
-    for name in pools.plain + pools.harness + pools.deletable:
+    for name in pools.plain + pools.harness + pools.skills + pools.deletable:
         case = Case("POST", "/v1/chat/completions", "/v1/chat/completions",
                     [*auth, (b"x-reef-scenario", name.encode())], body)
         reply = wire.request(case.to_bytes(f"{host}:{port}"))
