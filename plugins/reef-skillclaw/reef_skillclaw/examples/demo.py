@@ -152,34 +152,39 @@ def pool(url: str, scenario: str) -> dict:
             "skills": {path.split("/")[1]: text for path, text in harness["files"].items()}}
 
 
-def run_demo(days: int = 4, *, data_dir: Path | None = None, log: Callable[[str], None] = print) -> dict:
-    """Run ``days`` days of the method and the control; return per-day pass rates, pools and nights.
+def run_days(url: str, days: int = 4, *, log: Callable[[str], None] = print) -> dict:
+    """Run ``days`` days of the method and the control against the Reef server at ``url``.
 
-    ``method_pools[d]`` / ``control_pools[d]``: the pool serving after day ``d + 1`` (after its night);
-    ``nights[d]``: the commit-log row of that night."""
+    Returns ``method`` / ``control``: per-day ``{category: pass rate}``; ``method_pools[d]`` / ``control_pools[d]``:
+    the pool serving after day ``d + 1`` (after its night); ``nights[d]``: the commit-log row of that night."""
     history: dict = {"method": [], "control": [], "method_pools": [], "control_pools": [], "nights": []}
+    for day in range(1, days + 1):
+        control = run_day(url, CONTROL, report=False)
+        method = run_day(url, METHOD, report=True)
+        night = wait_for_night(url, METHOD, day)
+        history["control"].append(control)
+        history["method"].append(method)
+        history["nights"].append(night)
+        history["control_pools"].append(pool(url, CONTROL))
+        history["method_pools"].append(pool(url, METHOD))
+        changes = (night.get("metrics") or {}).get("changes", 0)
+        log(f"day {day}: method {_rates(method)} | control {_rates(control)} | night: "
+            + (f"{changes} change(s), release {night['release_id'][:12]}" if night.get("release_id")
+               else "no change"))
+    history["releases"] = httpx.get(f"{url}/reef/harness/releases", headers={"x-reef-scenario": METHOD},
+                                    timeout=30).json()["releases"]
+    log(summary(history))
+    return history
+
+
+def run_demo(days: int = 4, *, data_dir: Path | None = None, log: Callable[[str], None] = print) -> dict:
+    """:func:`run_days` on a fresh in-process deployment (agent server + Reef) in ``data_dir`` (default: a
+    temporary directory)."""
     with contextlib.ExitStack() as stack:
         if data_dir is None:
             data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="reef-skillclaw-demo-")))
         url = stack.enter_context(serve_demo(data_dir))
-        for day in range(1, days + 1):
-            control = run_day(url, CONTROL, report=False)
-            method = run_day(url, METHOD, report=True)
-            night = wait_for_night(url, METHOD, day)
-            history["control"].append(control)
-            history["method"].append(method)
-            history["nights"].append(night)
-            history["control_pools"].append(pool(url, CONTROL))
-            history["method_pools"].append(pool(url, METHOD))
-            changes = (night.get("metrics") or {}).get("changes", 0) if night.get("release_id") else 0
-            log(f"day {day}: method {_rates(method)} | control {_rates(control)} | night: "
-                + (f"{changes} change(s), release {night['release_id'][:12]}" if night.get("release_id")
-                   else "no change"))
-        history["url"] = url
-        history["releases"] = httpx.get(f"{url}/reef/harness/releases", headers={"x-reef-scenario": METHOD},
-                                        timeout=30).json()["releases"]
-    log(summary(history))
-    return history
+        return run_days(url, days, log=log)
 
 
 def _rates(rates: dict[str, float]) -> str:
