@@ -114,10 +114,12 @@ def reef_register_surfaces(register):
     and returns a ``reef_core.api.Surface``. ``ports`` (``reef_core.api.ServingPorts``) holds
     what a surface may use: ``engine``, ``artifacts``, ``run_async(coroutine)`` (run on the
     server's event loop from a learner worker) and ``load_base_model()``. A surface validates a
-    candidate before publication (``validate(files)``: a refusal rejects the candidate), says what
+    candidate before publication (``validate(files)``, and ``validate_successor(files, previous)`` against the
+    serving release: a refusal rejects the candidate), says what
     a new scenario's first release holds when its trainer seeds none (``creation_files()``; the
     weights surface: ``base.json`` naming the base model), loads it into the runtime (weights), rewrites requests (inject an adapter or a
-    system prompt) and exposes a text tree (harness). Built-ins: ``weights``, ``harness``.
+    system prompt or a skill catalog) and exposes a text tree (harness). Built-ins: ``weights``, ``harness``,
+    ``skills`` (a harness surface whose releases are skill pools; see ``reef_core.surfaces.skills``).
     """
 
 

@@ -16,3 +16,13 @@ def test_skillclaw_recipe_composes():
     cfg = compose_config(["+recipe=skillclaw"], pm)
     assert cfg.recipe.name == "skillclaw"
     assert cfg.recipe.description
+    assert (cfg.recipe.processor, cfg.recipe.trainer, cfg.recipe.surface, cfg.recipe.report_schema) == (
+        "per_report", "skillclaw", "skills", "skillclaw")
+    assert cfg.recipe.processor_options == {"batch_size": 60, "require_score": False}
+    assert cfg.evaluation.policy == "always"
+
+
+def test_skillclaw_components_are_registered():
+    pm = PluginManager()
+    assert "skillclaw" in pm.components["trainer"] and "skillclaw" in pm.components["report_schema"]
+    assert "skills" in pm.components["surface"]
