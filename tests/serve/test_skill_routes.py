@@ -170,3 +170,27 @@ def test_close_day_is_admin_and_closes_a_partial_day(server):
         wait_until(lambda: nights(), timeout=60, interval=0.02, what="the night of the closed day")
         done = nights()
         assert len(done) == 1 and set(done[0]["consumed_ids"]) >= {receipt}
+
+
+def test_injected_catalog_is_capped_over_http(tmp_path):
+    """A pool whose catalog exceeds ``catalog_max_bytes``: the provider gets a catalog within the cap that says how
+    many skills it leaves out; every skill is still readable."""
+    skills = ",".join(f"s{i:02d}:{{description:'{'Long description. ' * 8}NOT for: other work.',category:c,"
+                      f"body:'Body {i}.'}}" for i in range(20))
+    fake = FakeUpstream()
+    with serve_fake_upstream(app=fake) as upstream_url, serve_reef([
+            "+recipe=skillclaw", "engine.kind=upstream", f"engine.upstream_url={upstream_url}",
+            "engine.upstream_model=fake-model", f"storage.data_dir={tmp_path}",
+            f"recipe.options.initial_skills={{{skills}}}", "+recipe.surface_options.catalog_max_bytes=1024",
+            "server.log_level=warning"]) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", default_headers={"x-reef-scenario": "capped"},
+                               max_retries=0)
+        client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}])
+        client.close()
+        seen = _system_seen(fake, "openai")
+        assert len(seen.encode()) <= 1024 and seen.startswith(CATALOG_OPEN)
+        listed = [line for line in seen.splitlines() if line.startswith("- s")]
+        assert 0 < len(listed) < 20 and f"({20 - len(listed)} more skills not listed)" in seen
+        with httpx.Client(base_url=url, headers={"x-reef-scenario": "capped"}, timeout=30) as http:
+            assert http.get("/reef/skills/s19").json()["body"] == "Body 19."
+            assert len(http.get("/reef/skills").json()["skills"]) == 20
