@@ -94,6 +94,10 @@ _LAZY = {
     "EngineChat": "reef_core.chat",
     "reply_text": "reef_core.chat",
     "resolve_chat_model": "reef_core.chat",
+    # the next-state processor a recipe configures, and the dialect-free view of a chat record it correlates with
+    "NextStateProcessor": "reef_core.observe.processors.next_state",
+    "exchange_of": "reef_core.observe.processors.conversation",
+    "common_prefix": "reef_core.observe.processors.conversation",
     "Objective": "reef_core.grow.objective",
     "Prepared": "reef_core.grow.objective",
     "ValueModel": "reef_core.grow.objective",
@@ -129,6 +133,8 @@ if TYPE_CHECKING:
     )
     from reef_core.engines.upstream import UpstreamEngine
     from reef_core.loop.ports import RunAsync, ServingPorts
+    from reef_core.observe.processors.conversation import common_prefix, exchange_of
+    from reef_core.observe.processors.next_state import NextStateProcessor
     from reef_core.grow.losses import dis_weight, explained_variance, length_adaptive_lambda, skip_observation_gae
     from reef_core.grow.models import build_tiny_model, build_tiny_tokenizer
     from reef_core.grow.objective import Objective, Prepared, ValueModel, action_logits, sequence_logprobs, token_sum
@@ -155,7 +161,7 @@ __all__ = [
     "hookimpl",
     "ReefConfig", "ServerConfig", "StorageConfig", "EngineConfig", "TrainerConfig", "EvaluationConfig", "RecipeConfig",
     # observe: what a processor receives and emits
-    "Record", "Processor", "Segment", "Sample", "Batch",
+    "Record", "Processor", "Segment", "Sample", "Batch", "NextStateProcessor", "exchange_of", "common_prefix",
     # grow: trainers and what they hand to the gate
     "Trainer", "TrainerSetup", "TrainContext", "CandidateUpdate",
     "Objective", "Prepared", "ValueModel", "sequence_logprobs", "action_logits", "token_sum",

@@ -42,7 +42,9 @@ def reef_register_processors(register):
     """Register processors: turn a scenario's record stream into training batches.
 
     A processor factory is called as ``factory(scenario=..., options=..., serving_version=...,
-    judge=None, load_records=...)`` and should accept further keywords (``options``:
+    judge=None, load_records=..., create=..., engine=..., run_async=...)`` and should accept further
+    keywords (``create(kind, name, **kwargs)`` builds another registered component, e.g. a judge;
+    ``engine``/``run_async``: the deployment's served model, for a judge that asks it; ``options``:
     ``recipe.processor_options`` as a plain dict; ``serving_version()`` returns the version now
     serving the scenario; ``judge`` scores next-state pairs; ``load_records(ids)`` reads stored
     records back by id, so a processor holds ids rather than bodies) and returns an object
@@ -52,6 +54,20 @@ def reef_register_processors(register):
     ``acknowledge(batch_id) -> consumed record ids``, ``release(batch_id)`` and ``status()``.
     The learner runs only when a record is stored; a processor whose readiness also changes with
     time (a group timeout, a judge to ask again) says when to look again in ``recheck_after()``.
+    """
+
+
+@hookspec
+def reef_register_judges(register):
+    """Register next-state judges: what scores a turn from what followed it (computed feedback).
+
+    The factory is called as ``factory(options=<dict>, engine=<Engine | None>, run_async=<RunAsync | None>)``
+    (``engine`` and ``run_async``: the deployment's, for a judge that asks the served model) and returns a callable
+    ``judge(turn=<dict>, next_state=<dict>) -> {"score": float, "hints": [str, ...]}``; ``turn`` is
+    ``{"messages", "reply", "agent_record_id", "tags"}`` and ``next_state`` ``{"role": "user" | "tool",
+    "content"}``. It runs on a learner thread, never on the request path, and may be slow (a reward model);
+    an optional ``status()`` returns its counters (calls, seconds). Recipes that learn from the next state
+    (``reef-openclaw``) pick one by name; a processor factory builds it through its ``create`` keyword.
     """
 
 

@@ -46,6 +46,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
 #: Component kinds and the hook that registers each.
 COMPONENT_HOOKS: dict[str, str] = {
     "processor": "reef_register_processors",
+    "judge": "reef_register_judges",
     "trainer": "reef_register_trainers",
     "evaluator": "reef_register_evaluators",
     "selection_policy": "reef_register_selection_policies",

@@ -66,7 +66,8 @@ class ScenarioLearner:
             self.processor = ports.create(
                 "processor", self.recipe.processor, scenario=scenario,
                 options=dict(self.recipe.processor_options),
-                serving_version=self.serving_version, load_records=ports.records.get_many)
+                serving_version=self.serving_version, load_records=ports.records.get_many,
+                create=ports.create, engine=ports.serving.engine, run_async=ports.serving.run_async)
         self._trainer: Trainer | None = None
         #: Why this scenario does not train (records are still stored and observed), or None.
         self.training_disabled: str | None = None

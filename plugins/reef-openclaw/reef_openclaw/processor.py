@@ -1,0 +1,127 @@
+"""The ``openclaw`` processor: Reef's ``next_state`` processor with a registered judge and OpenClaw's dispatch.
+
+Correlation is the core's (:class:`reef_core.api.NextStateProcessor`): sessions by the ``x-reef-tag-session`` tag
+(transcript matching without it), retries and side calls retired, a turn nothing followed within ``session_ttl_s``
+expires, so the last turn of a session never trains. Judging runs on the learner's thread, never on the request
+path. Each pair is handed to the judge as plain dicts (:func:`~reef_openclaw.judges.turn_view`,
+:func:`~reef_openclaw.judges.next_state_view`) and its verdict goes through
+:func:`~reef_openclaw.judges.dispatch`; a trained sample carries ``metadata["openclaw"] = {"score", "hints",
+"teacher", "source"}`` for the trainer. ``status()["openclaw"]`` holds the judge's cost (calls, failed votes,
+seconds) and the dispatch counts.
+
+Options (``recipe.processor_options``): the ``next_state`` processor's (``batch_size``, ``max_staleness``,
+``session_tag``, ``session_ttl_s``, ``max_open_turns``, ``max_judge_attempts``) plus ``judge`` (a registered judge
+name: ``prm``, ``callable``; or ``"package.module:function"``, short for the ``callable`` judge of that function) and
+``judge_options`` (the judge's own knobs).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from reef_core.api import ConfigError, NextStateProcessor, Record
+
+from reef_openclaw.judges import TEACHER_HINT, dispatch, make_callable_judge, next_state_view, turn_view
+
+_NEXT_STATE = ("batch_size", "max_staleness", "session_tag", "session_ttl_s", "max_open_turns", "max_judge_attempts")
+_OWN = ("judge", "judge_options")
+
+
+class OpenClawProcessor(NextStateProcessor):
+    """``next_state`` correlation + a judge of plain dicts + OpenClaw's dispatch (see the module docstring)."""
+
+    name = "openclaw"
+
+    def __init__(self, scenario: str, *, judge: Callable[..., dict] | None, **options):
+        self.openclaw_judge = judge
+        self._counts: Counter = Counter()
+        self._counts_lock = threading.Lock()
+        super().__init__(scenario, judge=self._judge_pair if judge is not None else None, **options)
+
+    def _count(self, key: str) -> None:
+        with self._counts_lock:
+            self._counts[key] += 1
+
+    def _judge_pair(self, turn: Record, following: Record):
+        """The core judge contract ``(turn record, next record) -> score | dict | "never"``."""
+        state = next_state_view(turn, following)
+        if state is None:
+            self._count("no_next_state")
+            return "never"
+        verdict = self.openclaw_judge(turn=turn_view(turn), next_state=state)
+        outcome = dispatch(verdict)
+        if outcome is None:
+            self._count("retired_neutral")
+            return "never"
+        reward, teacher = outcome
+        self._count("hint_and_score" if teacher == TEACHER_HINT and reward != 0 else
+                    "hint_only" if teacher == TEACHER_HINT else "score_only")
+        hints = list(verdict.get("hints") or []) if teacher == TEACHER_HINT else []
+        return {"score": reward, "metadata": {"openclaw": {"score": reward, "hints": hints, "teacher": teacher,
+                                                           "source": "judge"}}}
+
+    def status(self) -> dict:
+        out = super().status()
+        status = getattr(self.openclaw_judge, "status", None)
+        with self._counts_lock:
+            dispatched = dict(sorted(self._counts.items()))
+        out["openclaw"] = {"judge": status() if callable(status) else {}, "dispatch": dispatched}
+        return out
+
+
+def _builtin_judge(name: str, **kwargs):
+    """Build a built-in judge without a plugin manager (offline use, tests)."""
+    from reef_openclaw.prm import make_prm_judge
+
+    table = {"prm": make_prm_judge, "callable": make_callable_judge}
+    if name not in table:
+        raise ConfigError(f"no judge named {name!r}; available: {', '.join(sorted(table))}")
+    return table[name](**kwargs)
+
+
+def build_judge(spec: Any, options: Any, *, create: Callable[..., Any] | None = None, engine: Any = None,
+                run_async: Any = None):
+    """The judge named by ``spec`` (``processor_options.judge``) with ``options`` (``judge_options``)."""
+    if options is None:
+        options = {}
+    if not isinstance(options, Mapping):
+        raise ConfigError("openclaw: processor_options.judge_options must be a mapping")
+    options = dict(options)
+    if not isinstance(spec, str) or not spec:
+        raise ConfigError(f"openclaw: processor_options.judge must be a judge name (prm, callable) or "
+                          f"'package.module:function', got {spec!r}")
+    if ":" in spec:  # shorthand: a function is the callable judge
+        if options.get("function") not in (None, spec):
+            raise ConfigError("openclaw: processor_options.judge names a function and judge_options.function "
+                              "names another")
+        spec, options = "callable", {**options, "function": spec}
+    if create is None:
+        return _builtin_judge(spec, options=options, engine=engine, run_async=run_async)
+    return create("judge", spec, options=options, engine=engine, run_async=run_async)
+
+
+def make_openclaw_processor(*, scenario: str, options: Any = None, serving_version=None, judge=None,
+                            load_records=None, create=None, engine=None, run_async=None, **_context):
+    """``openclaw`` processor factory (registered through ``reef_register_processors``)."""
+    if options is None:
+        options = {}
+    if not isinstance(options, Mapping):
+        raise ConfigError("processor 'openclaw': options must be a mapping")
+    opts = {}
+    for key, value in options.items():
+        name = str(key).replace("-", "_")
+        if name not in _NEXT_STATE + _OWN:
+            raise ConfigError(f"processor 'openclaw' has no option {key!r} (known: "
+                              f"{', '.join(sorted(_NEXT_STATE + _OWN))})")
+        opts[name] = value
+    spec, judge_options = opts.pop("judge", "prm"), opts.pop("judge_options", None)
+    the_judge = judge if judge is not None else build_judge(spec, judge_options, create=create, engine=engine,
+                                                            run_async=run_async)
+    try:
+        return OpenClawProcessor(scenario, judge=the_judge, serving_version=serving_version,
+                                 load_records=load_records, **opts)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"processor 'openclaw': {exc}") from exc
