@@ -193,6 +193,6 @@ def make_callable_judge(*, options: dict | None = None, **_context) -> CallableJ
         raise ConfigError(f"judge 'callable': unknown option(s) {', '.join(unknown)} (known: function)")
     path = options.get("function")
     if not isinstance(path, str) or ":" not in path:
-        raise ConfigError("judge 'callable' needs recipe.processor_options.judge_options.function = "
+        raise ConfigError("judge 'callable' needs recipe.processor_options.judges.callable.function = "
                           "'package.module:function' (or recipe.processor_options.judge = 'package.module:function')")
     return CallableJudge(load_callable(path, "judge function"), name=path)

@@ -78,7 +78,7 @@ def directive_messages(turn: dict, next_state: dict) -> list[dict]:
 
 @dataclass(frozen=True)
 class PRMOptions:
-    """Knobs of the ``prm`` judge (``recipe.processor_options.judge_options``), with OpenClaw-RL's defaults."""
+    """Knobs of the ``prm`` judge (``recipe.processor_options.judges.prm``), with OpenClaw-RL's defaults."""
 
     #: null: the served model; ``{url, model, api_key_env}``: an OpenAI-compatible endpoint; ``"pkg.mod:fn"``.
     model: Any = None
@@ -97,7 +97,7 @@ class PRMOptions:
         if options is None:
             options = {}
         if not isinstance(options, Mapping):
-            raise ConfigError("judge 'prm': judge_options must be a mapping")
+            raise ConfigError("judge 'prm': processor_options.judges.prm must be a mapping")
         known = {f.name for f in fields(cls)}
         values = {}
         for key, value in options.items():
@@ -109,12 +109,12 @@ class PRMOptions:
         for name in ("m", "max_tokens", "concurrency", "max_hint_candidates"):
             value = getattr(opts, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"judge 'prm': judge_options.{name} must be a positive integer, got {value!r}")
+                raise ConfigError(f"judge 'prm': judges.prm.{name} must be a positive integer, got {value!r}")
         for name, floor in (("temperature", "non-negative"), ("timeout_s", "positive")):
             value = getattr(opts, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < 0 or (floor == "positive" and value == 0):
-                raise ConfigError(f"judge 'prm': judge_options.{name} must be a {floor} number, got {value!r}")
+                raise ConfigError(f"judge 'prm': judges.prm.{name} must be a {floor} number, got {value!r}")
         return opts
 
     def chat_spec(self) -> Any:
@@ -170,5 +170,5 @@ class PRMJudge:
 def make_prm_judge(*, options: Any = None, engine: Any = None, run_async: Any = None, **_context) -> PRMJudge:
     """``prm`` judge factory (registered through ``reef_register_judges``)."""
     opts = PRMOptions.parse(options)
-    chat = resolve_chat_model(opts.chat_spec(), engine=engine, run_async=run_async, what="judge_options.model")
+    chat = resolve_chat_model(opts.chat_spec(), engine=engine, run_async=run_async, what="processor_options.judges.prm.model")
     return PRMJudge(chat, opts)

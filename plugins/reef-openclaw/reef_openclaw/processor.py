@@ -12,7 +12,7 @@ seconds) and the dispatch counts.
 Options (``recipe.processor_options``): the ``next_state`` processor's (``batch_size``, ``max_staleness``,
 ``session_tag``, ``session_ttl_s``, ``max_open_turns``, ``max_judge_attempts``) plus ``judge`` (a registered judge
 name: ``prm``, ``callable``; or ``"package.module:function"``, short for the ``callable`` judge of that function) and
-``judge_options`` (the judge's own knobs).
+``judges`` (options per judge name, e.g. ``judges.prm.m``; only the selected judge's are used).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from reef_core.api import ConfigError, NextStateProcessor, Record
 from reef_openclaw.judges import TEACHER_HINT, dispatch, make_callable_judge, next_state_view, turn_view
 
 _NEXT_STATE = ("batch_size", "max_staleness", "session_tag", "session_ttl_s", "max_open_turns", "max_judge_attempts")
-_OWN = ("judge", "judge_options")
+_OWN = ("judge", "judges")
 
 
 class OpenClawProcessor(NextStateProcessor):
@@ -82,25 +82,29 @@ def _builtin_judge(name: str, **kwargs):
     return table[name](**kwargs)
 
 
-def build_judge(spec: Any, options: Any, *, create: Callable[..., Any] | None = None, engine: Any = None,
+def build_judge(spec: Any, judges: Any = None, *, create: Callable[..., Any] | None = None, engine: Any = None,
                 run_async: Any = None):
-    """The judge named by ``spec`` (``processor_options.judge``) with ``options`` (``judge_options``)."""
-    if options is None:
-        options = {}
-    if not isinstance(options, Mapping):
-        raise ConfigError("openclaw: processor_options.judge_options must be a mapping")
-    options = dict(options)
+    """The judge named by ``spec`` (``processor_options.judge``), with its options from ``judges[name]``."""
+    if judges is None:
+        judges = {}
+    if not isinstance(judges, Mapping):
+        raise ConfigError("openclaw: processor_options.judges must be a mapping of judge name -> options")
     if not isinstance(spec, str) or not spec:
         raise ConfigError(f"openclaw: processor_options.judge must be a judge name (prm, callable) or "
                           f"'package.module:function', got {spec!r}")
-    if ":" in spec:  # shorthand: a function is the callable judge
-        if options.get("function") not in (None, spec):
-            raise ConfigError("openclaw: processor_options.judge names a function and judge_options.function "
-                              "names another")
-        spec, options = "callable", {**options, "function": spec}
+    name, function = ("callable", spec) if ":" in spec else (spec, None)  # a function is the callable judge
+    options = judges.get(name) or {}
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"openclaw: processor_options.judges.{name} must be a mapping")
+    options = dict(options)
+    if function is not None:
+        if options.get("function") not in (None, function):
+            raise ConfigError("openclaw: processor_options.judge names a function and "
+                              "processor_options.judges.callable.function names another")
+        options["function"] = function
     if create is None:
-        return _builtin_judge(spec, options=options, engine=engine, run_async=run_async)
-    return create("judge", spec, options=options, engine=engine, run_async=run_async)
+        return _builtin_judge(name, options=options, engine=engine, run_async=run_async)
+    return create("judge", name, options=options, engine=engine, run_async=run_async)
 
 
 def make_openclaw_processor(*, scenario: str, options: Any = None, serving_version=None, judge=None,
@@ -117,8 +121,8 @@ def make_openclaw_processor(*, scenario: str, options: Any = None, serving_versi
             raise ConfigError(f"processor 'openclaw' has no option {key!r} (known: "
                               f"{', '.join(sorted(_NEXT_STATE + _OWN))})")
         opts[name] = value
-    spec, judge_options = opts.pop("judge", "prm"), opts.pop("judge_options", None)
-    the_judge = judge if judge is not None else build_judge(spec, judge_options, create=create, engine=engine,
+    spec, judges = opts.pop("judge", "prm"), opts.pop("judges", None)
+    the_judge = judge if judge is not None else build_judge(spec, judges, create=create, engine=engine,
                                                             run_async=run_async)
     try:
         return OpenClawProcessor(scenario, judge=the_judge, serving_version=serving_version,

@@ -100,7 +100,7 @@ def test_callable_judge_is_built_from_a_dotted_path_through_the_registry():
     judge = build_judge("reef_openclaw.examples.style:judge", None, create=pm.create)
     assert isinstance(judge, CallableJudge) and judge.name == "reef_openclaw.examples.style:judge"
     assert pm.create("judge", "callable", options={"function": "reef_openclaw.examples.style:judge"}).function is style.judge
-    with pytest.raises(ConfigError, match="judge_options.function"):
+    with pytest.raises(ConfigError, match="judges.callable.function"):
         pm.create("judge", "callable", options={})
     with pytest.raises(ConfigError, match="unknown option"):
         pm.create("judge", "callable", options={"function": "reef_openclaw.examples.style:judge", "m": 3})
@@ -152,7 +152,7 @@ def test_prm_judge_failed_and_unparsable_votes_count_as_zero():
 
 
 def test_prm_options_are_validated_and_fill_the_sampling_settings():
-    with pytest.raises(ConfigError, match="judge_options.m"):
+    with pytest.raises(ConfigError, match="judges.prm.m"):
         PRMOptions.parse({"m": 0})
     with pytest.raises(ConfigError, match="unknown option"):
         PRMOptions.parse({"prm_m": 3})
