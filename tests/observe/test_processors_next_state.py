@@ -217,6 +217,19 @@ def test_unanswered_turns_expire_after_the_session_ttl():
     assert not p.ready()
 
 
+def test_a_next_state_arriving_after_the_ttl_never_pairs_even_unobserved():
+    # nothing looked at the processor between the two records (no status, no ready): the turn still expires
+    s = Stream()
+    now = {"t": 1000.0}
+    judge = Judge()
+    p = NextStateProcessor(SCENARIO, judge=judge, session_ttl_s=60, clock=lambda: now["t"])
+    p.ingest(s.turn([u("q")], "a", session="S", created_at=1000.0))
+    now["t"] = 1061.0
+    p.ingest(s.turn([u("q"), a("a"), u("late")], "b", session="S", created_at=1061.0))
+    assert not p.ready() and judge.calls == []
+    assert p.status()["dropped"] == {"session_expired": 1}
+
+
 def test_without_a_judge_pairs_are_correlated_but_nothing_trains():
     s = Stream()
     p = NextStateProcessor(SCENARIO, judge=None)

@@ -156,6 +156,7 @@ class NextStateProcessor(BufferedProcessor):
         if record.kind != "inference":
             self._reports_ignored += 1
             return
+        self._refresh()  # a turn past its TTL expires before a late next state could pair with it
         why = el.unusable_reason(record)
         if why is not None:
             self._count_drop(why)
@@ -242,9 +243,12 @@ class NextStateProcessor(BufferedProcessor):
             return
         cutoff = self._clock() - self.session_ttl_s
         # Oldest first; created_at is (nearly) in arrival order, so stop at the first live turn.
-        for turn in list(self._open.values()):
+        expired = []
+        for turn in self._open.values():
             if turn.created_at > cutoff:
                 break
+            expired.append(turn)
+        for turn in expired:
             self._retire(turn, SESSION_EXPIRED)
 
     def recheck_after(self) -> float | None:
