@@ -404,3 +404,67 @@ def test_replay_from_the_real_store_judges_with_the_store_copies(tmp_path):
         assert sample.messages == [u("q1"), a("a1")] and sample.metadata["reef"]["next_state"] == [u("q2")]
     finally:
         store.close()
+
+
+# -- explicit reports win over the judge ------------------------------------------------------------------------------
+
+
+_REPORT_SEQ = itertools.count(1000)
+
+
+def report(rid, refs, score, **payload):
+    return Record(record_id=rid, scenario=SCENARIO, kind="report", payload={"score": score, **payload},
+                  references=list(refs), sequence=next(_REPORT_SEQ))
+
+
+def test_a_report_scores_a_turn_that_waits_for_its_next_state_and_the_judge_is_not_asked():
+    s = Stream()
+    judge = Judge()
+    p = NextStateProcessor(SCENARIO, judge=judge, batch_size=1)
+    p.ingest(s.turn([u("q")], "a", session="S"))
+    p.ingest(report("r1", ["t1"], 0.5, metadata={"why": "explicit"}, feedback="fine"))
+    batch = p.pending_batch()
+    smp = batch.samples[0]
+    assert (smp.source_ids, smp.reward, smp.feedback, smp.report_id) == (["t1", "r1"], 0.5, "fine", "r1")
+    assert smp.metadata["why"] == "explicit" and smp.metadata["reef"]["correlation"] == "report"
+    assert judge.calls == [] and p.acknowledge(batch.batch_id) == ["t1", "r1"]
+    # the session's next request finds no open turn to pair with: nothing trains twice
+    p.ingest(s.turn([u("q"), a("a"), u("more")], "b", session="S"))
+    assert not p.ready() and judge.calls == []
+
+
+def test_a_report_wins_over_a_pending_judgement_and_replaces_a_judged_sample():
+    s = Stream()
+    judge = Judge({"t1": -1.0, "t3": -1.0})
+    p = NextStateProcessor(SCENARIO, judge=judge, batch_size=3)
+    p.ingest(s.turn([u("q")], "a", session="S"))
+    p.ingest(s.turn([u("q"), a("a"), u("more")], "b", session="S"))  # pairs t1: waits for the judge
+    p.ingest(report("r1", ["t1"], 1.0))
+    p.ingest(s.turn([u("x")], "c", session="T"))
+    p.ingest(s.turn([u("x"), a("c"), u("again")], "d", session="T"))  # pairs t3
+    assert not p.ready()  # t1 scored by its report, t3 judged (-1): one sample short of a batch
+    assert judge.calls == [("t3", "t4")]
+    p.ingest(report("r3", ["t3"], 0.25))  # t3 was judged already: the report replaces the sample's score
+    p.ingest(s.turn([u("y")], "e", session="U"))
+    p.ingest(s.turn([u("y"), a("e"), u("ok")], "f", session="U"))  # pairs t5
+    batch = p.pending_batch()
+    assert [(smp.source_ids, smp.reward) for smp in batch.samples] == [
+        (["t1", "r1"], 1.0), (["t3", "r3"], 0.25), (["t5"], 1.0)]
+    assert batch.samples[1].metadata["reef"]["correlation"] == "report"
+    assert sorted(p.acknowledge(batch.batch_id)) == ["r1", "r3", "t1", "t3", "t5"]
+    p.ingest(report("r9", ["t1"], 1.0))  # trained already
+    p.ingest(report("r10", ["nope"], 1.0))  # quotes nothing this processor holds
+    p.ingest(report("r11", ["t4"], None))  # no score
+    status = p.status()
+    assert status["dropped"]["report_late"] == 1 and status["reports_ignored"] == 2
+
+
+def test_without_a_judge_reports_still_train():
+    s = Stream()
+    p = NextStateProcessor(SCENARIO, judge=None, batch_size=1)
+    p.ingest(s.turn([u("q")], "a", session="S"))
+    p.ingest(s.turn([u("q"), a("a"), u("more")], "b", session="S"))
+    assert not p.ready()
+    p.ingest(report("r1", ["t1"], 1.0))
+    batch = p.pending_batch()
+    assert batch.samples[0].source_ids == ["t1", "r1"] and batch.samples[0].metadata["reef"]["next_record_id"] == "t2"

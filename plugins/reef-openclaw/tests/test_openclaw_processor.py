@@ -200,3 +200,17 @@ def test_prm_judge_over_http_scores_hints_and_survives_malformed_answers(judge_m
     assert all(b["model"] == "judge-1" and b["temperature"] == 0.6 and b["max_tokens"] == 8192 for b in model.bodies)
     assert any("reply 0" in b["messages"][1]["content"] and "CASE-bad: next message" in b["messages"][1]["content"]
                for b in model.bodies)
+
+
+def test_an_explicit_report_wins_over_the_judge():
+    s = Stream()
+    judge = CallableJudge(style.judge)
+    p = make_openclaw_processor(scenario=SCENARIO, options={"batch_size": 1}, judge=judge)
+    p.ingest(s.turn([u("Is the sum the answer?")], "No, the sum.", session="A"))
+    p.ingest(Record(record_id="rep1", scenario=SCENARIO, kind="report", payload={"score": 1.0},
+                    references=["t1"], sequence=99))
+    p.ingest(s.turn([u("Is the sum the answer?"), a("No, the sum."), u(f"{style.CORRECTION} q")], "x", session="A"))
+    batch = p.pending_batch()
+    smp = batch.samples[0]
+    assert (smp.source_ids, smp.reward) == (["t1", "rep1"], 1.0) and "openclaw" not in smp.metadata
+    assert judge.meter.calls == 0  # the judge would have said -1

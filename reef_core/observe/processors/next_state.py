@@ -14,7 +14,13 @@ Correlation (at ingest, cheap, no judge call):
   prompt exactly is a retry (``retried``).
 
 A turn nothing followed within ``session_ttl_s`` seconds (of its ``created_at``) expires (``session_expired``): the
-last turn of a session never trains. Turns already consumed (a replay after a restart) still correlate but are
+last turn of a session never trains.
+
+Explicit reports win: a report (``POST /reef/report``) with a finite ``score`` quoting a turn's receipt scores that
+turn instead of the judge, whether the turn still waits for its next state (it trains without one), waits for the
+judge, or was judged and waits for a batch (its sample is replaced). The report's id is consumed with the turn. A
+report quoting a turn already in a batch or trained is ``report_late``; one without a score, or quoting no turn this
+processor holds, is counted in ``reports_ignored``. Turns already consumed (a replay after a restart) still correlate but are
 never judged again.
 
 Judging runs OFF the ingest path, lazily, on the thread that calls :meth:`ready` or :meth:`pending_batch` (the
@@ -42,7 +48,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from reef_core.observe.model import Record
 from reef_core.observe.processor import Judge, ServingVersion
@@ -61,6 +67,7 @@ JUDGE_NEVER = "judge_never"
 JUDGE_ERROR = "judge_error"
 JUDGE_INVALID = "judge_invalid"
 RECORD_GONE = "record_gone"  # the store no longer has the turn or its next record when the pair is judged
+REPORT_LATE = "report_late"  # an explicit report quoting a turn already in a batch or trained
 
 #: How soon a pair whose judge said ``wait`` (or failed) is asked again, when nothing else wakes the learner.
 JUDGE_RETRY_S = 1.0
@@ -83,12 +90,22 @@ class Turn:
     body: Record | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class Report:
+    """An explicit score for one turn: it wins over the judge."""
+
+    report_id: str
+    score: float
+    feedback: object = None
+    metadata: dict | None = None
+
+
 @dataclass(slots=True, eq=False)
 class Job:
-    """A turn paired with the request that followed it, waiting for the judge."""
+    """A turn paired with the request that followed it (``next_turn``; None: scored by a report), waiting."""
 
     turn: Turn
-    next_turn: Turn
+    next_turn: Turn | None
     correlation: str
     #: whether the next request's messages start with the turn's whole transcript (else the shared prefix is
     #: measured when the bodies are read back)
@@ -146,6 +163,8 @@ class NextStateProcessor(BufferedProcessor):
         self._by_prompt: dict[str, Turn] = {}  # untagged: open turns by digest of prompt (retry detection)
         self._jobs: deque[Job] = deque()
         self._judging = 0
+        self._in_judge: set[str] = set()  # turns whose pair the judge is scoring now (lock released)
+        self._reported: dict[str, Report] = {}  # turn id -> the report that wins over the judge
         self._units: deque[Unit] = deque()
         self._reports_ignored = 0
         self._pairs = {"tag": 0, "transcript": 0}
@@ -154,7 +173,7 @@ class NextStateProcessor(BufferedProcessor):
 
     def _ingest(self, record: Record) -> None:
         if record.kind != "inference":
-            self._reports_ignored += 1
+            self._take_report(record)
             return
         self._refresh()  # a turn past its TTL expires before a late next state could pair with it
         why = el.unusable_reason(record)
@@ -183,6 +202,44 @@ class NextStateProcessor(BufferedProcessor):
         self._open[record.record_id] = turn
         while len(self._open) > self.max_open_turns:
             self._retire(next(iter(self._open.values())), SESSION_EXPIRED)
+
+    def _take_report(self, record: Record) -> None:
+        """An explicit score for the turns it quotes (see the module docstring)."""
+        score = record.payload.get("score") if isinstance(record.payload, dict) else None
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score) \
+                or not record.references:
+            self._reports_ignored += 1
+            return
+        metadata = record.payload.get("metadata")
+        report = Report(record.record_id, float(score), record.payload.get("feedback"),
+                        metadata if isinstance(metadata, dict) else None)
+        for ref in record.references:
+            self._apply_report(str(ref), report)
+
+    def _apply_report(self, ref: str, report: Report) -> None:
+        if ref in self._consumed or (self._batch is not None and ref in self._batch.record_ids):
+            self._count_drop(REPORT_LATE)
+            return
+        turn = self._open.get(ref)
+        if turn is not None:  # no next state yet: the report alone scores it
+            self._close(turn)
+            self._reported[ref] = report
+            self._jobs.append(Job(turn, None, "report", False))
+            return
+        for i, unit in enumerate(self._units):
+            if unit.claims and unit.claims[0] == ref:  # judged already: the report replaces the judge's score
+                sample = unit.sample
+                meta = {**sample.metadata, **(report.metadata or {})}
+                meta["reef"] = {**sample.metadata.get("reef", {}), "correlation": "report",
+                                "report_id": report.report_id}
+                sample = replace(sample, reward=report.score, feedback=report.feedback, metadata=meta,
+                                 source_ids=[*sample.source_ids, report.report_id], report_id=report.report_id)
+                self._units[i] = replace(unit, sample=sample, record_ids=(*unit.record_ids, report.report_id))
+                return
+        if ref in self._in_judge or any(job.turn.record_id == ref for job in self._jobs):
+            self._reported[ref] = report  # read when the judge would be asked, or when it answers
+            return
+        self._reports_ignored += 1
 
     def _follow_session(self, turn: Turn, hashes: list[str], n_messages: int) -> bool:
         """Pair ``turn`` with its session's previous turn. Returns False when ``turn`` is not tracked (side call)."""
@@ -266,7 +323,7 @@ class NextStateProcessor(BufferedProcessor):
     # -- judging (learner's thread, lock released around the judge) ---------------------------------------------------
 
     def _before_select(self) -> None:
-        if self.judge is None:
+        if self.judge is None and not self._reported:
             return
         tried: set[int] = set()
         while True:
@@ -278,11 +335,22 @@ class NextStateProcessor(BufferedProcessor):
                     return  # every job left was asked once in this call
                 self._jobs.popleft()
                 if job.turn.record_id in self._consumed:
+                    self._reported.pop(job.turn.record_id, None)
+                    continue
+                if self.judge is None and job.turn.record_id not in self._reported:
+                    tried.add(id(job))
+                    self._jobs.append(job)  # correlate only: it waits for a report
                     continue
                 if self._inadmissible(job):
+                    self._reported.pop(job.turn.record_id, None)
                     continue
                 self._judging += 1
+                self._in_judge.add(job.turn.record_id)
+                report = self._reported.get(job.turn.record_id)
             tried.add(id(job))
+            if report is not None:
+                self._score_by_report(job)
+                continue
             try:
                 pair = self._read_pair(job)
             except Exception:  # noqa: BLE001 - a store hiccup must not stop the learner: ask again later
@@ -290,11 +358,14 @@ class NextStateProcessor(BufferedProcessor):
                             exc_info=True)
                 with self._lock:
                     self._judging -= 1
+                    self._in_judge.discard(job.turn.record_id)
                     self._jobs.appendleft(job)
                 return
             if isinstance(pair, str):
                 with self._lock:
                     self._judging -= 1
+                    self._in_judge.discard(job.turn.record_id)
+                    self._reported.pop(job.turn.record_id, None)
                     if job.turn.record_id not in self._consumed:
                         self._count_drop(pair)
                 continue
@@ -305,7 +376,58 @@ class NextStateProcessor(BufferedProcessor):
                 result, error = None, exc
             with self._lock:
                 self._judging -= 1
-                self._apply(job, turn_record, next_state, result, error)
+                self._in_judge.discard(job.turn.record_id)
+                report = self._reported.pop(job.turn.record_id, None)
+                if report is not None:  # a report arrived while the judge ran: it wins
+                    self._admit_reported(job, turn_record, next_state, report)
+                else:
+                    self._apply(job, turn_record, next_state, result, error)
+
+    def _score_by_report(self, job: Job) -> None:
+        """A job a report scores: read the turn (and its next request, if any) back, no judge call."""
+        try:
+            records = ([job.turn.body] if self._load_records is None
+                       else list(self._load_records([job.turn.record_id])))
+            next_state: list[dict] | str = []
+            if job.next_turn is not None:
+                pair = self._read_pair(job)
+                next_state = pair if isinstance(pair, str) else pair[2]
+        except Exception:  # noqa: BLE001 - a store hiccup must not stop the learner: ask again later
+            log.warning("reading record %s back failed", job.turn.record_id, exc_info=True)
+            with self._lock:
+                self._judging -= 1
+                self._in_judge.discard(job.turn.record_id)
+                self._jobs.appendleft(job)
+            return
+        with self._lock:
+            self._judging -= 1
+            self._in_judge.discard(job.turn.record_id)
+            report = self._reported.pop(job.turn.record_id, None)
+            record = records[0] if len(records) == 1 else None
+            if report is None or job.turn.record_id in self._consumed:
+                return
+            if record is None or record.record_id != job.turn.record_id:
+                self._count_drop(RECORD_GONE)
+                return
+            self._admit_reported(job, record, next_state if isinstance(next_state, list) else [], report)
+
+    def _admit_reported(self, job: Job, record: Record, next_state: list[dict], report: Report) -> None:
+        turn = job.turn
+        if turn.record_id in self._consumed:
+            return
+        extra = {"next_record_id": job.next_turn.record_id if job.next_turn is not None else None,
+                 "next_state": next_state, "correlation": "report", "report_id": report.report_id,
+                 "session": turn.session}
+        try:
+            sample = trajectory_sample(self.scenario, [record], reward=report.score, feedback=report.feedback,
+                                       metadata=report.metadata, report_id=report.report_id, extra=extra)
+        except UnusableRecord:
+            self._count_drop(el.NOT_CHAT)
+            return
+        unit = Unit(sample=sample, record_ids=(turn.record_id, report.report_id), claims=(turn.record_id,),
+                    arrived_at=turn.created_at)
+        self._claim(unit)
+        self._units.append(unit)
 
     def _read_pair(self, job: Job) -> tuple[Record, Record, list[dict]] | str:
         """``(turn record, next record, next state)`` of a pair, read back from the store (or the kept bodies),
