@@ -42,7 +42,7 @@ def test_openclaw_recipe_composes_with_the_paper_defaults():
 def test_tiny_profile_control_arm_and_command_line_judge():
     pm = PluginManager()
     cfg = compose_config(["+recipe=openclaw", "+openclaw_profile=tiny", "+openclaw_arm=control"], pm)
-    assert cfg.recipe.options["batch_size"] == 8 and cfg.recipe.processor_options["batch_size"] == 8
+    assert cfg.recipe.options["batch_size"] == 16 and cfg.recipe.processor_options["batch_size"] == 16
     assert cfg.recipe.options["w_rl"] == 0.0 and cfg.recipe.options["w_opd"] == 0.0
     assert cfg.recipe.processor_options["judge"] == "reef_openclaw.examples.style:judge"
     assert cfg.engine.max_new_tokens == 4 and cfg.engine.top_k_logprobs == 4

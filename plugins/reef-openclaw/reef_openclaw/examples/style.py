@@ -21,14 +21,14 @@ HINT = "Start the reply with the word Yes."
 #: The trainer's hint separator (reef_openclaw.trainer.HINT_PREFIX), repeated so the corpus needs no torch import.
 HINT_PREFIX = "\n\n[user's hint / instruction]\n"
 THANKS = "Thanks."
-CORRECTION = "No, I do not like replies like that."
-_WORDS = ("the first number", "the last word", "a list", "the answer", "the city", "the value", "this code",
-          "the result", "the capital", "the sum", "the next step", "the final score")
+CORRECTION = "No, not like that."
+_WORDS = ("Paris", "the sum", "the list", "the city", "the value", "the code", "the result", "the word", "the score",
+          "the step")
 
 
 def question(rng: random.Random) -> str:
     """One short question."""
-    return f"Is {rng.choice(_WORDS)} {rng.choice(_WORDS)}?"
+    return f"Is {rng.choice(_WORDS)} right?"
 
 
 def accepted(reply: str) -> bool:
@@ -64,7 +64,7 @@ def sessions(seed: int, turns_per_session: int = 3) -> Iterator[tuple[str, int, 
 
 
 def _reply(style: str, rng: random.Random) -> str:
-    return f"{style}, {rng.choice(_WORDS)}."
+    return f"{style}, {rng.choice(_WORDS)}"
 
 
 def corpus(n: int, seed: int = 0, turns_per_session: int = 3) -> list[tuple[list[dict], str]]:
@@ -92,7 +92,7 @@ def corpus(n: int, seed: int = 0, turns_per_session: int = 3) -> list[tuple[list
     return out[:n]
 
 
-def warm_up(model, tokenizer, *, steps: int = 150, batch: int = 32, lr: float = 3e-3, seed: int = 0) -> dict:
+def warm_up(model, tokenizer, *, steps: int = 60, batch: int = 16, lr: float = 1e-2, seed: int = 0) -> dict:
     """Supervised steps on :func:`corpus` (reply tokens only); returns ``{"loss": last loss}``."""
     import torch
 
@@ -123,4 +123,30 @@ def warm_up(model, tokenizer, *, steps: int = 150, batch: int = 32, lr: float = 
         loss.backward()
         opt.step()
     model.eval()
-    return {"loss": float(loss) if loss is not None else None}
+    return {"loss": float(loss.detach()) if loss is not None else None}
+
+
+def write_warm_model(path, *, seed: int = 0, steps: int = 100, batch: int = 32, lr: float = 3e-3) -> dict:
+    """Build the tiny model, :func:`warm_up` it and save it (weights, tokenizer, chat template) to ``path``, a
+    directory ``engine.model`` can name. Returns the warm-up's summary."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from reef_core.api import build_tiny_model, build_tiny_tokenizer
+
+    path = Path(path)
+    model, tok = build_tiny_model(seed=seed, tokenizer=build_tiny_tokenizer())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        summary = warm_up(model, tok, steps=steps, batch=batch, lr=lr, seed=seed)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    # a qwen2 model's tokenizer as every transformers version loads it (see reef_core's tiny model)
+    config = path / "tokenizer_config.json"
+    data = json.loads(config.read_text())
+    data["tokenizer_class"] = "Qwen2Tokenizer"
+    config.write_text(json.dumps(data, indent=2))
+    return summary
