@@ -19,11 +19,12 @@ from __future__ import annotations
 import math
 import re
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from reef_core.api import ConfigError, Record, common_prefix, content_text, exchange_of
+from reef_core.api import ConfigError, Record, common_prefix, content_text, exchange_of, load_callable
 
 #: A judge's answer: ``{"score": float, "hints": [str, ...]}`` (hints already filtered by :func:`select_hints`).
 Verdict = dict
@@ -165,8 +166,6 @@ class CallableJudge:
         self.meter = JudgeMeter()
 
     def __call__(self, *, turn: dict, next_state: dict) -> Verdict:
-        import time
-
         started = time.monotonic()
         try:
             answer = self.function(turn=turn, next_state=next_state)
@@ -185,8 +184,6 @@ class CallableJudge:
 
 def make_callable_judge(*, options: dict | None = None, **_context) -> CallableJudge:
     """``callable`` judge factory: ``options["function"]`` is ``"package.module:function"``."""
-    from reef_core.api import load_callable
-
     options = dict(options or {})
     unknown = sorted(set(options) - {"function"})
     if unknown:
