@@ -161,7 +161,8 @@ __all__ = [
     "hookimpl",
     "ReefConfig", "ServerConfig", "StorageConfig", "EngineConfig", "TrainerConfig", "EvaluationConfig", "RecipeConfig",
     # observe: what a processor receives and emits
-    "Record", "Processor", "Segment", "Sample", "Batch", "NextStateProcessor", "exchange_of", "common_prefix",
+    "Record", "Processor", "Segment", "Sample", "Batch",
+    "NextStateProcessor", "exchange_of", "common_prefix",
     # grow: trainers and what they hand to the gate
     "Trainer", "TrainerSetup", "TrainContext", "CandidateUpdate",
     "Objective", "Prepared", "ValueModel", "sequence_logprobs", "action_logits", "token_sum",

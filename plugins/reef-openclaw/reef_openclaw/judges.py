@@ -129,7 +129,7 @@ def next_state_view(turn: Record, following: Record) -> dict | None:
     return None
 
 
-# -- the callable judge --------------------------------------------------------------------------------------------------
+# -- the callable judge ------------------------------------------------------------------------------------------------
 
 
 class JudgeMeter:

@@ -55,11 +55,13 @@ class OpenClawOptions:
 
     def validate(self, processor_options: Mapping) -> None:
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ConfigError(f"openclaw: recipe.options.batch_size must be a positive integer, got {self.batch_size!r}")
+            raise ConfigError(f"openclaw: recipe.options.batch_size must be a positive integer, "
+                              f"got {self.batch_size!r}")
         for name in ("w_rl", "w_opd", "eps_clip", "eps_clip_high", "adv_diff_clip", "weight_decay", "adam_beta2"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"openclaw: recipe.options.{name} must be a finite non-negative number, got {value!r}")
+                raise ConfigError(f"openclaw: recipe.options.{name} must be a finite non-negative number, "
+                                  f"got {value!r}")
         if not self.adam_beta2 < 1:
             raise ConfigError(f"openclaw: recipe.options.adam_beta2 must be below 1, got {self.adam_beta2}")
         if self.hint_selection not in HINT_SELECTIONS:

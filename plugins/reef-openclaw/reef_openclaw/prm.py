@@ -170,5 +170,6 @@ class PRMJudge:
 def make_prm_judge(*, options: Any = None, engine: Any = None, run_async: Any = None, **_context) -> PRMJudge:
     """``prm`` judge factory (registered through ``reef_register_judges``)."""
     opts = PRMOptions.parse(options)
-    chat = resolve_chat_model(opts.chat_spec(), engine=engine, run_async=run_async, what="processor_options.judges.prm.model")
+    chat = resolve_chat_model(opts.chat_spec(), engine=engine, run_async=run_async,
+                              what="processor_options.judges.prm.model")
     return PRMJudge(chat, opts)

@@ -99,7 +99,8 @@ def test_callable_judge_is_built_from_a_dotted_path_through_the_registry():
     pm = PluginManager()
     judge = build_judge("reef_openclaw.examples.style:judge", None, create=pm.create)
     assert isinstance(judge, CallableJudge) and judge.name == "reef_openclaw.examples.style:judge"
-    assert pm.create("judge", "callable", options={"function": "reef_openclaw.examples.style:judge"}).function is style.judge
+    built = pm.create("judge", "callable", options={"function": "reef_openclaw.examples.style:judge"})
+    assert built.function is style.judge
     with pytest.raises(ConfigError, match="judges.callable.function"):
         pm.create("judge", "callable", options={})
     with pytest.raises(ConfigError, match="unknown option"):

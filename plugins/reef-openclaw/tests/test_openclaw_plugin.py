@@ -1,4 +1,4 @@
-"""reef-openclaw registers through the hooks, its recipe composes with the paper's defaults, and its components build."""
+"""reef-openclaw registers through the hooks, its recipe composes with the paper's defaults, its components build."""
 
 import pytest
 

@@ -65,7 +65,8 @@ def test_views_given_to_the_judge_are_plain_dicts():
     assert turn_view(turn) == {"messages": [u("Is the sum the answer?")], "reply": "No, the sum.",
                                "agent_record_id": "t1", "tags": {"session": "A"}}
     assert next_state_view(turn, after) == {"role": "user", "content": "No, not like that. Q2"}
-    tools = s.turn([u("Is the sum the answer?"), a("No, the sum."), {"role": "tool", "tool_call_id": "c1", "content": "ok 1"},
+    tools = s.turn([u("Is the sum the answer?"), a("No, the sum."),
+                    {"role": "tool", "tool_call_id": "c1", "content": "ok 1"},
                     {"role": "tool", "tool_call_id": "c2", "content": "ok 2"}, u("and?")], "x")
     assert next_state_view(turn, tools) == {"role": "tool", "content": "ok 1\nok 2"}
     assert next_state_view(turn, s.turn([u("Is the sum the answer?"), a("No, the sum."), a("again")], "x")) is None

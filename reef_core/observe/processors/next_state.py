@@ -14,14 +14,14 @@ Correlation (at ingest, cheap, no judge call):
   prompt exactly is a retry (``retried``).
 
 A turn nothing followed within ``session_ttl_s`` seconds (of its ``created_at``) expires (``session_expired``): the
-last turn of a session never trains.
+last turn of a session never trains. Turns already consumed (a replay after a restart) still correlate but are never
+judged again.
 
 Explicit reports win: a report (``POST /reef/report``) with a finite ``score`` quoting a turn's receipt scores that
 turn instead of the judge, whether the turn still waits for its next state (it trains without one), waits for the
 judge, or was judged and waits for a batch (its sample is replaced). The report's id is consumed with the turn. A
 report quoting a turn already in a batch or trained is ``report_late``; one without a score, or quoting no turn this
-processor holds, is counted in ``reports_ignored``. Turns already consumed (a replay after a restart) still correlate but are
-never judged again.
+processor holds, is counted in ``reports_ignored``.
 
 Judging runs OFF the ingest path, lazily, on the thread that calls :meth:`ready` or :meth:`pending_batch` (the
 learner's), without holding the processor lock, and only until ``batch_size`` judged samples wait. The judge is
