@@ -40,13 +40,13 @@ def test_the_deployment_gets_a_plain_dataclass_tree(tmp_path):
     from reef_core.loop.assemble import build_deployment
 
     cfg = compose_config(["+recipe=gepa", "engine.kind=upstream", "engine.upstream_url=http://127.0.0.1:9",
-                          f"storage.data_dir={tmp_path}", "routes=[{pattern: 'oc-*', recipe: openclaw}]"])
+                          f"storage.data_dir={tmp_path}", "routes=[{pattern: 'sk-*', recipe: skillclaw}]"])
     dep = build_deployment(cfg)
     try:
         assert type(dep.cfg) is ReefConfig and type(dep.cfg.trainer) is TrainerConfig
         assert omegaconf_nodes(dep.cfg) == []
         # The recipe sections of routed recipes are composed separately: they are plain too.
-        assert set(dep.recipes) == {"gepa", "openclaw"}
+        assert set(dep.recipes) == {"gepa", "skillclaw"}
         for binding in dep.recipes.values():
             assert type(binding.config) is RecipeConfig and omegaconf_nodes(binding.config) == []
         # Free-form option sections are ordinary dicts and lists, interpolations resolved.
