@@ -213,3 +213,19 @@ def test_hinted_messages_append_to_the_last_user_message():
     assert out[3]["content"] == "q2\n\n[user's hint / instruction]\nBe brief." and out[1]["content"] == "q1"
     assert messages[3]["content"] == [{"type": "text", "text": "q2"}]  # the input is left alone
     assert hinted_messages([{"role": "system", "content": "s"}], "Be brief.") is None
+
+
+def test_with_lora_the_teacher_is_the_adapter_free_base(tok):
+    setup = TrainerSetup(data_dir=None, load_base_model=lambda: build_tiny_model(seed=0, tokenizer=tok), seed=0)
+    trainer = OpenClawTrainer(OpenClawObjective(w_rl=1.0, w_opd=1.0), setup.load_base_model, lr=1e-2, lora=True,
+                              lora_rank=4, max_grad_norm=None)
+    hint = trainer._prompt_ids(hinted_messages(PROMPT, "Answer with the word yes."))
+    rows = [_rollout(trainer, tok, PROMPT, seed=s) for s in range(2)]
+    rows[0].reward, rows[1].reward = 1.0, -1.0
+    tb = _batch(trainer, rows, [TEACHER_HINT, TEACHER_BASE], [[hint], []])
+    before = trainer.reference.score(tb, token_ids=tb.top_k_ids).token_logprobs
+    for _ in range(3):
+        update = trainer.step(tb)
+    assert update is not None and update.metrics["opd/rows"] == 2
+    after = trainer.reference.score(tb, token_ids=tb.top_k_ids).token_logprobs
+    assert torch.equal(before, after)  # training the adapter never moves the teacher
