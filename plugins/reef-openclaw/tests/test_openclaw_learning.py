@@ -43,6 +43,7 @@ def _run(reef_server, model, *arm):
     assert len(accepted) == TURNS
     first, last = sum(accepted[:WINDOW]) / WINDOW, sum(accepted[-WINDOW:]) / WINDOW
     status = httpx.get(f"{server.url}/reef/scenarios/claw/status").json()
+    status["commits"] = httpx.get(f"{server.url}/reef/scenarios/claw/commits", params={"limit": 100}).json()["commits"]
     return first, last, result["releases"], status
 
 
@@ -57,6 +58,8 @@ def test_openclaw_learns_from_the_next_state_and_the_control_arm_does_not(reef_s
         assert metrics["batch_size"] == 16 and metrics["w_opd"] == 1.0
         assert metrics["opd/rows"] > 0  # every batch had hinted or anchored turns with top-K data
     assert status["last_error"] is None and status["counters"]["selected"] == len(trained)
+    decided = [c for c in status["commits"] if c.get("decision")]
+    assert len(decided) == len(trained) and all(c["decision"]["decision"] == "select" for c in decided)
     processor = status["processor"]
     assert processor["processor"] == "openclaw" and processor["reports_ignored"] == 0
     judge = processor["openclaw"]["judge"]
