@@ -136,16 +136,19 @@ class OpenClawObjective(Objective):
         hinted = covered & (teacher == TEACHER_HINT)
         if hint_ids is None or not bool(hinted.any()):
             return result
-        n_hints = hint_ids.shape[1]
-        plain = [batch.input_ids[b, :int(batch.response_starts[b])].tolist() for b in range(batch.size)]
         per_hint, tops = [], []
-        for h in range(n_hints):
-            has = hinted & (hint_lens[:, h] > 0)
-            prompts = [hint_ids[b, h, :int(hint_lens[b, h])].tolist() if bool(has[b]) else plain[b]
-                       for b in range(batch.size)]
-            scored = self.reference.score(batch, prompts, token_ids=ids, top_k=k)
-            per_hint.append(scored.token_logprobs)
-            tops.append(torch.where(has.view(-1, 1, 1), scored.top_k_ids, torch.full_like(scored.top_k_ids, -1)))
+        for h in range(hint_ids.shape[1]):
+            # only the rows holding an h-th hint are scored; the base's scores stay in the other rows
+            rows = torch.nonzero(hinted & (hint_lens[:, h] > 0)).flatten().tolist()
+            logprobs, top = result.clone(), torch.full_like(ids, -1)
+            if rows:
+                sub = batch.select(rows)
+                prompts = [hint_ids[b, h, :int(hint_lens[b, h])].tolist() for b in rows]
+                scored = self.reference.score(sub, prompts, token_ids=sub.top_k_ids, top_k=k)
+                logprobs[rows, :sub.seq_len] = scored.token_logprobs
+                top[rows, :sub.seq_len] = scored.top_k_ids
+            per_hint.append(logprobs)
+            tops.append(top)
         mask = (batch.action_mask > 0) & (batch.top_k_mask > 0)
         choice = select_teacher(ids, torch.stack(tops), mask.float(), self.hint_selection)
         stacked = torch.stack(per_hint)  # [H, B, L, K]

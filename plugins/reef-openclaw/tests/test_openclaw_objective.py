@@ -229,3 +229,16 @@ def test_with_lora_the_teacher_is_the_adapter_free_base(tok):
     assert update is not None and update.metrics["opd/rows"] == 2
     after = trainer.reference.score(tb, token_ids=tb.top_k_ids).token_logprobs
     assert torch.equal(before, after)  # training the adapter never moves the teacher
+
+
+def test_sequence_optimal_prefers_the_candidate_whose_top_k_matches_the_student(tok):
+    trainer = _trainer(tok, w_rl=0.0, w_opd=1.0)
+    rows = [_rollout(trainer, tok, PROMPT, seed=s) for s in range(2)]
+    plain = rows[0].input_ids[:rows[0].response_start]  # a "hint" that changes nothing: the student's own context
+    other = trainer._prompt_ids(hinted_messages(PROMPT, "Reply with a long list of city names, one per line."))
+    batch = _batch(trainer, rows, [TEACHER_HINT] * 2, [[other, plain]] * 2)
+    prepared = trainer.objective.prepare(trainer.policy, batch)
+    assert prepared.metrics["opd/hint_index_mean"] == 1.0
+    trainer.objective.hint_selection = "shortest"
+    prepared = trainer.objective.prepare(trainer.policy, batch)
+    assert prepared.metrics["opd/hint_index_mean"] == 0.0
