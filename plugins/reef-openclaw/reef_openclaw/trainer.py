@@ -5,7 +5,8 @@ token batch it attaches what the teacher needs per row (``batch.extras``): which
 (``metadata["openclaw"]["teacher"]``: ``hint`` or ``base``; a sample without it, e.g. from an explicit report, gets
 the plain-prompt anchor when its reward is non-zero) and, for hinted rows, the token ids of every hinted prompt: the
 sample's prompt with ``"\\n\\n[user's hint / instruction]\\n" + hint`` appended to its last user message, rendered with
-the tokenizer's chat template as the local engine renders prompts.
+the tokenizer's chat template as the local engine renders prompts (without the request's tools, which a sample does
+not keep).
 """
 
 from __future__ import annotations
