@@ -87,6 +87,8 @@ _LAZY = {
     # what a surface factory receives: the engine, the artifact store, run_async, the base-model loader
     "ServingPorts": "reef_core.loop.ports",
     "RunAsync": "reef_core.loop.ports",
+    # what a recipe's scenario route handler reads (reef_register_scenario_routes)
+    "ScenarioView": "reef_core.loop.ports",
     "UpstreamEngine": "reef_core.engines.upstream",
     "ChatModel": "reef_core.chat",
     "CallableChat": "reef_core.chat",
@@ -132,7 +134,7 @@ if TYPE_CHECKING:
         TrainerConfig,
     )
     from reef_core.engines.upstream import UpstreamEngine
-    from reef_core.loop.ports import RunAsync, ServingPorts
+    from reef_core.loop.ports import RunAsync, ScenarioView, ServingPorts
     from reef_core.observe.processors.conversation import common_prefix, exchange_of
     from reef_core.observe.processors.next_state import NextStateProcessor
     from reef_core.grow.losses import dis_weight, explained_variance, length_adaptive_lambda, skip_observation_gae
@@ -174,7 +176,7 @@ __all__ = [
     "Candidate", "Current", "Decision", "EvaluationResult", "Evaluator", "SelectionPolicy",
     "ArtifactStore", "FileValue", "Release", "scenario_key", "scenario_path",
     # serve: surfaces and engines
-    "Surface", "ServingPorts", "RunAsync", "Engine", "EngineRequest", "EngineResponse", "StreamEvent", "TokenData", "DirectResponse",
+    "Surface", "ServingPorts", "RunAsync", "ScenarioView", "Engine", "EngineRequest", "EngineResponse", "StreamEvent", "TokenData", "DirectResponse",
     "UpstreamEngine", "translate_request", "translate_response",
     # helpers
     "load_object", "load_callable", "serve_asgi", "serve_reef", "content_text",

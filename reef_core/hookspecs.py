@@ -172,6 +172,24 @@ def reef_register_tasks(register):
 
 
 @hookspec
+def reef_register_scenario_routes(register):
+    """Register a recipe's read routes under a scenario: ``GET /reef/scenarios/{scenario}/<name>``.
+
+    ``name`` is ``<recipe>/<path>`` (lower-case letters, digits, ``-`` and ``_``, segments joined by ``/``), e.g.
+    ``register("ttt/plan", handler)`` serves ``GET /reef/scenarios/{scenario}/ttt/plan``. The route answers only
+    for scenarios bound to that recipe. ``handler(view, query)`` runs on a worker thread and returns a
+    JSON-serialisable dict (the 200 body); ``view`` is a ``reef_core.api.ScenarioView`` (the scenario's name,
+    recipe section, processor, serving version, trainer and serving release files), ``query`` the query
+    parameters as a dict of strings. The core checks the scenario first and creates nothing: 400 for a name the
+    scenario rule refuses, 404 for an archived scenario or one of another recipe, 503 for a quarantined one. A name
+    not stored yet whose first record would bind it to the recipe gets a view with no processor, trainer or release
+    (``view.processor is None``): the handler answers from ``view.recipe`` alone; otherwise it is a 404. The handler checks its own query parameters and raises ``ValidationFailed`` (400, naming the parameter),
+    ``NotFound`` or another ``ReefError``; it must not change the scenario. Routes exist in every deployment that
+    loads the plugin (``/openapi.json`` lists them), so the fuzz test covers them.
+    """
+
+
+@hookspec
 def reef_config_searchpath():
     """Return Hydra config search path entries (e.g. ``"pkg://reef_sao.conf"``), or a list of them.
 

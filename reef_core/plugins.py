@@ -55,6 +55,7 @@ COMPONENT_HOOKS: dict[str, str] = {
     "engine": "reef_register_engines",
     "report_schema": "reef_register_report_schemas",
     "task": "reef_register_tasks",
+    "scenario_route": "reef_register_scenario_routes",
 }
 
 

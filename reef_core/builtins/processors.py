@@ -19,7 +19,8 @@ from ..errors import ConfigError
 _REPORTED = ("batch_size", "max_staleness", "require_score", "max_held_inferences", "holdout", "max_replay_tasks")
 _GROUPED = ("batch_size", "group_size", "key", "groups_per_batch", "partial_policy", "timeout_s", "min_partial_size", "slot",
             "max_staleness", "require_score", "max_held_inferences")
-_GRID = ("batch_size", "groups", "rollouts_per_group", "timeout_s", "max_staleness", "max_held_inferences")
+_GRID = ("batch_size", "groups", "rollouts_per_group", "timeout_s", "max_staleness", "max_held_inferences",
+         "drop_constant_groups", "sequential")
 _NEXT_STATE = ("batch_size", "max_staleness", "session_tag", "session_ttl_s", "max_open_turns",
                "max_judge_attempts", "judge")
 

@@ -315,6 +315,25 @@ class Deployment:
         self._scenarios.pop(name, None)
         self._quarantined.pop(name, None)
 
+    def scenario_view(self, scenario: Scenario):
+        """The :class:`~reef_core.loop.ports.ScenarioView` a recipe's route handler reads (starts the learner)."""
+        return self.learner(scenario).view()
+
+    def provisional_view(self, name: str):
+        """The view of a scenario not stored yet, as its first record would create it (its recipe by the routes),
+        built from config alone: no processor, trainer or release, and nothing created. None when no record could
+        create it (implicit scenarios are off, or it is archived)."""
+        from .ports import ScenarioView
+
+        if not self.cfg.server.allow_implicit_scenarios or self.store.get_scenario(name) is not None:
+            return None
+        binding = self.recipes.get(self.recipe_for_new_scenario(name))
+        if binding is None:
+            return None
+        return ScenarioView(name=name, recipe=binding.config, processor=None,
+                            serving_version=lambda: getattr(self.engine, "version", None), trainer=lambda: None,
+                            current_release_id=lambda: None, release_files=lambda _release_id: {})
+
     def scenario_status(self, scenario: Scenario) -> dict:
         """The learner's status, or the quarantine reason of a scenario that could not start."""
         reason = self._quarantined.get(scenario.name)

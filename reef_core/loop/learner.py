@@ -545,6 +545,14 @@ class ScenarioLearner:
             rows.append(row)
         return rows
 
+    def view(self):
+        """This scenario as a recipe's route handler sees it (:class:`~reef_core.loop.ports.ScenarioView`)."""
+        from .ports import ScenarioView
+
+        return ScenarioView(name=self.name, recipe=self.recipe, processor=self.processor,
+                            serving_version=self.serving_version, trainer=lambda: self.trainer,
+                            current_release_id=self.current_release_id, release_files=self.artifacts.read_files)
+
     def commit_rows(self, after_step: int, limit: int, record_ids) -> list[dict]:
         return self.log.rows(after_step, limit, record_ids)
 

@@ -11,11 +11,13 @@ building a whole deployment:
   store (as :class:`RecordPort`), the plugin manager's ``create`` for the components it builds
   (processor, trainer, evaluator, selection policy), lifecycle ``notify``, and the worker pool.
 * :class:`LearnerSettings`: the config pieces a learner reads (per recipe: its trainer and gate).
+* :class:`ScenarioView`: what a recipe's scenario route (``reef_register_scenario_routes``) may read of one
+  running scenario.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -94,3 +96,22 @@ class LearnerSettings:
     @property
     def checkpoint_every(self) -> int:
         return max(1, self.trainer.checkpoint_every_n_versions)
+
+
+@dataclass(frozen=True)
+class ScenarioView:
+    """One running scenario as a recipe's route handler sees it (read-only by contract)."""
+
+    name: str
+    #: The scenario's ``recipe`` section (``RecipeConfig``: its options, processor options...).
+    recipe: Any
+    #: The scenario's processor (``reef_core.api.Processor``), or None for a recipe without one.
+    processor: Any
+    #: ``() -> str | None``: the version serving the scenario's next request.
+    serving_version: Callable[[], str | None]
+    #: ``() -> Trainer | None``: the scenario's trainer, built on first use (a weights trainer loads no model then).
+    trainer: Callable[[], Any]
+    #: ``() -> str | None``: the id of the release serving the scenario now (read at call time).
+    current_release_id: Callable[[], str | None]
+    #: ``(release_id) -> Mapping[str, bytes]``: the files of one of the scenario's releases.
+    release_files: Callable[[str], Mapping[str, Any]]

@@ -16,7 +16,7 @@ from ..errors import ReefError
 from .auth import AuthMiddleware, TokenSet
 from .errors import dialect_for_path, error_body, new_error_id
 from .inference import InferenceCall
-from . import harness, reads, releases, reports, skills
+from . import harness, reads, releases, reports, scenario_routes, skills
 
 log = logging.getLogger("reef.serve")
 
@@ -65,6 +65,7 @@ def create_app(deployment) -> FastAPI:
 
     for router in (reads.router, reports.router, releases.router, harness.router, skills.router):
         app.include_router(router)
+    scenario_routes.mount(app, getattr(deployment, "pm", None))
 
     _install_error_handlers(app)
     admin_routes = [(route.path_regex, frozenset(route.methods or ()))

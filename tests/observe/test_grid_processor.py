@@ -271,3 +271,31 @@ def test_grid_factory_is_registered_and_checks_its_options():
                             ({"groups": 2, "rollouts_per_group": 2, "timeout_s": 0}, "timeout_s")):
         with pytest.raises(ConfigError, match=needle):
             make(scenario=SCENARIO, options=options, serving_version=lambda: None)
+
+
+def test_constant_groups_stay_in_the_batch_when_the_recipe_asks():
+    s, p = Grid(), GridProcessor(SCENARIO, groups=G, rollouts_per_group=R, drop_constant_groups=False)
+    records = s.step(0, [[1.0, 1.0, 1.0], [0.0, 0.5, 1.0]])
+    feed(p, records)
+    batch = p.pending_batch()
+    assert [smp.group_key for smp in batch.samples] == ["0:0"] * R + ["0:1"] * R
+    p.acknowledge(batch.batch_id)
+    assert "constant_group" not in p.status()["dropped"]
+
+
+def test_sequential_grid_accepts_only_its_open_step():
+    s, p = Grid(), GridProcessor(SCENARIO, groups=G, rollouts_per_group=R, sequential=True)
+    report = {"score": 1.0, "references": ["inf-1"], "metadata": {"step": 1, "group": 0, "rollout": 0}}
+    with pytest.raises(ValidationFailed) as info:
+        p.report_key(report)
+    assert info.value.param == "metadata.step" and "open step is 0" in info.value.message
+    assert p.report_key({**report, "metadata": {"step": 0, "group": 0, "rollout": 0}}) == "reef-grid/0/0/0"
+    records = s.step(0, VARIED)
+    feed(p, records)
+    batch = p.pending_batch()
+    assert p.current_step() == 0  # training: step 1 is not open yet
+    p.acknowledge(batch.batch_id)
+    assert p.current_step() == 1 and p.status()["current_step"] == 1
+    assert p.report_key(report) == "reef-grid/1/0/0"
+    feed(p, s.step(1, VARIED, versions={(0, 0): "inc:2"}))  # mixed versions: dropped, the next step opens
+    assert not p.ready() and p.current_step() == 2

@@ -29,8 +29,13 @@ Rules, in order:
   (``constant_group``, counted once per rollout when the step is acknowledged or dropped); when every group is
   constant the first one (lowest ``group``) is kept, so the step still trains and the version still advances. The
   left-out reports are consumed with the batch, so they never come back, not even after a restart.
+  With ``drop_constant_groups=False`` every group stays in the batch (the recipe decides what constant groups are
+  worth, e.g. TTT-Discover still credits their rollouts to its archive before leaving them out of the gradient).
 * **Closed steps.** A report for a step that already trained or was dropped counts as ``step_closed``; one for a slot
   already held (stored before a key guarded it) as ``duplicate``.
+* **Sequential steps** (``sequential=True``): the door accepts reports only for :meth:`GridProcessor.current_step`
+  (the step being filled or trained: the lowest one not closed), a 400 naming ``metadata.step`` otherwise, so a
+  client that plans each step from the previous one's result (TTT-Discover's archive) cannot report ahead of it.
 
 Batches. One step per batch, lowest complete step first; samples group by group, rollout by rollout. Each sample
 keeps the report's metadata (so its coordinates) and gets ``metadata["reef"]["grid"] = {"step", "group", "rollout",
@@ -97,7 +102,7 @@ class GridProcessor(ReportedProcessor):
     name = "grid"
 
     def __init__(self, scenario: str, *, groups: int, rollouts_per_group: int, timeout_s: float | None = None,
-                 **kwargs):
+                 drop_constant_groups: bool = True, sequential: bool = False, **kwargs):
         super().__init__(scenario, require_score=True, **kwargs)
         for label, value in (("groups", groups), ("rollouts_per_group", rollouts_per_group)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -107,6 +112,11 @@ class GridProcessor(ReportedProcessor):
         self.groups = groups
         self.rollouts_per_group = rollouts_per_group
         self.timeout_s = float(timeout_s) if timeout_s is not None else None
+        for label, value in (("drop_constant_groups", drop_constant_groups), ("sequential", sequential)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{label} must be true or false")
+        self.drop_constant_groups = drop_constant_groups
+        self.sequential = sequential
         self._steps: dict[int, Step] = {}  # waiting steps (incomplete and complete)
         self._closed: set[int] = set()  # steps trained or dropped
         self._reserved: Step | None = None  # the step of the reserved batch
@@ -124,7 +134,22 @@ class GridProcessor(ReportedProcessor):
         if not report.get("references"):
             raise ValidationFailed("a grid report quotes the receipt(s) of its rollout", param="references")
         step, group, rollout = grid_coordinates(report.get("metadata"), self.groups, self.rollouts_per_group)
+        if self.sequential:
+            current = self.current_step()
+            if step != current:
+                raise ValidationFailed(f"metadata.step is {step} but this scenario's open step is {current}",
+                                       param="metadata.step")
         return f"{KEY_PREFIX}{step}/{group}/{rollout}"
+
+    def current_step(self) -> int:
+        """The step now being filled or trained: the reserved one, else the lowest waiting one, else the one after
+        the last closed step (0 at the start)."""
+        with self._lock:
+            if self._reserved is not None:
+                return self._reserved.step
+            if self._steps:
+                return min(self._steps)
+            return max(self._closed) + 1 if self._closed else 0
 
     # -- ingestion --------------------------------------------------------------------------------------------------
 
@@ -242,6 +267,8 @@ class GridProcessor(ReportedProcessor):
             by_group.setdefault(group, []).append(unit)
         varied = [g for g, units in by_group.items() if len({u.sample.reward for u in units}) > 1]
         kept = set(varied) if varied else {min(by_group)}
+        if not self.drop_constant_groups:
+            kept = set(by_group)
         self._reserved = step
         self._left_out = [u for g, units in by_group.items() if g not in kept for u in units]
         return [u for g, units in by_group.items() if g in kept for u in units]
@@ -272,7 +299,7 @@ class GridProcessor(ReportedProcessor):
     def _status_extra(self) -> dict:
         complete = sum(1 for step in self._steps.values() if self._complete(step))
         return {**super()._status_extra(), "groups": self.groups, "rollouts_per_group": self.rollouts_per_group,
-                "timeout_s": self.timeout_s, "open_steps": len(self._steps) - complete, "complete_steps": complete,
+                "timeout_s": self.timeout_s, "current_step": self.current_step(), "open_steps": len(self._steps) - complete, "complete_steps": complete,
                 # reports held per waiting step, for the lowest MAX_STATUS_STEPS steps
                 "steps": {str(s.step): len(s.slots)
                           for s in sorted(self._steps.values(), key=lambda s: s.step)[:MAX_STATUS_STEPS]},

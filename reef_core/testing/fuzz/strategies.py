@@ -468,7 +468,19 @@ def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
     for route in plain:
         routes[f"GET {route}"] = _scenario_route(pools, "GET", route, route.rsplit("}", 1)[1],
                                                  ("limit",) if route.endswith("samples") else ())
+    for name in scenario_route_names():
+        route = f"/reef/scenarios/{{scenario}}/{name}"
+        routes[f"GET {route}"] = _scenario_route(pools, "GET", route, f"/{name}", ("step", "limit", "group"))
     return routes
+
+
+def scenario_route_names() -> list[str]:
+    """The recipe routes under a scenario that the installed plugins register (``reef_register_scenario_routes``),
+    as the server under test mounts them (it loads the same plugins)."""
+    from reef_core.plugins import get_plugin_manager
+    from reef_core.serve.scenario_routes import ROUTE_NAME
+
+    return sorted(n for n in get_plugin_manager().components.get("scenario_route", {}) if ROUTE_NAME.fullmatch(n))
 
 
 #: Share of the cases each route gets (inference and reports carry most of the risk).
