@@ -118,6 +118,9 @@ class ScenarioLearner:
             # A scenario that may not move the engine's weights serves what the owner serves: nothing to restore.
             self._serve_head_at_start()
             self._remember(self.head.release_id, {"serving_version": self.serving_version()})
+        if self.processor is not None and getattr(self.processor, "replay_at_start", False):
+            # Its door depends on what the stream holds (a sequential grid's open step): catch up before serving.
+            self._ingest()
         self.ports.pool.register(self.name, self._turn)
         if self.processor is not None:
             self.wake()  # catch up on records stored before this start (a restart, a replayed stream)

@@ -139,6 +139,9 @@ class Processor(ABC):
 
     #: registry name of the processor kind
     name: str = "processor"
+    #: True: the learner replays the scenario's stored records into the processor before the scenario serves after
+    #: a (re)start, not on its first turn (a processor whose door answers from what the stream holds).
+    replay_at_start: bool = False
 
     def __init__(self, scenario: str):
         self.scenario = scenario

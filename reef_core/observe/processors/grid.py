@@ -36,6 +36,8 @@ Rules, in order:
 * **Sequential steps** (``sequential=True``): the door accepts reports only for :meth:`GridProcessor.current_step`
   (the step being filled or trained: the lowest one not closed), a 400 naming ``metadata.step`` otherwise, so a
   client that plans each step from the previous one's result (TTT-Discover's archive) cannot report ahead of it.
+  The learner replays the scenario's stream into such a processor before the scenario serves after a restart
+  (``replay_at_start``), so the open step is known from the first request.
 
 Batches. One step per batch, lowest complete step first; samples group by group, rollout by rollout. Each sample
 keeps the report's metadata (so its coordinates) and gets ``metadata["reef"]["grid"] = {"step", "group", "rollout",
@@ -117,6 +119,8 @@ class GridProcessor(ReportedProcessor):
                 raise ValueError(f"{label} must be true or false")
         self.drop_constant_groups = drop_constant_groups
         self.sequential = sequential
+        #: A sequential door depends on the steps the stream closed: the learner replays it before serving.
+        self.replay_at_start = sequential
         self._steps: dict[int, Step] = {}  # waiting steps (incomplete and complete)
         self._closed: set[int] = set()  # steps trained or dropped
         self._reserved: Step | None = None  # the step of the reserved batch
