@@ -69,6 +69,7 @@ class ScenarioLearner:
                 serving_version=self.serving_version, load_records=ports.records.get_many,
                 create=ports.create, engine=ports.serving.engine, run_async=ports.serving.run_async)
         self._trainer: Trainer | None = None
+        self._trainer_lock = threading.Lock()
         #: Why this scenario does not train (records are still stored and observed), or None.
         self.training_disabled: str | None = None
         if self.recipe.trainer and self.surface is not None and self.surface.kind == "weights":
@@ -140,7 +141,11 @@ class ScenarioLearner:
             self.head, _ = self.committer.publish(files, expected_head=None, operation="creation", source=source)
 
     def _build_trainer(self) -> Trainer:
-        if self._trainer is None:
+        if self._trainer is not None:
+            return self._trainer
+        with self._trainer_lock:  # a route handler (ScenarioView.trainer) may ask while a turn does
+            if self._trainer is not None:
+                return self._trainer
             serving = self.ports.serving
             setup = TrainerSetup(data_dir=self.settings.data_dir, engine=serving.engine,
                                  load_base_model=self._load_start_model,
