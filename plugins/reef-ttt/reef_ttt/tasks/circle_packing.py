@@ -13,7 +13,8 @@ The score is the sum of the radii; a construction that fails any rule scores 0. 
 Seeds (:func:`seeds`) are simple valid constructions (grids with the spare circles in the gaps). The CPU executor
 (:func:`execute`) turns a parent packing plus a guidance word into a child with a handful of geometric operators:
 
-* ``perturb``: move a few circles by a small random step, then repair and grow;
+* ``perturb``: jitter every centre, relax (a short penalty-gradient ascent on the sum of radii: circles push
+  apart and swell into free space), then repair and grow;
 * ``grow``: enlarge every circle, in random order, to the largest radius its walls and neighbours allow;
 * ``swap``: exchange the centres of two circles of different radius, then repair and grow;
 * ``shrink``: take one circle out, let the others grow into its space, put it back in the largest hole found.
@@ -186,13 +187,30 @@ def grow(circles: Circles, rng: random.Random) -> Circles:
     return c
 
 
-def perturb(circles: Circles, rng: random.Random, sigma: float = 0.03, moves: int = 3) -> Circles:
+def relax(circles: Circles, steps: int = 300, lr: float = 0.002, mu: float = 50.0) -> Circles:
+    """Gradient ascent on ``Σ r − μ (Σ overlaps² + Σ wall crossings²)`` over centres and radii (a penalty method):
+    circles push apart and swell into free space. The result may overlap slightly; callers repair it."""
     c = np.array(circles, dtype=np.float64)
-    for _ in range(moves):
-        i = rng.randrange(len(c))
-        c[i, 0] += rng.gauss(0.0, sigma)
-        c[i, 1] += rng.gauss(0.0, sigma)
-    return grow(repair(c), rng)
+    x, y, r = c[:, 0].copy(), c[:, 1].copy(), c[:, 2].copy()
+    for _ in range(steps):
+        dx, dy = x[:, None] - x[None, :], y[:, None] - y[None, :]
+        d = np.sqrt(dx ** 2 + dy ** 2) + 1e-12
+        overlap = np.maximum(0.0, r[:, None] + r[None, :] - d)
+        np.fill_diagonal(overlap, 0.0)
+        left, right = np.maximum(0.0, r - x), np.maximum(0.0, x + r - 1)
+        low, high = np.maximum(0.0, r - y), np.maximum(0.0, y + r - 1)
+        grad_r = 1.0 - 2 * mu * (overlap.sum(axis=1) + left + right + low + high)
+        grad_x = 2 * mu * ((overlap * dx / d).sum(axis=1) + left - right)
+        grad_y = 2 * mu * ((overlap * dy / d).sum(axis=1) + low - high)
+        x, y, r = x + lr * grad_x, y + lr * grad_y, np.maximum(0.0, r + lr * grad_r)
+    return np.stack([x, y, r], axis=1)
+
+
+def perturb(circles: Circles, rng: random.Random, sigma: float = 0.03) -> Circles:
+    """Jitter every centre by a small random step, relax (:func:`relax`), then repair and grow."""
+    c = np.array(circles, dtype=np.float64)
+    c[:, :2] += np.array([[rng.gauss(0.0, sigma), rng.gauss(0.0, sigma)] for _ in range(len(c))])
+    return grow(repair(relax(c)), rng)
 
 
 def swap(circles: Circles, rng: random.Random) -> Circles:
@@ -294,6 +312,6 @@ def make_task(n: int = 26) -> CirclePacking:
 
 
 __all__ = ["TOLERANCE", "REFERENCE", "OPERATORS", "parse_state", "check", "verify", "to_state", "seeds", "repair",
-           "grow", "perturb", "swap", "shrink", "operator_for", "execute", "CirclePacking", "make_task",
+           "grow", "perturb", "relax", "swap", "shrink", "operator_for", "execute", "CirclePacking", "make_task",
            "grid_with_gaps", "max_radius"]
 
