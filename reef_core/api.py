@@ -176,7 +176,8 @@ __all__ = [
     "Candidate", "Current", "Decision", "EvaluationResult", "Evaluator", "SelectionPolicy",
     "ArtifactStore", "FileValue", "Release", "scenario_key", "scenario_path",
     # serve: surfaces and engines
-    "Surface", "ServingPorts", "RunAsync", "ScenarioView", "Engine", "EngineRequest", "EngineResponse", "StreamEvent", "TokenData", "DirectResponse",
+    "Surface", "ServingPorts", "RunAsync", "ScenarioView",
+    "Engine", "EngineRequest", "EngineResponse", "StreamEvent", "TokenData", "DirectResponse",
     "UpstreamEngine", "translate_request", "translate_response",
     # helpers
     "load_object", "load_callable", "serve_asgi", "serve_reef", "content_text",

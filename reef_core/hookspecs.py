@@ -183,7 +183,8 @@ def reef_register_scenario_routes(register):
     parameters as a dict of strings. The core checks the scenario first and creates nothing: 400 for a name the
     scenario rule refuses, 404 for an archived scenario or one of another recipe, 503 for a quarantined one. A name
     not stored yet whose first record would bind it to the recipe gets a view with no processor, trainer or release
-    (``view.processor is None``): the handler answers from ``view.recipe`` alone; otherwise it is a 404. The handler checks its own query parameters and raises ``ValidationFailed`` (400, naming the parameter),
+    (``view.processor is None``): the handler answers from ``view.recipe`` alone; otherwise it is a 404. The
+    handler checks its own query parameters and raises ``ValidationFailed`` (400, naming the parameter),
     ``NotFound`` or another ``ReefError``; it must not change the scenario. Routes exist in every deployment that
     loads the plugin (``/openapi.json`` lists them), so the fuzz test covers them.
     """

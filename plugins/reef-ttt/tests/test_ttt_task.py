@@ -1,4 +1,4 @@
-"""The task contract's shared rules: guidance parsing, task loading, and the executor behind an OpenAI-compatible URL."""
+"""The task contract's shared rules: guidance parsing, task loading, the executor behind an OpenAI-compatible URL."""
 
 from __future__ import annotations
 

@@ -303,7 +303,8 @@ class GridProcessor(ReportedProcessor):
     def _status_extra(self) -> dict:
         complete = sum(1 for step in self._steps.values() if self._complete(step))
         return {**super()._status_extra(), "groups": self.groups, "rollouts_per_group": self.rollouts_per_group,
-                "timeout_s": self.timeout_s, "current_step": self.current_step(), "open_steps": len(self._steps) - complete, "complete_steps": complete,
+                "timeout_s": self.timeout_s, "current_step": self.current_step(),
+                "open_steps": len(self._steps) - complete, "complete_steps": complete,
                 # reports held per waiting step, for the lowest MAX_STATUS_STEPS steps
                 "steps": {str(s.step): len(s.slots)
                           for s in sorted(self._steps.values(), key=lambda s: s.step)[:MAX_STATUS_STEPS]},
