@@ -24,7 +24,7 @@ import time
 
 from reef_ttt.client import StepResult, TTTClient
 from reef_ttt.picture import packing_png
-from reef_ttt.tasks.circle_packing import REFERENCE
+from reef_ttt.tasks.circle_packing import OPERATORS, REFERENCE, operator_for
 
 
 def _bar(done: int, total: int, text: str, width: int = 30) -> str:
@@ -42,8 +42,10 @@ def run(base_url: str, scenario: str, steps: int, *, png: str | None = "circle_p
 
     def show(result: StepResult) -> None:
         best = result.archive["best"]["score"]
+        ops = [operator_for(g) for g in result.guidance if g]
         rows.append({"step": result.step, "batch_mean": result.mean, "best": best, "size": result.archive["size"],
-                     "malformed": result.malformed, "seconds": round(result.seconds, 3)})
+                     "malformed": result.malformed, "seconds": round(result.seconds, 3),
+                     "operators": {op: ops.count(op) for op in OPERATORS}})
         if not quiet:
             sys.stderr.write(_bar(len(rows), steps, f"best {best:.6f}  batch mean {result.mean:.4f}  "
                                                     f"archive {result.archive['size']}"))

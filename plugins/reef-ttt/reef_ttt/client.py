@@ -34,6 +34,8 @@ class StepResult:
     archive: dict
     seconds: float
     malformed: int = 0
+    #: guidance mode: the guidance of each rollout, in report order (None when malformed)
+    guidance: list = field(default_factory=list)
 
     @property
     def mean(self) -> float:
@@ -95,8 +97,9 @@ class TTTClient:
                 self._executor = load_executor(plan.get("executor"), self._task)
         return self._task
 
-    def rollout(self, plan: dict, group: dict, rollout: int) -> tuple[float, Any, str, bool]:
-        """One sample of a group: ``(score, state, receipt, malformed)``."""
+    def rollout(self, plan: dict, group: dict, rollout: int) -> tuple[float, Any, str, str | None]:
+        """One sample of a group: ``(score, state, receipt, guidance)`` (guidance None outside guidance mode or when
+        malformed)."""
         task = self._task_of(plan)
         extra = {"max_tokens": self.max_tokens} if self.max_tokens else {}
         raw = self.chat.chat.completions.with_raw_response.create(
@@ -105,32 +108,34 @@ class TTTClient:
         if receipt is None:
             raise RuntimeError("the response carries no receipt header; is this a Reef server?")
         text = raw.parse().choices[0].message.content or ""
-        malformed = False
+        guidance = None
         if plan["mode"] == "guidance":
             guidance = parse_guidance(text, tags=plan.get("guidance_tags", True))
             if guidance is None:
-                return 0.0, None, receipt, True
+                return 0.0, None, receipt, None
             seed = hash((self.seed, plan["step"], group["group"], rollout)) & 0x7FFFFFFF
             state = self._executor(group["parent"]["state"], guidance, seed=seed)
         else:
             state = state_from_reply(task, text)
         value = task.score(state) if state is not None else None
-        return (value if value is not None else 0.0), state, receipt, malformed
+        return (value if value is not None else 0.0), state, receipt, guidance
 
     def step(self, expected: int | None = None) -> StepResult:
         started = time.monotonic()
         plan = self.wait_for_step(expected) if expected is not None else self.plan()
-        step, rewards, malformed = plan["step"], [], 0
+        step, rewards, guidance = plan["step"], [], []
         for group in plan["groups"]:
             for r in range(plan["rollouts_per_group"]):
-                score, state, receipt, bad = self.rollout(plan, group, r)
-                malformed += int(bad)
+                score, state, receipt, said = self.rollout(plan, group, r)
+                guidance.append(said)
                 rewards.append(score)
                 body = {"score": score, "references": [receipt],
                         "metadata": {"step": step, "group": group["group"], "rollout": r, "state": state}}
                 self.http.post("/reef/report", json=body).raise_for_status()
         self.wait_for_step(step + 1)
-        return StepResult(step, rewards, self.archive(), time.monotonic() - started, malformed)
+        malformed = sum(g is None for g in guidance) if plan["mode"] == "guidance" else 0
+        return StepResult(step, rewards, self.archive(), time.monotonic() - started, malformed,
+                          guidance if plan["mode"] == "guidance" else [])
 
     def run(self, steps: int, on_step: Callable[[StepResult], None] | None = None) -> list[StepResult]:
         results = []
