@@ -76,3 +76,23 @@ def test_ttt_learns_over_http_and_resumes_after_a_restart(reef_server):
     assert httpx.get(f"{server.url}/reef/scenarios/nope%09/ttt/plan").status_code == 400
     status = httpx.get(f"{server.url}/reef/scenarios/toy/status").json()
     assert status["processor"]["current_step"] == STEPS and status["last_error"] is None
+
+
+def test_lora_restart_resumes_archive_and_adapter_as_a_pair(reef_server):
+    server = reef_server("+recipe=ttt", "+ttt_profile=tiny", "trainer.lora=true", "trainer.lr=2e-2",
+                         "engine.seed=0", "seed=0")
+    client = TTTClient(server.url, "pair")
+    client.run(3)
+    before = client.archive(limit=1000)
+    client.close()
+    server.restart()
+    client = TTTClient(server.url, "pair")
+    assert client.archive(limit=1000) == before
+    result = client.step(3)
+    client.close()
+    assert result.archive["history"][:3] == before["history"]
+    commits = httpx.get(f"{server.url}/reef/scenarios/pair/commits", params={"limit": 100}).json()["commits"]
+    last = [c for c in commits if (c.get("metrics") or {}).get("ttt/step") == 3][0]["metrics"]
+    # the restored adapter serves and trains: rollouts after the restart come from the policy being trained
+    assert last["ratio_mean"] == pytest.approx(1.0, abs=1e-3) and abs(last["approx_kl"]) < 1e-3
+    assert last["ttt/kl_to_base"] != 0.0  # and it is not the base any more
