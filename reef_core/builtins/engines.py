@@ -1,4 +1,5 @@
-"""Built-in inference engines: ``local`` (embedded transformers model) and ``upstream`` (proxy)."""
+"""Built-in inference engines: ``local`` (embedded transformers model), ``upstream`` (proxy) and ``sglang``
+(an SGLang server driven over HTTP)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,55 @@ def make_upstream_engine(config, data_dir: Path):
     )
 
 
+def make_sglang_engine(config, data_dir: Path):
+    """``engine.kind=sglang``: an SGLang server over HTTP (``engine.url``, or started by ``engine.launch``)."""
+    require("local", "engine.kind=sglang")  # the tokenizer and the trainer's torch stack
+    from ..engines.launch import launcher_from_config
+    from ..engines.sglang import SGLangEngine
+    from ..grow.models import resolve_model
+
+    if str(config.model) == "smollm2":
+        raise ConfigError("engine.kind=sglang needs engine.model: a local directory of the model the server serves "
+                          "(its tokenizer renders prompts, its weights are the trainer's base)")
+    model_dir = resolve_model(str(config.model), Path(data_dir), model_cache_dir(config))
+    for key in ("timeout_s", "ready_timeout_s", "drain_timeout_s"):
+        if not float(getattr(config, key)) > 0:
+            raise ConfigError(f"engine.{key} must be positive, got {getattr(config, key)}")
+    if config.retry_timeout_s is not None and not float(config.retry_timeout_s) > 0:
+        raise ConfigError(f"engine.retry_timeout_s must be positive, got {config.retry_timeout_s}")
+    launcher = launcher_from_config(config.launch, model_dir, kind="sglang")
+    url = config.url or os.environ.get("REEF_ENGINE_URL")
+    if launcher is not None:
+        if url:
+            raise ConfigError("engine.url and engine.launch exclude each other: launch starts its own server")
+        url = launcher.url
+    if not url:
+        raise ConfigError("engine.kind=sglang needs engine.url (or REEF_ENGINE_URL), or engine.launch to start one")
+    if not str(url).startswith(("http://", "https://")):
+        raise ConfigError(f"engine.url must be an http(s) URL, not {url!r}")
+    weights_dir = Path(config.weights_dir) if config.weights_dir else Path(data_dir) / "engine-weights"
+    return SGLangEngine(
+        str(url), model_dir,
+        version=f"{uuid.uuid4().hex[:8]}:0",
+        weights_dir=weights_dir,
+        timeout_s=float(config.timeout_s),
+        ready_timeout_s=float(config.ready_timeout_s),
+        retry_timeout_s=float(config.retry_timeout_s) if config.retry_timeout_s is not None else None,
+        drain_timeout_s=float(config.drain_timeout_s),
+        max_new_tokens=int(config.max_new_tokens),
+        temperature=float(config.temperature),
+        top_p=float(config.top_p),
+        seed=config.seed,
+        top_k_logprobs=int(config.top_k_logprobs),
+        tool_call_parser=str(config.tool_call_parser),
+        max_loaded_loras=int(config.max_loaded_loras),
+        launcher=launcher,
+    )
+
+
 @hookimpl
 def reef_register_engines(register):
     register("local", make_local_engine, description="embedded transformers model on CPU or one GPU")
     register("upstream", make_upstream_engine, description="any OpenAI- or Anthropic-compatible endpoint")
+    register("sglang", make_sglang_engine,
+             description="an SGLang server over HTTP: token capture, versioned weight updates, per-version LoRA")

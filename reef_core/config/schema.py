@@ -100,6 +100,27 @@ class EngineConfig:
     #: record's training data (``TokenData.top_k``, stored packed in the record's ``top_k`` column); 0 = off, at
     #: most 64. Costs one ``topk`` per token, no extra forward pass.
     top_k_logprobs: int = 0
+    #: ``engine.kind=sglang``: base URL of the SGLang server (``REEF_ENGINE_URL`` when unset; unset with ``launch``:
+    #: the managed server's loopback URL). ``engine.model`` must then be a local directory holding the served
+    #: model's tokenizer and base weights (Reef renders chat templates and trains from it).
+    url: Optional[str] = None
+    #: Where published releases are written for the server to load (HF safetensors and PEFT directories); the
+    #: server must read the same path. Default ``<data_dir>/engine-weights``.
+    weights_dir: Optional[str] = None
+    #: Wait at most this long for the server's ``/health`` at start-up.
+    ready_timeout_s: float = 600.0
+    #: Deadline for retrying requests the server aborted (e.g. during a weight update); unset: ``timeout_s``.
+    retry_timeout_s: Optional[float] = None
+    #: A full-weight publish waits this long for in-flight requests to finish before aborting them (they retry).
+    drain_timeout_s: float = 30.0
+    #: LoRA adapters Reef keeps loaded on the server at most (least recently used idle ones are unloaded).
+    max_loaded_loras: int = 8
+    #: How tool calls are parsed from text the engine generated from token ids: ``none`` or ``hermes``.
+    tool_call_parser: str = "none"
+    #: Managed start (optional): ``{"python": <interpreter of the SGLang venv>, "args": [extra server flags],
+    #: "port": 0, "env": {...}}`` starts ``python -m sglang.launch_server`` on a loopback port and stops it on
+    #: shutdown (see ``reef_core.engines.launch``). Empty: connect to ``engine.url``.
+    launch: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

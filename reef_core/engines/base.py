@@ -66,6 +66,9 @@ class EngineRequest:
     # Artifact version (release id) the server froze for this request; the local engine serves it with the LoRA
     # adapter that version belongs to (the base for any other), see reef_core.engines.local.
     version: str | None = None
+    # Whether the answer must carry its TokenData (a scenario whose weights train). The embedded engine always
+    # captures; an HTTP serving engine (engine.kind=sglang) sends the others through the server's own OpenAI route.
+    tokens: bool = True
 
 
 @dataclass

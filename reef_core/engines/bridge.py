@@ -60,7 +60,7 @@ class DialectBridge(Engine):
             return None
         dst = self.inner.dialects[0]
         body = translate_request(req.body, req.dialect, dst, self.default_max_tokens)
-        return dst, EngineRequest(dst, GENERATE_ROUTE[dst], body, dict(req.headers), req.version)
+        return dst, EngineRequest(dst, GENERATE_ROUTE[dst], body, dict(req.headers), req.version, req.tokens)
 
     def _back(self, resp: EngineResponse, src: str, dst: str) -> EngineResponse:
         if 200 <= resp.status < 300:

@@ -156,8 +156,11 @@ class InferenceCall:
         upstream_body = translate_request(body, self.client_dialect, self.engine_dialect,
                                           dep.cfg.engine.max_new_tokens)
         self.version = dep.serving_version(self.scenario)
+        # Token data is what a weights recipe trains on; other scenarios may take an engine's plain route.
+        trains_weights = getattr(dep.surface_for(self.scenario), "kind", None) == "weights"
         self.engine_request = EngineRequest(dialect=self.engine_dialect, route=engine_route, body=upstream_body,
-                                            headers=_forward_headers(request), version=self.version)
+                                            headers=_forward_headers(request), version=self.version,
+                                            tokens=trains_weights)
         # From here on the client may leave; the watch notices (and owns the receive channel).
         self.watch = ClientWatch(request.receive)
         try:
