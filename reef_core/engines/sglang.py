@@ -260,7 +260,7 @@ class SGLangEngine(Engine):
 
     async def _label_base(self) -> None:
         served = (await self._get("/model_info")).get("weight_version")
-        if isinstance(served, str) and ":" in served and served != self.version:
+        if isinstance(served, str) and ":" in served and not served.endswith(":0"):
             # An earlier Reef process published a release into this server: serve the base again.
             log.info("SGLang serves %s left by an earlier Reef process; reloading the base from %s", served,
                      self.model_dir)
