@@ -66,8 +66,9 @@ def make_sglang_engine(config, data_dir: Path):
     from ..grow.models import resolve_model
 
     if str(config.model) == "smollm2":
-        raise ConfigError("engine.kind=sglang needs engine.model: a local directory of the model the server serves "
-                          "(its tokenizer renders prompts, its weights are the trainer's base)")
+        require("demo", "engine.model=smollm2")
+    # engine.model is the served model's local directory: its tokenizer renders prompts, its weights are the
+    # trainer's base and the files a published release is written over.
     model_dir = resolve_model(str(config.model), Path(data_dir), model_cache_dir(config))
     for key in ("timeout_s", "ready_timeout_s", "drain_timeout_s"):
         if not float(getattr(config, key)) > 0:

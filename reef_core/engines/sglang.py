@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import re
 import shutil
 import time
@@ -162,6 +163,9 @@ class SGLangEngine(Engine):
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.seed = seed
+        # engine.seed seeds the engine's sampler once (as the embedded engine does): each request without its own
+        # seed gets the next seed of this stream, so runs repeat without every request sampling alike.
+        self._seeds = random.Random(seed) if seed is not None else None
         self.top_k_logprobs = top_k_logprobs
         self.max_loaded_loras = int(max_loaded_loras)
         self.check_logprobs = check_logprobs
@@ -341,7 +345,7 @@ class SGLangEngine(Engine):
             max_new=_num({"max_tokens": max_new}, "max_tokens", self.max_new_tokens, int, 1, None),
             temperature=_num(body, "temperature", self.temperature, float, 0.0, 2.0),
             top_p=_num(body, "top_p", self.top_p, float, 0.0, 1.0),
-            stops=stops, seed=seed if seed is not None else self.seed,
+            stops=stops, seed=seed if seed is not None else (self._seeds.getrandbits(63) if self._seeds else None),
             logprobs=bool(body.get("logprobs")),
             top_logprobs=_num(body, "top_logprobs", 0, int, 0, 20),
             include_usage=bool((body.get("stream_options") or {}).get("include_usage")),

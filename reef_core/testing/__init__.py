@@ -1,6 +1,6 @@
 """Test support shipped with reef-core: fakes for CPU tests and benchmarks (never used in production).
 
-Besides the fake upstream, this namespace gives tests of plugin packages the internal pieces they
+Besides the fake upstream and the fake SGLang server, this namespace gives tests of plugin packages the internal pieces they
 assemble by hand (config composition, a plugin manager, a committer over a git store, the gate...),
 so that plugin code imports :mod:`reef_core.api` only and plugin tests ``reef_core.api`` and
 ``reef_core.testing``. Names are resolved lazily, so that ``python -m reef_core.testing.fake_upstream``
@@ -19,6 +19,9 @@ _EXPORTS = {
     "serve_fake_upstream": ("reef_core.testing.fake_upstream", "serve_fake_upstream"),
     "run_fake_upstream": ("reef_core.testing.fake_upstream", "run_fake_upstream"),
     "serve_asgi": ("reef_core.serve.background", "serve_asgi"),
+    "FakeSGLang": ("reef_core.testing.fake_sglang", "FakeSGLang"),
+    "serve_fake_sglang": ("reef_core.testing.fake_sglang", "serve_fake_sglang"),
+    "ensure_tiny_model": ("reef_core.grow.models", "ensure_tiny_model"),
     "wait_until": ("reef_core.testing.fixtures", "wait_until"),
     "compose_config": ("reef_core.config", "compose_config"),
     "available_recipes": ("reef_core.config", "available_recipes"),
@@ -56,6 +59,8 @@ if TYPE_CHECKING:
         run_fake_upstream,
         serve_fake_upstream,
     )
+    from reef_core.grow.models import ensure_tiny_model  # noqa: F401
+    from reef_core.testing.fake_sglang import FakeSGLang, serve_fake_sglang  # noqa: F401
     from reef_core.testing.fixtures import wait_until  # noqa: F401
 
 

@@ -425,28 +425,16 @@ class FakeSGLang:
             top = [[float(v), int(i), None] for v, i in zip(vals, idx)]
         return tid, float(logp[tid]), top
 
-    async def _run(self, prompt_ids: list[int], p: dict, lora: str | None, top_n: int, rid: str):
-        """Async generator of cumulative states: dicts with ``output_ids``, ``logprobs``, ``top``, ``finish``."""
-        model = await self._model_for(lora)
-        gen = torch.Generator().manual_seed(int(p["seed"])) if p["seed"] is not None else self._gen
-        fault = self._take_fault("generate")
-        state = {"output_ids": [], "logprobs": [], "top": [], "finish": None, "text": ""}
-        ids = list(prompt_ids)
-        for _ in range(p["max_new"]):
-            if self.paused is not None and rid not in self._aborting:
-                await self._resumed.wait()  # retract / in_place: resume after continue
-                model = await self._model_for(lora)  # weights may have changed meanwhile
-            if rid in self._aborting or (fault and fault.get("abort") and len(state["output_ids"]) >= fault.get(
-                    "after_tokens", 0)):
-                self.stats["aborted"] += 1
-                state["finish"] = {"type": "abort", "message": "Abort before update weights" if rid in self._aborting
-                                   else "injected abort"}
-                break
-            if fault and not fault.get("abort"):
-                raise _Reject(int(fault.get("status", 500)), {"error": {"message": "injected generate failure"}})
-            if self.token_delay_s:
-                await asyncio.sleep(self.token_delay_s)
-            tid, lp, top = await asyncio.wrap_future(self._worker.submit(self._step, model, ids, p, gen, top_n))
+    def _steps(self, model, ids: list[int], p: dict, gen: torch.Generator, top_n: int, state: dict, rid: str,
+               limit: int) -> None:
+        """Worker thread: up to ``limit`` steps into ``state``, stopping early at a stop condition or when the
+        request is paused or aborted (checked between steps, like SGLang's scheduler)."""
+        for _ in range(limit):
+            if len(state["output_ids"]) >= p["max_new"] or state["finish"] is not None:
+                return
+            if self.paused is not None or rid in self._aborting:
+                return
+            tid, lp, top = self._step(model, ids, p, gen, top_n)
             ids.append(tid)
             state["output_ids"].append(tid)
             state["logprobs"].append(lp)
@@ -455,17 +443,40 @@ class FakeSGLang:
             if tid in p["stop_ids"] or (tid in self.eos and not p["ignore_eos"]):
                 state["finish"] = {"type": "stop", "matched": tid}
                 state["text"] = self.tok.decode(state["output_ids"][:-1], skip_special_tokens=True)
-                yield state
                 return
             cut = min((i for i in (text.find(s) for s in p["stops"] if s) if i >= 0), default=-1)
             if cut >= 0:
-                matched = next(s for s in p["stops"] if s and text.find(s) == cut)
-                state["finish"] = {"type": "stop", "matched": matched}
+                state["finish"] = {"type": "stop", "matched": next(s for s in p["stops"] if s and text.find(s) == cut)}
                 state["text"] = text[:cut]
-                yield state
                 return
             state["text"] = text
-            if len(state["output_ids"]) < p["max_new"]:
+
+    async def _run(self, prompt_ids: list[int], p: dict, lora: str | None, top_n: int, rid: str, stream: bool):
+        """Async generator of cumulative states: dicts with ``output_ids``, ``logprobs``, ``top``, ``finish``.
+        Streams (and slowed runs) advance one token per worker call; others as far as they can in one."""
+        model = await self._model_for(lora)
+        gen = torch.Generator().manual_seed(int(p["seed"])) if p["seed"] is not None else self._gen
+        fault = self._take_fault("generate")
+        if fault and not fault.get("abort"):
+            raise _Reject(int(fault.get("status", 500)), {"error": {"message": "injected generate failure"}})
+        state = {"output_ids": [], "logprobs": [], "top": [], "finish": None, "text": ""}
+        ids = list(prompt_ids)
+        while state["finish"] is None and len(state["output_ids"]) < p["max_new"]:
+            if self.paused is not None and rid not in self._aborting:
+                await self._resumed.wait()  # retract / in_place: resume after continue
+                model = await self._model_for(lora)  # weights may have changed meanwhile
+            aborted = fault and fault.get("abort") and len(state["output_ids"]) >= fault.get("after_tokens", 0)
+            if rid in self._aborting or aborted:
+                self.stats["aborted"] += 1
+                state["finish"] = {"type": "abort", "message": "Abort before update weights"
+                                   if rid in self._aborting else "injected abort"}
+                break
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            one = stream or self.token_delay_s or (fault and fault.get("abort"))
+            await asyncio.wrap_future(self._worker.submit(self._steps, model, ids, p, gen, top_n, state, rid,
+                                                          1 if one else p["max_new"]))
+            if stream and state["finish"] is None and len(state["output_ids"]) < p["max_new"]:
                 yield state
         if state["finish"] is None:
             state["finish"] = {"type": "length", "length": len(state["output_ids"])}
@@ -514,7 +525,7 @@ class FakeSGLang:
         await self._enter(rid)
         version = self.weight_version
         try:
-            runs = self._run(prompt, p, lora, top_n, rid)
+            runs = self._run(prompt, p, lora, top_n, rid, bool(body.get("stream")))
             if not body.get("stream"):
                 state = None
                 async for state in runs:
@@ -555,7 +566,7 @@ class FakeSGLang:
         self.log.append({"route": "chat", "body": body})
         await self._enter(rid)
         try:
-            runs = self._run(prompt, p, lora, 0, rid)
+            runs = self._run(prompt, p, lora, 0, rid, bool(body.get("stream")))
             created = int(time.time())
             base = {"id": rid, "created": created, "model": model}
             if not body.get("stream"):
@@ -652,7 +663,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-original-logprob", action="store_true",
                         help="log-probs at the request's temperature (SGLang without SGLANG_RETURN_ORIGINAL_LOGPROB)")
     parser.add_argument("--disable-lora", action="store_true")
+    parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (a tiny model)")
     args, _rest = parser.parse_known_args(argv)  # a launcher may pass SGLang flags the fake ignores
+    torch.set_num_threads(args.torch_threads)
     app = FakeSGLang(args.model_dir, weight_version=args.weight_version, max_loaded_loras=args.max_loaded_loras,
                      original_logprob=not args.no_original_logprob, enable_lora=not args.disable_lora)
     sock = bound_socket(args.host, args.port)
