@@ -39,6 +39,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
                         help="tiny (random-init test model, full weights) or smollm2 (SmolLM2-135M-Instruct)")
     parser.add_argument("--lora", action="store_true", help="train and publish LoRA adapters (trainer.lora=true)")
+    parser.add_argument("--engine", choices=("local", "sglang"), default="local",
+                        help="local (embedded engine) or sglang (engine.kind=sglang in front of the FakeSGLang test "
+                             "server, a real tiny model behind SGLang's HTTP routes in its own process)")
 
 
 def _post(url: str, body: dict, headers: dict) -> tuple[dict, dict]:
@@ -71,11 +74,22 @@ def run(args) -> dict:
                    "trainer.grad_accumulation=1", "trainer.lr=1e-5", "recipe.processor_options.max_staleness=4"]
     if args.lora:
         profile.append("trainer.lora=true")
+    model_cache = os.environ.get("REEF_MODEL_CACHE", str(workdir / "models"))
+    fake = None
+    if args.engine == "sglang":
+        from reef_core.grow.models import resolve_model
+
+        # The server and Reef read the same model directory (what engine.model resolves to).
+        model_dir = resolve_model(args.model, workdir / "data", Path(model_cache))
+        fake_port = common.free_port()
+        fake = common.Child("fake-sglang", [common.PYTHON, "-m", "reef_core.testing.fake_sglang", "--model-dir",
+                                            str(model_dir), "--port", str(fake_port)],
+                            f"http://127.0.0.1:{fake_port}", workdir / "fake-sglang.log", health="/health")
+        profile += ["engine.kind=sglang", f"engine.url={fake.url}"]
     cmd = [common.PYTHON, "-m", "reef_core.cli", "serve", "+recipe=sao", *profile, "engine.seed=0",
            "seed=0", f"trainer.checkpoint_every_n_versions={args.checkpoint_every}", f"server.port={port}",
            f"storage.data_dir={workdir / 'data'}", "server.log_level=warning"]
-    env = {"REEF_TOKEN": common.TOKEN, "REEF_MODEL_CACHE": os.environ.get("REEF_MODEL_CACHE",
-                                                                          str(workdir / "models"))}
+    env = {"REEF_TOKEN": common.TOKEN, "REEF_MODEL_CACHE": model_cache}
     reef = common.Child("reef", cmd, f"http://127.0.0.1:{port}", workdir / "reef.log", env=env,
                         unset=("REEF_ADMIN_TOKEN",))
     releases: dict[str, dict] = {}
@@ -84,6 +98,8 @@ def run(args) -> dict:
     served = {"n": 0}
     began = time.monotonic()
     try:
+        if fake is not None:
+            fake.start(timeout=120)
         reef.start(timeout=300)
 
         def bystander() -> None:
@@ -124,6 +140,8 @@ def run(args) -> dict:
     finally:
         stop.set()
         reef.stop()
+        if fake is not None:
+            fake.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
     published = {k: v for k, v in releases.items() if "publish_latency_ms" in v}
@@ -132,7 +150,7 @@ def run(args) -> dict:
     train = [row["metrics"]["train_s"] * 1000 for row in steps]
     rows = [[rid[:24], v["kind"], v.get("publish_latency_ms"), v.get("first_response_ms")]
             for rid, v in releases.items()]
-    print(f"model {args.model}{' (LoRA)' if args.lora else ''}")
+    print(f"model {args.model}{' (LoRA)' if args.lora else ''}, engine {args.engine}")
     print(common.table(["release", "kind", "publish ms", "first response ms"], rows))
     summary = {"live_publish_ms": common.percentiles(live), "durable_publish_ms": common.percentiles(durable),
                "train_step_ms": common.percentiles(train)}
@@ -147,7 +165,7 @@ def run(args) -> dict:
     for problem in problems:
         print("PROBLEM:", problem)
     all_publish = live + durable
-    return {"machine": machine, "model": args.model, "lora": args.lora, "wall_s": round(time.monotonic() - began, 1), "releases": releases,
+    return {"machine": machine, "model": args.model, "lora": args.lora, "engine": args.engine, "wall_s": round(time.monotonic() - began, 1), "releases": releases,
             "train_steps": [{"step": row.get("step"), "train_s": row["metrics"]["train_s"],
                              "batch_size": row["metrics"].get("batch_size")} for row in steps],
             "summary": summary, "reports": reports, "bystander_requests": served["n"], "peak_rss_mib": rss,

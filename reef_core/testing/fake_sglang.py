@@ -638,6 +638,8 @@ def serve_fake_sglang(model_dir: str | Path | None = None, *, mode: str = "threa
     if mode != "process":
         raise ValueError("mode must be 'thread' or 'process'")
     cmd = [sys.executable, "-m", "reef_core.testing.fake_sglang", "--model-dir", str(model_dir), "--port", "0"]
+    for key, value in options.items():  # the CLI flags of main(), e.g. token_delay_s=0.02 -> --token-delay-s 0.02
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -663,11 +665,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-original-logprob", action="store_true",
                         help="log-probs at the request's temperature (SGLang without SGLANG_RETURN_ORIGINAL_LOGPROB)")
     parser.add_argument("--disable-lora", action="store_true")
+    parser.add_argument("--token-delay-s", type=float, default=0.0, help="wait this long before each token")
     parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (a tiny model)")
     args, _rest = parser.parse_known_args(argv)  # a launcher may pass SGLang flags the fake ignores
     torch.set_num_threads(args.torch_threads)
     app = FakeSGLang(args.model_dir, weight_version=args.weight_version, max_loaded_loras=args.max_loaded_loras,
                      original_logprob=not args.no_original_logprob, enable_lora=not args.disable_lora)
+    app.token_delay_s = args.token_delay_s
     sock = bound_socket(args.host, args.port)
     print(f"FAKE_SGLANG http://{args.host}:{sock.getsockname()[1]}", flush=True)
     uvicorn_server(app).run(sockets=[sock])

@@ -28,7 +28,9 @@ def _example_client():
 
 def test_sao_learns_over_http_through_sglang(reef_server):
     model_dir = ensure_tiny_model(Path(os.environ["REEF_MODEL_CACHE"]) / "tiny")  # what engine.model=tiny resolves to
-    with serve_fake_sglang(model_dir, mode="process") as sglang_url:
+    # A server in its own process generates faster than the embedded engine, which shares Reef's CPU with the
+    # learner; a per-token delay keeps the rollout pace near the embedded engine's so the learner keeps up.
+    with serve_fake_sglang(model_dir, mode="process", token_delay_s=0.02) as sglang_url:
         server = reef_server("+recipe=sao", "+sao_profile=tiny", "engine.kind=sglang", f"engine.url={sglang_url}",
                              "engine.seed=0", "seed=0")
         result = _example_client().run(server.url, "vowels", 480, seed=0, quiet=True)
