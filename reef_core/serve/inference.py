@@ -147,7 +147,8 @@ class InferenceCall:
             self.scenario = await dep.create_scenario(self.scenario.name)
         # A harness surface may shape the request (e.g. the current system prompt). A scenario not stored yet has
         # no release to serve, and asking its surface would leave state behind for a request that may be refused.
-        surface = dep.surface_for(self.scenario) if dep.is_active(self.scenario.name) else None
+        recipe_surface = dep.surface_for(self.scenario)
+        surface = recipe_surface if dep.is_active(self.scenario.name) else None
         self.release_id = None
         self.extra_headers: dict[str, str] = {}
         if surface is not None and self.route != "count_tokens":
@@ -157,7 +158,7 @@ class InferenceCall:
                                           dep.cfg.engine.max_new_tokens)
         self.version = dep.serving_version(self.scenario)
         # Token data is what a weights recipe trains on; other scenarios may take an engine's plain route.
-        trains_weights = getattr(dep.surface_for(self.scenario), "kind", None) == "weights"
+        trains_weights = getattr(recipe_surface, "kind", None) == "weights"
         self.engine_request = EngineRequest(dialect=self.engine_dialect, route=engine_route, body=upstream_body,
                                             headers=_forward_headers(request), version=self.version,
                                             tokens=trains_weights)
