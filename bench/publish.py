@@ -39,6 +39,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
                         help="tiny (random-init test model, full weights) or smollm2 (SmolLM2-135M-Instruct)")
     parser.add_argument("--lora", action="store_true", help="train and publish LoRA adapters (trainer.lora=true)")
+    parser.add_argument("--model-dir", default=None,
+                        help="a local model directory to train instead of --model (the tiny profile's settings; "
+                             "scripts/gpu_check.sh passes a real-size random-init model)")
+    parser.add_argument("--device", default="auto", help="engine.device (the trainer follows it): auto, cpu, cuda")
     parser.add_argument("--engine", choices=("local", "sglang"), default="local",
                         help="local (embedded engine) or sglang (engine.kind=sglang in front of the FakeSGLang test "
                              "server, a real tiny model behind SGLang's HTTP routes in its own process)")
@@ -67,20 +71,23 @@ def run(args) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="reef-bench-publish-"))
     scenario = "bench-publish"
     port = common.free_port()
-    if args.model == "tiny":
+    if args.model_dir:
+        profile = ["+sao_profile=tiny", f"engine.model={args.model_dir}"]
+    elif args.model == "tiny":
         profile = ["+sao_profile=tiny"]
     else:  # SmolLM2 on CPU: small batches and short replies keep a step within seconds
         profile = ["engine.model=smollm2", "engine.max_new_tokens=12", "recipe.options.batch_size=2",
                    "trainer.grad_accumulation=1", "trainer.lr=1e-5", "recipe.processor_options.max_staleness=4"]
     if args.lora:
         profile.append("trainer.lora=true")
+    profile.append(f"engine.device={args.device}")
     model_cache = os.environ.get("REEF_MODEL_CACHE", str(workdir / "models"))
     fake = None
     if args.engine == "sglang":
         from reef_core.grow.models import resolve_model
 
         # The server and Reef read the same model directory (what engine.model resolves to).
-        model_dir = resolve_model(args.model, workdir / "data", Path(model_cache))
+        model_dir = resolve_model(args.model_dir or args.model, workdir / "data", Path(model_cache))
         fake_port = common.free_port()
         fake = common.Child("fake-sglang", [common.PYTHON, "-m", "reef_core.testing.fake_sglang", "--model-dir",
                                             str(model_dir), "--port", str(fake_port)],
@@ -150,7 +157,7 @@ def run(args) -> dict:
     train = [row["metrics"]["train_s"] * 1000 for row in steps]
     rows = [[rid[:24], v["kind"], v.get("publish_latency_ms"), v.get("first_response_ms")]
             for rid, v in releases.items()]
-    print(f"model {args.model}{' (LoRA)' if args.lora else ''}, engine {args.engine}")
+    print(f"model {args.model_dir or args.model}{' (LoRA)' if args.lora else ''}, engine {args.engine}")
     print(common.table(["release", "kind", "publish ms", "first response ms"], rows))
     summary = {"live_publish_ms": common.percentiles(live), "durable_publish_ms": common.percentiles(durable),
                "train_step_ms": common.percentiles(train)}
