@@ -34,7 +34,8 @@ embedded engine):
   keeps loaded: the least recently used idle one is unloaded and reloaded from its directory when next needed.
 
 Requests the engine aborted (finish reason ``abort``, e.g. during an update) are retried with backoff (0.05 s doubling
-to 1 s) until ``engine.retry_timeout_s``; past it the request fails with :class:`UpstreamTimeout`.
+to 1 s) until ``engine.retry_timeout_s``; past it the request fails with :class:`UpstreamTimeout`. A stream aborted
+after it relayed text cannot be replayed: it ends with an :class:`UpstreamError` (stored as incomplete, never trained).
 
 Start-up: waits for ``GET /health`` (``engine.ready_timeout_s``), checks log-probs, labels the served weights with this
 process's base version (reloading the base first when an earlier Reef process left a release loaded) and unloads
