@@ -384,6 +384,10 @@ class SGLangEngine(Engine):
             out.append(msg)
         return out
 
+    def _check_started(self) -> None:
+        if self._client is None or self._tok is None:
+            raise UpstreamError(f"engine {self.name} is not started")
+
     async def _admit(self, frozen: str | None) -> tuple[str | None, str | None]:
         """Wait for admission (closed while weights publish); take a lease; (adapter name or None, LoRA version or
         None: the base serves, under the server's own weight version)."""
@@ -505,6 +509,7 @@ class SGLangEngine(Engine):
 
     async def complete(self, req: EngineRequest) -> EngineResponse:
         self.check_dialect(req)
+        self._check_started()
         if req.route == "count_tokens":
             return await self.count_tokens(req)
         if not req.tokens:
@@ -527,6 +532,7 @@ class SGLangEngine(Engine):
 
     async def stream(self, req: EngineRequest) -> AsyncIterator[StreamEvent]:
         self.check_dialect(req)
+        self._check_started()
         if not req.tokens:
             self.stats["passthrough"] += 1
             async for ev in self._proxy.stream(req):
@@ -636,6 +642,7 @@ class SGLangEngine(Engine):
 
     async def count_tokens(self, req: EngineRequest) -> EngineResponse:
         """Exact: the prompt rendered with the model's chat template and tokenizer."""
+        self._check_started()
         body = anthropic_count_tokens_to_openai(req.body) if req.dialect == "anthropic" else req.body
         n = len(await asyncio.to_thread(self._prompt_ids, self._messages(body), body.get("tools")))
         return EngineResponse(200, {"input_tokens": n}, {}, version=self.version)

@@ -71,3 +71,10 @@ def test_hermes_tool_calls_are_parsed_and_the_rest_stays_content():
     assert calls[0]["function"] == {"name": "search", "arguments": '{"q": "reef"}'} and calls[0]["type"] == "function"
     assert parse_tool_calls("hermes", "<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
     assert parse_tool_calls("none", text) == (text, [])
+
+
+def test_an_engine_that_is_not_started_says_so(tiny_model_dir, tmp_path):
+    engine = make_sglang_engine(_config(tiny_model_dir, url="http://127.0.0.1:1"), tmp_path)
+    request = EngineRequest("openai", "chat", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    with pytest.raises(UpstreamError, match="not started"):
+        asyncio.run(engine.complete(request))
