@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-import httpx
+import aiohttp
 
 from reef_core.content import content_text
 from reef_core.engines.adapter import AdapterWeights
@@ -70,6 +70,7 @@ from reef_core.engines.base import (
     TokenData,
     relay_status,
 )
+from reef_core.engines.sse import SSEDecoder
 from reef_core.engines.toolcalls import parse_tool_calls, tool_parser
 from reef_core.engines.topk import MAX_K, TopK
 from reef_core.engines.translate import anthropic_count_tokens_to_openai, error_body
@@ -171,7 +172,7 @@ class SGLangEngine(Engine):
         self.max_loaded_loras = int(max_loaded_loras)
         self.check_logprobs = check_logprobs
         self.launcher = launcher
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
         self._proxy = None
         self._tok = None
         self._open: asyncio.Event | None = None  # admission: cleared while a full-weight update publishes
@@ -200,7 +201,12 @@ class SGLangEngine(Engine):
             await asyncio.to_thread(self.launcher.start)
         self._open, self._publish, self._drained = asyncio.Event(), asyncio.Lock(), asyncio.Condition()
         self._open.set()
-        self._client = httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s, trust_env=False)
+        # One pooled session; a whole non-streamed call is bounded by asyncio.timeout in _send, each stream read by
+        # sock_read (as UpstreamEngine does).
+        self._client = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=min(10.0, self.timeout_s),
+                                          sock_read=self.timeout_s),
+            trust_env=False, cookie_jar=aiohttp.DummyCookieJar())
         self._proxy = UpstreamEngine(self.url, dialect="openai", timeout_s=self.timeout_s, name=self.name,
                                      trust_env=False)
         try:
@@ -221,7 +227,7 @@ class SGLangEngine(Engine):
             task.cancel()
         client, self._client = self._client, None
         if client is not None:
-            await client.aclose()
+            await client.close()
         if self._proxy is not None:
             await self._proxy.close()
             self._proxy = None
@@ -238,12 +244,12 @@ class SGLangEngine(Engine):
             if self.launcher is not None:
                 self.launcher.check_alive()
             try:
-                resp = await self._client.get("/health", timeout=min(10.0, self.timeout_s))
-                if resp.status_code == 200:
+                status, _raw = await self._send("GET", "/health", timeout=min(10.0, self.timeout_s))
+                if status == 200:
                     return
-                last = f"HTTP {resp.status_code}"
-            except httpx.HTTPError as exc:
-                last = f"{type(exc).__name__}: {exc}"
+                last = f"HTTP {status}"
+            except UpstreamError as exc:
+                last = exc.message
             if time.monotonic() > deadline:
                 raise UpstreamError(f"SGLang server at {self.url} was not ready within {self.ready_timeout_s:g} s "
                                     f"(engine.ready_timeout_s): {last}")
@@ -284,38 +290,44 @@ class SGLangEngine(Engine):
                 await self._call("/unload_lora_adapter", {"lora_name": name}, check=False)
 
     # ---- HTTP --------------------------------------------------------------------------------------------
-    def _http(self) -> httpx.AsyncClient:
+    def _http(self) -> aiohttp.ClientSession:
         if self._client is None:
             raise UpstreamError(f"engine {self.name} is not started")
         return self._client
 
-    async def _get(self, path: str) -> dict:
+    async def _send(self, method: str, path: str, body: dict | None = None, *,
+                    timeout: float | None = None) -> tuple[int, bytes]:
+        """One whole call: ``(status, body bytes)``; UpstreamTimeout / UpstreamError when it cannot be made."""
+        limit = self.timeout_s if timeout is None else timeout
         try:
-            resp = await self._http().get(path)
-        except httpx.TimeoutException as exc:
-            raise UpstreamTimeout(f"SGLang {path} did not answer within {self.timeout_s:g} s") from exc
-        except httpx.HTTPError as exc:
+            async with asyncio.timeout(limit):
+                async with self._http().request(method, self.url + path, json=body) as resp:
+                    return resp.status, await resp.read()
+        except TimeoutError as exc:
+            raise UpstreamTimeout(f"SGLang {path} did not answer within {limit:g} s") from exc
+        except aiohttp.ClientError as exc:
             raise UpstreamError(f"SGLang {path} failed: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code != 200:
-            raise UpstreamError(f"SGLang {path} answered {resp.status_code}: {resp.text[:300]}")
-        return resp.json()
+
+    async def _get(self, path: str) -> dict:
+        status, raw = await self._send("GET", path)
+        if status != 200:
+            raise UpstreamError(f"SGLang {path} answered {status}: {raw[:300].decode('utf-8', 'replace')}")
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise UpstreamError(f"SGLang {path} answered invalid JSON") from exc
 
     async def _call(self, path: str, body: dict, *, check: bool = True) -> dict:
         """POST a JSON body; the parsed answer. Non-2xx answers raise (``check``) with the server's message."""
+        status, raw = await self._send("POST", path, body)
         try:
-            resp = await self._http().post(path, json=body)
-        except httpx.TimeoutException as exc:
-            raise UpstreamTimeout(f"SGLang {path} did not answer within {self.timeout_s:g} s") from exc
-        except httpx.HTTPError as exc:
-            raise UpstreamError(f"SGLang {path} failed: {type(exc).__name__}: {exc}") from exc
-        try:
-            out = resp.json()
+            out = json.loads(raw)
         except ValueError:
-            out = {"message": resp.text[:500]}
-        if check and (resp.status_code >= 300 or (isinstance(out, dict) and out.get("success") is False)):
+            out = {"message": raw[:500].decode("utf-8", "replace")}
+        if check and (status >= 300 or (isinstance(out, dict) and out.get("success") is False)):
             message = out.get("message") or out.get("error_message") or out.get("detail") or out.get("error") \
                 if isinstance(out, dict) else out
-            raise UpstreamError(f"SGLang {path} failed ({resp.status_code}): {message}", status=resp.status_code)
+            raise UpstreamError(f"SGLang {path} failed ({status}): {message}", status=status)
         return out if isinstance(out, dict) else {"result": out}
 
     # ---- requests ----------------------------------------------------------------------------------------
@@ -438,20 +450,15 @@ class SGLangEngine(Engine):
             delay = min(1.0, delay * 2)
 
     async def _post_generate(self, payload: dict) -> dict | EngineResponse:
+        status, raw = await self._send("POST", "/generate", payload)
+        if status >= 500:
+            raise UpstreamError(f"SGLang /generate answered {status}: {raw[:300].decode('utf-8', 'replace')}",
+                                status=status)
+        if status >= 400:
+            return EngineResponse(relay_status(status),
+                                  error_body("openai", status, raw[:2000].decode("utf-8", "replace")))
         try:
-            resp = await self._http().post("/generate", json=payload)
-        except httpx.TimeoutException as exc:
-            raise UpstreamTimeout(f"SGLang did not answer within {self.timeout_s:g} s") from exc
-        except httpx.HTTPError as exc:
-            raise UpstreamError(f"SGLang connection failed: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code >= 500:
-            raise UpstreamError(f"SGLang /generate answered {resp.status_code}: {resp.text[:300]}",
-                                status=resp.status_code)
-        if resp.status_code >= 400:
-            return EngineResponse(relay_status(resp.status_code),
-                                  error_body("openai", resp.status_code, resp.text[:2000]))
-        try:
-            out = resp.json()
+            out = json.loads(raw)
         except ValueError as exc:
             raise UpstreamError("SGLang answered invalid JSON") from exc
         if not isinstance(out, dict) or not isinstance(out.get("meta_info"), dict):
@@ -614,30 +621,28 @@ class SGLangEngine(Engine):
     async def _stream_generate(self, payload: dict) -> AsyncIterator[dict]:
         """SGLang's cumulative stream: each yielded dict is the whole answer so far."""
         try:
-            async with self._http().stream("POST", "/generate", json=payload) as resp:
-                if resp.status_code >= 400:
-                    raw = (await resp.aread()).decode("utf-8", "replace")[:500]
-                    raise UpstreamError(f"SGLang /generate answered {resp.status_code}: {raw}",
-                                        status=resp.status_code)
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        return
-                    try:
-                        state = json.loads(data)
-                    except ValueError as exc:
-                        raise UpstreamError("SGLang stream carried invalid JSON") from exc
-                    if isinstance(state, dict) and state.get("error"):
-                        raise UpstreamError(f"SGLang stream error: {state['error']}")
-                    if not isinstance(state, dict) or not isinstance(state.get("meta_info"), dict):
-                        raise UpstreamError("SGLang stream chunk has no meta_info")
-                    yield state
+            async with self._http().post(self.url + "/generate", json=payload) as resp:
+                if resp.status >= 400:
+                    raw = (await resp.read())[:500].decode("utf-8", "replace")
+                    raise UpstreamError(f"SGLang /generate answered {resp.status}: {raw}", status=resp.status)
+                decoder = SSEDecoder()
+                async for chunk in resp.content.iter_any():
+                    for _name, data in decoder.feed(chunk):
+                        if data == "[DONE]":
+                            return
+                        try:
+                            state = json.loads(data)
+                        except ValueError as exc:
+                            raise UpstreamError("SGLang stream carried invalid JSON") from exc
+                        if isinstance(state, dict) and state.get("error"):
+                            raise UpstreamError(f"SGLang stream error: {state['error']}")
+                        if not isinstance(state, dict) or not isinstance(state.get("meta_info"), dict):
+                            raise UpstreamError("SGLang stream chunk has no meta_info")
+                        yield state
                 raise UpstreamError("stream ended early")
-        except httpx.TimeoutException as exc:
+        except TimeoutError as exc:
             raise UpstreamTimeout(f"SGLang stream stalled for {self.timeout_s:g} s") from exc
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise UpstreamError(f"SGLang connection failed: {type(exc).__name__}: {exc}") from exc
 
     async def count_tokens(self, req: EngineRequest) -> EngineResponse:
