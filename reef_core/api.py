@@ -51,6 +51,7 @@ from reef_core.observe.model import Record
 from reef_core.observe.processor import Batch, Processor, Sample, Segment
 from reef_core.serve.background import serve_asgi, serve_reef
 from reef_core.surfaces.base import Surface
+from reef_core.surfaces.adapters import HarnessAdapter, ModelBinding
 from reef_core.surfaces.harness import (
     SEPARATOR,
     encode_tree,
@@ -176,7 +177,7 @@ __all__ = [
     "Candidate", "Current", "Decision", "EvaluationResult", "Evaluator", "SelectionPolicy",
     "ArtifactStore", "FileValue", "Release", "scenario_key", "scenario_path",
     # serve: surfaces and engines
-    "Surface", "ServingPorts", "RunAsync", "ScenarioView",
+    "Surface", "ServingPorts", "RunAsync", "ScenarioView", "HarnessAdapter", "ModelBinding",
     "Engine", "EngineRequest", "EngineResponse", "StreamEvent", "TokenData", "DirectResponse",
     "UpstreamEngine", "translate_request", "translate_response",
     # helpers

@@ -36,10 +36,10 @@ router = APIRouter()
 _NO_STORE = {"cache-control": "no-store"}
 
 
-async def _harness_surface(request: Request) -> tuple[Any, str, Any]:
-    """(deployment, scenario name, harness surface) for the request, or NotFound."""
+async def _harness_surface(request: Request, name: str | None = None) -> tuple[Any, str, Any]:
+    """(deployment, scenario name, harness surface) for the request (or scenario ``name``), or NotFound."""
     dep = request.app.state.reef
-    name = scenario_header(request)
+    name = name or scenario_header(request)
     scenario = await asyncio.to_thread(dep.store.get_scenario, name)
     if scenario is None or getattr(scenario, "archived", False):
         raise NotFound(f"unknown scenario {name!r}")
