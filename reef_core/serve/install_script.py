@@ -130,6 +130,8 @@ files | while read -r i h n p; do printf '%s\n%s\n' "$p" "$n"; cat "$STAGE/f$i";
   printf 'export REEF_ADAPTER=%s\n' "$(shq "$ADAPTER")"
   printf 'export REEF_HARNESS_DIR=%s\n' "$(shq "$ABS")"
   printf 'export REEF_AGENT=%s\n' "$(shq "$AGENT")"
+  printf 'export REEF_PREFIX=%s\n' "$(shq "$PREFIX")"
+  printf 'export REEF_BIN_DIR=%s\n' "$(shq "$BIN")"
   environment
   printf 'exec %s -m reef_core.client.wrapper "$@"\n' "$(shq "$PY")"
 } > "$STAGE/wrapper"
