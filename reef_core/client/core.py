@@ -49,9 +49,8 @@ class _Base:
         url = url or os.environ.get("REEF_URL")
         if not url:
             raise ValueError("no Reef URL: pass url= or set REEF_URL")
-        scenario = scenario or os.environ.get("REEF_SCENARIO")
-        if not scenario:
-            raise ValueError("no scenario: pass scenario= or set REEF_SCENARIO")
+        # Only the deployment-wide routes (server_status) work without a scenario.
+        scenario = scenario or os.environ.get("REEF_SCENARIO") or None
         if retries < 0:
             raise ValueError("retries must be >= 0")
         self.url = url.rstrip("/")
@@ -71,14 +70,19 @@ class _Base:
         if self.token:
             out["authorization"] = f"Bearer {self.token}"
         if scenario:
-            out[SCENARIO_HEADER] = self.scenario
+            out[SCENARIO_HEADER] = self._need_scenario()
         return out
+
+    def _need_scenario(self) -> str:
+        if not self.scenario:
+            raise ValueError("no scenario: pass scenario= or set REEF_SCENARIO")
+        return self.scenario
 
     def inference_headers(self) -> dict[str, str]:
         return {**self.headers(), **{f"{TAG_PREFIX}{k}": v for k, v in self.tags.items()}}
 
     def _scenario_path(self, suffix: str) -> str:
-        return f"/reef/scenarios/{quote(self.scenario, safe='')}/{suffix}"
+        return f"/reef/scenarios/{quote(self._need_scenario(), safe='')}/{suffix}"
 
     # -- references ---------------------------------------------------------------------------------------------
 
@@ -225,7 +229,12 @@ class ReefClient(_Base):
         return self._run(_Call("GET", self._scenario_path("releases"), scenario_header=False))["releases"]
 
     def status(self) -> dict:
+        """The scenario's learner status (queue, step, serving release, last error)."""
         return self._run(_Call("GET", self._scenario_path("status"), scenario_header=False))
+
+    def server_status(self) -> dict:
+        """The deployment's status: every scenario's learner and the engine."""
+        return self._run(_Call("GET", "/reef/status", scenario_header=False))
 
     def harness(self, directory: str | os.PathLike | None = None, *, release_id: str | None = None) -> dict:
         """The harness tree (``{release_id, content_id, files, ...}``); with ``directory``, also written there
@@ -330,6 +339,9 @@ class AsyncReefClient(_Base):
 
     async def status(self) -> dict:
         return await self._run(_Call("GET", self._scenario_path("status"), scenario_header=False))
+
+    async def server_status(self) -> dict:
+        return await self._run(_Call("GET", "/reef/status", scenario_header=False))
 
     async def harness(self, directory: str | os.PathLike | None = None, *, release_id: str | None = None) -> dict:
         params = {"release_id": release_id} if release_id else None
