@@ -90,6 +90,10 @@ _LAZY = {
     "RunAsync": "reef_core.loop.ports",
     # what a recipe's scenario route handler reads (reef_register_scenario_routes)
     "ScenarioView": "reef_core.loop.ports",
+    # the Python client of a running server (receipts under the provider SDKs, reports, harness pulls)
+    "ReefClient": "reef_core.client",
+    "AsyncReefClient": "reef_core.client",
+    "ReefClientError": "reef_core.client",
     "UpstreamEngine": "reef_core.engines.upstream",
     "ChatModel": "reef_core.chat",
     "CallableChat": "reef_core.chat",
@@ -134,6 +138,7 @@ if TYPE_CHECKING:
         StorageConfig,
         TrainerConfig,
     )
+    from reef_core.client import AsyncReefClient, ReefClient, ReefClientError
     from reef_core.engines.upstream import UpstreamEngine
     from reef_core.loop.ports import RunAsync, ScenarioView, ServingPorts
     from reef_core.observe.processors.conversation import common_prefix, exchange_of
@@ -182,6 +187,7 @@ __all__ = [
     "UpstreamEngine", "translate_request", "translate_response",
     # helpers
     "load_object", "load_callable", "serve_asgi", "serve_reef", "content_text",
+    "ReefClient", "AsyncReefClient", "ReefClientError",
     "ChatModel", "CallableChat", "HttpChat", "EngineChat", "reply_text", "resolve_chat_model",
     "SEPARATOR", "encode_tree", "inject_system", "render_system_prompt", "validate_harness_path", "validate_tree",
     "Skill", "SKILLS_DIR", "CATALOG_OPEN", "credential_problem", "parse_skill", "pool_files", "render_catalog",

@@ -228,6 +228,12 @@ class ReefClient(_Base):
         """The scenario's releases, oldest first (``current`` marks the one serving)."""
         return self._run(_Call("GET", self._scenario_path("releases"), scenario_header=False))["releases"]
 
+    def commits(self, *, after_step: int = 0, limit: int = 50) -> list[dict]:
+        """Commit-log rows of the scenario after ``after_step`` (what each learner step decided)."""
+        return self._run(_Call("GET", self._scenario_path("commits"), params={"after_step": after_step,
+                                                                            "limit": limit},
+                               scenario_header=False))["commits"]
+
     def status(self) -> dict:
         """The scenario's learner status (queue, step, serving release, last error)."""
         return self._run(_Call("GET", self._scenario_path("status"), scenario_header=False))
@@ -336,6 +342,11 @@ class AsyncReefClient(_Base):
 
     async def releases(self) -> list[dict]:
         return (await self._run(_Call("GET", self._scenario_path("releases"), scenario_header=False)))["releases"]
+
+    async def commits(self, *, after_step: int = 0, limit: int = 50) -> list[dict]:
+        return (await self._run(_Call("GET", self._scenario_path("commits"),
+                                      params={"after_step": after_step, "limit": limit},
+                                      scenario_header=False)))["commits"]
 
     async def status(self) -> dict:
         return await self._run(_Call("GET", self._scenario_path("status"), scenario_header=False))
