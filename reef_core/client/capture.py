@@ -1,6 +1,7 @@
 """Receipt capture at the HTTP layer, under any SDK: an httpx (or httpx-compatible) transport that adds Reef's
-request headers and reads each response's receipt, from the ``x-reef-agent-record-id`` header of a plain answer or from the in-band ``reef``
-field of a stream (an extra OpenAI chunk before ``[DONE]``; Anthropic's ``message_stop``), as the stream is read.
+request headers and reads each response's receipt, from the ``x-reef-agent-record-id`` header of a plain answer
+or from the in-band ``reef`` field of a stream (an extra OpenAI chunk before ``[DONE]``; Anthropic's
+``message_stop``), as the stream is read.
 
 The same :class:`StreamScanner` serves the wrapper's capture proxy, which sees raw bytes rather than httpx responses.
 """

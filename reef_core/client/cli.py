@@ -54,6 +54,9 @@ def add_commands(sub) -> dict[str, Callable[[argparse.Namespace], int]]:
 
 def _guarded(command):
     def run(args) -> int:
+        from ..extras import require
+
+        require("client", f"reef {args.command}")  # a ConfigError: `reef` exits 2 naming the extra
         from .errors import ReefClientError
 
         logging.getLogger("httpx").setLevel(logging.WARNING)  # `reef` logs at INFO; one line per request is noise

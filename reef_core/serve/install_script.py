@@ -4,8 +4,8 @@
 
 What the script does, in order (every file it writes goes through a temporary file and a rename):
 
-1. ``set -eu``; pick ``sha256sum`` or ``shasum -a 256``; find a Python that imports ``reef_core.client``
-   (``REEF_PYTHON`` wins) for the wrapper.
+1. ``set -eu``; pick ``sha256sum`` or ``shasum -a 256``; find a Python that imports ``reef_core.client.wrapper``
+   (``reef-core[client]``; ``REEF_PYTHON`` wins) for the wrapper.
 2. Stage every file in a temporary directory, each written byte-exact by a single-quoted heredoc whose delimiter
    is derived from the content (so no line of a file can end it; a file without a final newline is trimmed to its
    length with ``dd``), then check each file's SHA-256 and one SHA-256 over the whole tree (``path LF length LF
@@ -99,16 +99,17 @@ BIN=${REEF_BIN_DIR:-$HOME/.local/bin}
 case "$DEST" in /*) ABS=$DEST ;; *) ABS=$(pwd)/$DEST ;; esac
 case "$PREFIX" in /*) ;; *) PREFIX=$(pwd)/$PREFIX ;; esac
 PY=${REEF_PYTHON:-}
+NEEDS='import reef_core.client.wrapper'
 if [ -z "$PY" ]; then
   for candidate in python3 python; do
-    if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import reef_core.client' >/dev/null 2>&1; then
+    if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c "$NEEDS" >/dev/null 2>&1; then
       PY=$(command -v "$candidate")
       break
     fi
   done
 fi
-if [ -z "$PY" ] || ! "$PY" -c 'import reef_core.client' >/dev/null 2>&1; then
-  die "no Python importing reef_core.client: install reef-core (pip install reef-core) or set REEF_PYTHON"
+if [ -z "$PY" ] || ! "$PY" -c "$NEEDS" >/dev/null 2>&1; then
+  die "no Python importing reef_core.client.wrapper: pip install 'reef-core[client]', or set REEF_PYTHON"
 fi
 STAGE=$(mktemp -d "${TMPDIR:-/tmp}/reef-install.XXXXXX")
 trap 'rm -rf "$STAGE"' EXIT
@@ -122,7 +123,7 @@ files | while read -r i h n p; do printf '%s\n%s\n' "$p" "$n"; cat "$STAGE/f$i";
 [ "$(sha "$STAGE/tree")" = "$TREE_SHA256" ] || die "tree checksum mismatch: the script is damaged"
 [ "$(sha "$STAGE/sidecar")" = "$SIDECAR_SHA256" ] || die "sidecar checksum mismatch: the script is damaged"
 {
-  printf '#!/bin/sh\n# reef-%s: runs the agent through Reef'"'"'s capture proxy (written by the Reef installer)\n' "$ADAPTER"
+  printf '#!/bin/sh\n# reef-%s: runs the agent through the Reef capture proxy (written by the installer)\n' "$ADAPTER"
   # shellcheck disable=SC2016 # the wrapper expands it, when it runs
   printf 'REEF_URL=${REEF_URL:-%s}\n' "$(shq "$REEF_URL_BAKED")"
   printf 'export REEF_URL\n'
@@ -155,7 +156,8 @@ fi
 mkdir -p "$DEST"
 files | while read -r i h n p; do printf '%s\n' "$p"; done > "$STAGE/new"
 if [ -f "$DEST/$SIDECAR" ]; then
-  sed -n 's/^  {"sha256": "[0-9a-f]\{64\}", "path": "\(.*\)"},\{0,1\}$/\1/p' "$DEST/$SIDECAR" | sed 's/\\"/"/g' > "$STAGE/old"
+  sed -n 's/^  {"sha256": "[0-9a-f]\{64\}", "path": "\(.*\)"},\{0,1\}$/\1/p' "$DEST/$SIDECAR" \
+    | sed 's/\\"/"/g' > "$STAGE/old"
   while IFS= read -r p; do
     case "/$p/" in *//*|*/./*|*/../*) say "skipping unsafe path in the old sidecar: $p"; continue ;; esac
     grep -Fxq -e "$p" "$STAGE/new" && continue
@@ -195,7 +197,8 @@ def render_install_script(*, url: str, scenario: str, adapter_name: str, adapter
     sidecar = sidecar_text(release_id, content_id, data).encode("utf-8")
     out = ["#!/bin/sh",
            f"# Reef harness installer: scenario {scenario!r}, release {release_id}, adapter {adapter_name}.",
-           "# Usage: sh install.sh [DEST] [PREFIX]  (defaults ./reef-harness and ${XDG_DATA_HOME:-$HOME/.local/share}/reef)",
+           "# Usage: sh install.sh [DEST] [PREFIX]",
+           "#   (defaults ./reef-harness and ${XDG_DATA_HOME:-$HOME/.local/share}/reef)",
            _PRELUDE.rstrip("\n"),
            f"REEF_URL_BAKED={sh_quote(url)}",
            f"SCENARIO={sh_quote(scenario)}",

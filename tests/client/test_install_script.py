@@ -16,7 +16,7 @@ from reef_core.client.tree import SIDECAR, read_sidecar
 
 SH = shutil.which("dash") or "/bin/sh"
 TREE_1 = {"AGENTS.md": "Run the tests first.\n", "skills/review/SKILL.md": "Review it.\nEOF\n'quoted' $HOME `x`",
-          "notes/ü plan.md": "", "prompts/keep.md": "unchanged\n"}
+          "notes/ü plan.md": "", "prompts/keep.md": "unchanged\n", 'say "hi".md': "quoted name\n"}
 TREE_2 = {"AGENTS.md": "Run the tests first, always.\n", "prompts/keep.md": "unchanged\n", "new.md": "added\n"}
 
 

@@ -11,7 +11,8 @@ then run this client::
 For each task of :mod:`reef_sao.tasks` it sends one chat completion through the OpenAI SDK that
 ``reef_core.api.ReefClient`` wraps (it adds the scenario and keeps each receipt), scores the reply with the
 task's verifier, and reports the score on that receipt (``report(references="last")``). At the end it prints
-the reward curve (mean per window) and the published releases of the scenario. ``--json PATH`` writes the rewards and releases for scripts.
+the reward curve (mean per window) and the published releases of the scenario. ``--json PATH`` writes the
+rewards and releases for scripts.
 """
 
 from __future__ import annotations
