@@ -16,10 +16,10 @@ import re
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from ..errors import UnknownComponent, ValidationFailed
+from ..errors import NotFound, UnknownComponent, ValidationFailed
 from ..observe.names import check_scenario_name, header_text
 from ..surfaces.adapters import ModelBinding
-from .harness import _harness_surface, _read
+from .harness import harness_surface, read_release
 from .install_script import render_install_script
 from .names import SCENARIO_HEADER
 
@@ -73,15 +73,19 @@ async def install(request: Request):
     dep = request.app.state.reef
     params = _params(request)
     name = params["adapter"]
+    pm = getattr(dep, "pm", None)
+    if pm is None:
+        raise NotFound("this deployment has no harness adapters")
     try:
-        adapter = dep.pm.create("harness_adapter", name) if ":" not in name else None
+        # Only registered names: a ``module:Name`` path would import whatever a query names.
+        adapter = pm.create("harness_adapter", name) if ":" not in name else None
     except UnknownComponent as exc:
         raise ValidationFailed(f"adapter: {exc.message}", param="adapter") from None
     if adapter is None:
         raise ValidationFailed("adapter must be a registered adapter name", param="adapter")
     url = _base_url(request)
-    dep, scenario, surface = await _harness_surface(request, _scenario(request, params))
-    row, files = await asyncio.to_thread(_read, dep, surface, scenario, params.get("release_id"))
+    dep, scenario, surface = await harness_surface(request, _scenario(request, params))
+    row, files = await asyncio.to_thread(read_release, dep, surface, scenario, params.get("release_id"))
     models = dep.engine.model_ids() or ["reef"]
     rendered = adapter.render(dict(files), ModelBinding(url=url, scenario=scenario, model=models[0]))
     script = render_install_script(url=url, scenario=scenario, adapter_name=name, adapter=adapter,
