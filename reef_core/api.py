@@ -51,6 +51,7 @@ from reef_core.observe.model import Record
 from reef_core.observe.processor import Batch, Processor, Sample, Segment
 from reef_core.serve.background import serve_asgi, serve_reef
 from reef_core.surfaces.base import Surface
+from reef_core.surfaces.adapters import HarnessAdapter, ModelBinding
 from reef_core.surfaces.harness import (
     SEPARATOR,
     encode_tree,
@@ -89,6 +90,10 @@ _LAZY = {
     "RunAsync": "reef_core.loop.ports",
     # what a recipe's scenario route handler reads (reef_register_scenario_routes)
     "ScenarioView": "reef_core.loop.ports",
+    # the Python client of a running server (receipts under the provider SDKs, reports, harness pulls)
+    "ReefClient": "reef_core.client",
+    "AsyncReefClient": "reef_core.client",
+    "ReefClientError": "reef_core.client",
     "UpstreamEngine": "reef_core.engines.upstream",
     "ChatModel": "reef_core.chat",
     "CallableChat": "reef_core.chat",
@@ -133,6 +138,7 @@ if TYPE_CHECKING:
         StorageConfig,
         TrainerConfig,
     )
+    from reef_core.client import AsyncReefClient, ReefClient, ReefClientError
     from reef_core.engines.upstream import UpstreamEngine
     from reef_core.loop.ports import RunAsync, ScenarioView, ServingPorts
     from reef_core.observe.processors.conversation import common_prefix, exchange_of
@@ -176,11 +182,12 @@ __all__ = [
     "Candidate", "Current", "Decision", "EvaluationResult", "Evaluator", "SelectionPolicy",
     "ArtifactStore", "FileValue", "Release", "scenario_key", "scenario_path",
     # serve: surfaces and engines
-    "Surface", "ServingPorts", "RunAsync", "ScenarioView",
+    "Surface", "ServingPorts", "RunAsync", "ScenarioView", "HarnessAdapter", "ModelBinding",
     "Engine", "EngineRequest", "EngineResponse", "StreamEvent", "TokenData", "DirectResponse",
     "UpstreamEngine", "translate_request", "translate_response",
     # helpers
     "load_object", "load_callable", "serve_asgi", "serve_reef", "content_text",
+    "ReefClient", "AsyncReefClient", "ReefClientError",
     "ChatModel", "CallableChat", "HttpChat", "EngineChat", "reply_text", "resolve_chat_model",
     "SEPARATOR", "encode_tree", "inject_system", "render_system_prompt", "validate_harness_path", "validate_tree",
     "Skill", "SKILLS_DIR", "CATALOG_OPEN", "credential_problem", "parse_skill", "pool_files", "render_catalog",

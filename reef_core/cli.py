@@ -45,6 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gc", help="apply the artifact retention policy")
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
     p.add_argument("overrides", nargs="*")
+
+    # Commands that talk to a running server (reef report, records, releases, status, harness pull).
+    from .client.cli import add_commands
+
+    COMMANDS.update(add_commands(sub))
     return parser
 
 

@@ -17,6 +17,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "train": ("torch", "transformers", "safetensors", "peft"),
     "postgres": ("psycopg",),
     "demo": ("gguf",),
+    "client": ("httpx",),
 }
 
 

@@ -191,6 +191,19 @@ def reef_register_scenario_routes(register):
 
 
 @hookspec
+def reef_register_harness_adapters(register):
+    """Register harness adapters: how a harness tree installs for one agent CLI.
+
+    The factory is called with no arguments and returns a ``reef_core.api.HarnessAdapter``: its ``binary`` (the
+    agent program the ``reef-<name>`` wrapper runs; None runs the command line given), ``environment`` (variables
+    the wrapper exports, ``{dir}`` standing for the install directory) and ``render(files, binding)`` (the files to
+    install: the tree's own plus the agent's config, pointed at Reef through ``binding``, a
+    ``reef_core.api.ModelBinding``). ``GET /reef/harness/install?adapter=<name>`` bakes them into its script.
+    Built-ins: ``generic`` and ``opencode``.
+    """
+
+
+@hookspec
 def reef_config_searchpath():
     """Return Hydra config search path entries (e.g. ``"pkg://reef_sao.conf"``), or a list of them.
 

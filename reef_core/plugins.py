@@ -56,6 +56,7 @@ COMPONENT_HOOKS: dict[str, str] = {
     "report_schema": "reef_register_report_schemas",
     "task": "reef_register_tasks",
     "scenario_route": "reef_register_scenario_routes",
+    "harness_adapter": "reef_register_harness_adapters",
 }
 
 

@@ -14,6 +14,14 @@ if ! command -v git-lfs >/dev/null 2>&1; then
   fi
 fi
 git lfs install --skip-repo >/dev/null
+# shellcheck lints the harness install script (tests/client/test_install_script.py; required under CI).
+if ! command -v shellcheck >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq shellcheck >/dev/null
+  else
+    echo "shellcheck is missing: the install-script lint test will skip (sudo apt-get install shellcheck)" >&2
+  fi
+fi
 
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"

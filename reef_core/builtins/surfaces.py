@@ -1,4 +1,5 @@
-"""Built-in harness and skill surfaces (registered through ``reef_register_surfaces``)."""
+"""Built-in harness and skill surfaces (``reef_register_surfaces``) and harness adapters
+(``reef_register_harness_adapters``)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,11 @@ def reef_register_surfaces(register):
              description="a text tree (prompts, rules, skills) pulled by clients or injected as the system prompt")
     register("skills", make_skill_surface,
              description="a shared skill pool (skills/<slug>/SKILL.md); its catalog is injected into every request")
+
+
+@hookimpl
+def reef_register_harness_adapters(register):
+    from ..surfaces.adapters import GenericAdapter, OpenCodeAdapter
+
+    register("generic", GenericAdapter, description=GenericAdapter.description)
+    register("opencode", OpenCodeAdapter, description=OpenCodeAdapter.description)

@@ -36,10 +36,10 @@ router = APIRouter()
 _NO_STORE = {"cache-control": "no-store"}
 
 
-async def _harness_surface(request: Request) -> tuple[Any, str, Any]:
-    """(deployment, scenario name, harness surface) for the request, or NotFound."""
+async def harness_surface(request: Request, name: str | None = None) -> tuple[Any, str, Any]:
+    """(deployment, scenario name, harness surface) for the request (or scenario ``name``), or NotFound."""
     dep = request.app.state.reef
-    name = scenario_header(request)
+    name = name or scenario_header(request)
     scenario = await asyncio.to_thread(dep.store.get_scenario, name)
     if scenario is None or getattr(scenario, "archived", False):
         raise NotFound(f"unknown scenario {name!r}")
@@ -66,7 +66,7 @@ def _checked_path(path: str | None) -> str | None:
     return validate_harness_path(path)
 
 
-def _read(dep, surface, scenario: str, release_id: str | None) -> tuple[Any, dict[str, str]]:
+def read_release(dep, surface, scenario: str, release_id: str | None) -> tuple[Any, dict[str, str]]:
     """The release (manifest) and its files as text: the serving one, or ``release_id`` of this scenario."""
     store = dep.artifacts
     if release_id is None:
@@ -111,8 +111,8 @@ class _Row:
 @router.get("/reef/harness")
 async def get_harness(request: Request):
     path = _checked_path(request.query_params.get("path"))
-    dep, scenario, surface = await _harness_surface(request)
-    row, files = await asyncio.to_thread(_read, dep, surface, scenario, _requested_release(request))
+    dep, scenario, surface = await harness_surface(request)
+    row, files = await asyncio.to_thread(read_release, dep, surface, scenario, _requested_release(request))
     if path is not None:
         if path not in files:
             raise NotFound(f"release {row.release_id} has no file {path!r}")
@@ -133,8 +133,8 @@ async def get_harness(request: Request):
 @router.get("/reef/harness/files/{path:path}")
 async def get_harness_file(request: Request, path: str):
     path = validate_harness_path(path)
-    dep, scenario, surface = await _harness_surface(request)
-    row, files = await asyncio.to_thread(_read, dep, surface, scenario, _requested_release(request))
+    dep, scenario, surface = await harness_surface(request)
+    row, files = await asyncio.to_thread(read_release, dep, surface, scenario, _requested_release(request))
     if path not in files:
         raise NotFound(f"release {row.release_id} has no file {path!r}")
     return PlainTextResponse(files[path], headers={RELEASE_HEADER: row.release_id, **_NO_STORE})
@@ -162,6 +162,6 @@ def _release_rows(dep, scenario: str) -> list[dict]:
 
 @router.get("/reef/harness/releases")
 async def list_harness_releases(request: Request):
-    dep, scenario, _surface = await _harness_surface(request)
+    dep, scenario, _surface = await harness_surface(request)
     rows = await asyncio.to_thread(_release_rows, dep, scenario)
     return JSONResponse({"scenario": scenario, "releases": rows}, headers=_NO_STORE)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-import httpx
+from reef_core.api import ReefClient
 
 from reef_gepa.examples import reflector, task_model, tasks
 from reef_gepa.examples.demo import PROMPT_FILE, pull, run_round, serve_reef, wait_for_step
@@ -18,7 +18,7 @@ def _run(tmp_path, *overrides, rounds=3):
         task_url = stack.enter_context(serve_chat_model(task_model))
         reflection_url = stack.enter_context(serve_chat_model(reflector))
         url = stack.enter_context(serve_reef(task_url, reflection_url, tmp_path, *overrides))
-        client = stack.enter_context(httpx.Client(base_url=url, timeout=120, headers={"x-reef-scenario": scenario}))
+        client = stack.enter_context(ReefClient(url, scenario=scenario, timeout=120))
         first = None
         rows = []
         for index in range(rounds):
@@ -28,8 +28,8 @@ def _run(tmp_path, *overrides, rounds=3):
             first = first or harness or pull(client)
             harness, row = wait_for_step(client, scenario, step + 1)
             rows.append((row, harness, served_by))
-        releases = client.get("/reef/harness/releases").json()["releases"]
-        commits = client.get(f"/reef/scenarios/{scenario}/commits").json()["commits"]
+        releases = client.releases()
+        commits = client.commits()
     return first, rows, releases, commits
 
 

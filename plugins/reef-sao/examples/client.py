@@ -8,10 +8,11 @@ then run this client::
 
     python plugins/reef-sao/examples/client.py --base-url http://127.0.0.1:8900 --rollouts 480
 
-For each task of :mod:`reef_sao.tasks` it sends one chat completion through the OpenAI SDK with
-``x-reef-scenario``, scores the reply with the task's verifier, and reports ``{score, references: [receipt]}`` to
-``POST /reef/report``. At the end it prints the reward curve (mean per window) and the published releases of the
-scenario (``GET /reef/scenarios/{scenario}/releases``). ``--json PATH`` writes the rewards and releases for scripts.
+For each task of :mod:`reef_sao.tasks` it sends one chat completion through the OpenAI SDK that
+``reef_core.api.ReefClient`` wraps (it adds the scenario and keeps each receipt), scores the reply with the
+task's verifier, and reports the score on that receipt (``report(references="last")``). At the end it prints
+the reward curve (mean per window) and the published releases of the scenario. ``--json PATH`` writes the
+rewards and releases for scripts.
 """
 
 from __future__ import annotations
@@ -22,44 +23,30 @@ import statistics
 import sys
 import time
 
-import httpx
-from openai import OpenAI
+from reef_core.api import ReefClient
 
 from reef_sao.tasks import score, task_stream
-
-RECEIPT_HEADER = "x-reef-agent-record-id"
 
 
 def run(base_url: str, scenario: str, rollouts: int, *, seed: int = 0, token: str = "reef",
         max_tokens: int | None = None, window: int = 48, quiet: bool = False) -> dict:
     """Send ``rollouts`` tasks, report their scores; return ``{"rewards": [...], "releases": [...]}``."""
-    headers = {"x-reef-scenario": scenario}
-    client = OpenAI(base_url=f"{base_url.rstrip('/')}/v1", api_key=token, default_headers=headers, max_retries=2)
-    http = httpx.Client(base_url=base_url, headers={"authorization": f"Bearer {token}", **headers}, timeout=120)
     rewards: list[float] = []
     started = time.monotonic()
-    try:
+    with ReefClient(base_url, scenario=scenario, token=token, timeout=120) as reef:
+        chat = reef.openai(max_retries=2)
         for task in task_stream(rollouts, seed=seed):
             extra = {"max_tokens": max_tokens} if max_tokens else {}
-            raw = client.chat.completions.with_raw_response.create(
-                model="reef", messages=task.messages(), temperature=1.0, top_p=1.0, **extra)
-            receipt = raw.headers.get(RECEIPT_HEADER)
-            completion = raw.parse()
-            text = completion.choices[0].message.content or ""
-            value = score(task, text)
+            completion = chat.chat.completions.create(model="reef", messages=task.messages(), temperature=1.0,
+                                                      top_p=1.0, **extra)
+            value = score(task, completion.choices[0].message.content or "")
             rewards.append(value)
-            if receipt is None:
-                raise RuntimeError("the response carries no receipt header; is this a Reef server?")
-            reply = http.post("/reef/report", json={"score": value, "references": [receipt]})
-            reply.raise_for_status()
+            reef.report(score=value, references="last")  # the receipt of the completion just above
             if not quiet and len(rewards) % window == 0:
                 recent = statistics.mean(rewards[-window:])
                 print(f"{len(rewards):5d} rollouts  mean reward of the last {window}: {recent:.3f}  "
                       f"({time.monotonic() - started:.0f} s)", flush=True)
-        releases = http.get(f"/reef/scenarios/{scenario}/releases").json().get("releases", [])
-    finally:
-        http.close()
-        client.close()
+        releases = reef.releases()
     return {"rewards": rewards, "releases": releases}
 
 

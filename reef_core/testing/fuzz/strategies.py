@@ -399,6 +399,25 @@ def _harness(draw, pools: Pools, route: str, target: str):
 
 
 @st.composite
+def _harness_install(draw, pools: Pools):
+    """The install script: registered, unknown and odd adapters, releases, a ``?scenario=`` and unknown keys."""
+    ids = [r for rs in pools.releases.values() for r in rs] or ["0" * 40]
+    params = {}
+    if draw(st.integers(0, 9)):
+        params["adapter"] = draw(st.one_of(st.sampled_from(["generic", "opencode", "nope", "a:b"]),
+                                           odd_text.map(path_segment)))
+    if draw(st.booleans()):
+        params["release_id"] = draw(st.one_of(st.sampled_from(ids), odd_text.map(path_segment)))
+    if draw(st.integers(0, 4)) == 0:
+        params["scenario"] = draw(st.one_of(st.sampled_from(pools.harness), odd_text.map(path_segment)))
+    if draw(st.integers(0, 6)) == 0:
+        params[draw(st.sampled_from(["colour", "version", "path"]))] = "x"
+    query = "&".join(f"{k}={v}" for k, v in params.items())
+    target = "/reef/harness/install" + (f"?{query}" if query else "")
+    return draw(request_case(pools, "GET", "/reef/harness/install", target, scenario_header=True, harness=True))
+
+
+@st.composite
 def _harness_file(draw, pools: Pools):
     path = draw(st.one_of(st.just("system_prompt.md"), st.sampled_from(["../x", "%2e%2e/x", "a//b", "%00", ".git/HEAD",
                                                                           "x" * 600]), odd_text.map(path_segment)))
@@ -458,6 +477,7 @@ def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
                                                              pool=pools.deletable or None),
         "GET /reef/harness": _harness(pools, "/reef/harness", "/reef/harness"),
         "GET /reef/harness/files/{path}": _harness_file(pools),
+        "GET /reef/harness/install": _harness_install(pools),
         "GET /reef/harness/releases": _harness(pools, "/reef/harness/releases", "/reef/harness/releases"),
         "GET /reef/skills": _skills(pools, "/reef/skills", "/reef/skills"),
         "GET /reef/skills/{slug}": _skill(pools),

@@ -1,9 +1,9 @@
 """The GEPA learning demo, end to end through Reef's HTTP API.
 
-A client works through training tasks in rounds of one minibatch: it pulls the harness
-(``GET /reef/harness``), runs each task through Reef (``POST /v1/chat/completions`` with the pulled
-system prompt), scores the answer with the task's verifier and reports the score with textual
-feedback (``POST /reef/report``). Reef's learner runs one GEPA iteration per minibatch and publishes a
+A client (``reef_core.api.ReefClient``) works through training tasks in rounds of one minibatch: it pulls
+the harness, runs each task through Reef with the OpenAI SDK it wraps (the pulled system prompt; the
+client keeps each receipt), scores the answer with the task's verifier and reports the score with textual
+feedback on that receipt. Reef's learner runs one GEPA iteration per minibatch and publishes a
 new harness release whenever a candidate beats the served one on the validation tasks; the client
 shows the validation score of the prompt it pulls, release by release.
 
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
+from reef_core.api import ReefClient, ReefClientError
 
 from . import feedback, reflector, score_prompt, task_model, tasks, verify
 from .standins import serve_chat_model
@@ -40,51 +40,53 @@ def serve_reef(task_url: str, reflection_url: str, data_dir: Path, *extra: str) 
         yield url
 
 
-def pull(client: httpx.Client) -> dict | None:
+def pull(client: ReefClient) -> dict | None:
     """The serving harness release, or None before the scenario has one."""
-    response = client.get("/reef/harness")
-    if response.status_code == 404:
-        return None
-    response.raise_for_status()
-    return response.json()
+    try:
+        return client.harness()
+    except ReefClientError as exc:
+        if exc.status == 404:
+            return None
+        raise
 
 
-def learner_status(client: httpx.Client, scenario: str) -> dict:
-    response = client.get(f"/reef/scenarios/{scenario}/status")
-    return response.json() if response.status_code == 200 else {}
+def learner_status(client: ReefClient) -> dict:
+    try:
+        return client.status()
+    except ReefClientError:
+        return {}
 
 
-def committed_steps(client: httpx.Client, scenario: str) -> int:
-    return int(learner_status(client, scenario).get("step", 0))
+def committed_steps(client: ReefClient) -> int:
+    return int(learner_status(client).get("step", 0))
 
 
-def run_round(client: httpx.Client, scenario: str, batch: list[dict],
+def run_round(client: ReefClient, scenario: str, batch: list[dict],
               prompt: str | None) -> tuple[list[float], int, set[str]]:
     """Run ``batch`` through Reef with ``prompt``, then report each score with its feedback.
 
     Returns the scores, the number of committed steps before the reports (the learner commits one step
     per minibatch of reports) and the releases that served the inferences (``x-reef-release-id``)."""
     answers, served_by = [], set()
+    chat = client.openai()
     for task in batch:
         messages = ([{"role": "system", "content": prompt}] if prompt else []) + [
             {"role": "user", "content": task["input"]}]
-        response = client.post("/v1/chat/completions", json={"model": "stand-in", "messages": messages})
-        response.raise_for_status()
-        served_by.add(response.headers.get("x-reef-release-id", ""))
-        answers.append((task, response.json()["choices"][0]["message"]["content"],
-                        response.headers["x-reef-agent-record-id"]))
-    step = committed_steps(client, scenario)  # the scenario exists now (its first request created it)
+        completion = chat.chat.completions.create(model="stand-in", messages=messages)
+        receipt = client.receipts.last()
+        served_by.add(receipt.release_id or "")
+        answers.append((task, completion.choices[0].message.content, receipt))
+    step = committed_steps(client)  # the scenario exists now (its first request created it)
     scores = []
     for task, answer, receipt in answers:
         score = verify(answer, task)
-        report = client.post("/reef/report", json={"score": score, "feedback": feedback(task, answer, score),
-                                                   "references": [receipt], "metadata": {"task": task}})
-        report.raise_for_status()
+        client.report(score=score, feedback=feedback(task, answer, score), references=[receipt],
+                      metadata={"task": task})
         scores.append(score)
     return scores, step, served_by
 
 
-def wait_for_step(client: httpx.Client, scenario: str, step: int,
+def wait_for_step(client: ReefClient, scenario: str, step: int,
                   timeout_s: float = 120.0) -> tuple[dict | None, dict]:
     """Wait until the learner committed ``step`` and, when that step published a release, until the harness
     serves it (the commit-log row lands just before the head moves); return that harness and the row."""
@@ -92,8 +94,7 @@ def wait_for_step(client: httpx.Client, scenario: str, step: int,
     row: dict | None = None
     while True:
         if row is None:
-            rows = client.get(f"/reef/scenarios/{scenario}/commits",
-                              params={"after_step": step - 1, "limit": 1}).json().get("commits", [])
+            rows = client.commits(after_step=step - 1, limit=1)
             row = rows[0] if rows else None
         if row is not None:
             harness = pull(client)
@@ -118,8 +119,7 @@ def run_demo(rounds: int = 8, *, minibatch_size: int = 3, reef_url: str | None =
             if data_dir is None:
                 data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="reef-gepa-demo-")))
             reef_url = stack.enter_context(serve_reef(task_url, reflection_url, data_dir))
-        client = stack.enter_context(httpx.Client(base_url=reef_url, timeout=120,
-                                                  headers={"x-reef-scenario": scenario}))
+        client = stack.enter_context(ReefClient(reef_url, scenario=scenario, timeout=120))
         harness = pull(client)
         cursor = 0
         for index in range(rounds):
@@ -136,6 +136,6 @@ def run_demo(rounds: int = 8, *, minibatch_size: int = 3, reef_url: str | None =
             history.append(row)
             log(f"round {index}: minibatch {row['minibatch_score']:.2f} -> release "
                 f"{(row['release_id'] or '-')[:12]} validation {row['val_score']:.2f}")
-        releases = client.get("/reef/harness/releases").json()["releases"]
+        releases = client.releases()
         log(f"{len(releases)} releases; the prompt served now:\n{history[-1]['prompt'] if history else ''}")
     return history

@@ -1,0 +1,200 @@
+"""The ``reef`` commands that talk to a running server through :class:`~reef_core.client.ReefClient`:
+
+    reef report --score 1 --feedback "right" --reference <receipt> [--reference ...]
+    reef records [--limit N] [--after SEQ]
+    reef releases
+    reef status                      (the scenario's learner; without a scenario, the whole deployment)
+    reef harness pull DIR [--release-id ID]
+
+Each takes ``--url`` (``REEF_URL``), ``--token`` (``REEF_TOKEN``), ``--scenario`` (``REEF_SCENARIO``) and ``--json``.
+Tables use ``rich`` at a terminal when it is installed (``reef-core[client]``), else aligned plain text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+
+
+def add_commands(sub) -> dict[str, Callable[[argparse.Namespace], int]]:
+    """Add the client commands to the ``reef`` subparsers; returns ``{command: handler}``."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", help="Reef's address (default: $REEF_URL)")
+    common.add_argument("--token", help="an inference token (default: $REEF_TOKEN)")
+    common.add_argument("--scenario", help="the scenario (default: $REEF_SCENARIO)")
+    common.add_argument("--json", action="store_true", help="print JSON")
+
+    p = sub.add_parser("report", parents=[common], help="send a report on receipts of a running server")
+    p.add_argument("--score", type=float)
+    p.add_argument("--feedback", help="text, or a JSON object when it parses as one")
+    p.add_argument("--reference", action="append", default=[], metavar="RECEIPT", help="a receipt (repeatable)")
+    p.add_argument("--metadata", help="a JSON object")
+    p.add_argument("--id", dest="report_id", help="the report's own id (a retry with it is stored once)")
+
+    p = sub.add_parser("records", parents=[common], help="list a scenario's records")
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--after", type=int, default=0, help="only records after this sequence number")
+
+    sub.add_parser("releases", parents=[common], help="list a scenario's releases, oldest first")
+    sub.add_parser("status", parents=[common], help="a scenario's learner status (or the deployment's)")
+
+    p = sub.add_parser("harness", parents=[common], help="pull a scenario's harness tree")
+    p.add_argument("action", choices=["pull"])
+    p.add_argument("directory")
+    p.add_argument("--release-id", help="an earlier release (default: the one serving)")
+    return {"report": _guarded(cmd_report), "records": _guarded(cmd_records), "releases": _guarded(cmd_releases),
+            "status": _guarded(cmd_status), "harness": _guarded(cmd_harness)}
+
+
+def _guarded(command):
+    def run(args) -> int:
+        from ..extras import require
+
+        require("client", f"reef {args.command}")  # a ConfigError: `reef` exits 2 naming the extra
+        from .errors import ReefClientError
+
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # `reef` logs at INFO; one line per request is noise
+        try:
+            return command(args)
+        except ValueError as exc:
+            print(f"reef: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        except ReefClientError as exc:
+            print(f"reef: error: {exc}", file=sys.stderr)
+            return EXIT_RUNTIME
+    return run
+
+
+def _client(args):
+    from .core import ReefClient
+
+    return ReefClient(args.url, scenario=args.scenario, token=args.token)
+
+
+def _json_arg(text: str | None, name: str, *, object_only: bool) -> Any:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        if object_only:
+            raise ValueError(f"--{name} must be a JSON object") from None
+        return text
+    if isinstance(value, dict):
+        return value
+    if object_only:
+        raise ValueError(f"--{name} must be a JSON object")
+    return text
+
+
+def _print_json(value) -> None:
+    print(json.dumps(value, indent=2, ensure_ascii=False))
+
+
+def _when(ts) -> str:
+    if not isinstance(ts, (int, float)):
+        return ""
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
+
+
+def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    """A table: ``rich`` at a terminal when installed, else aligned plain text (whole ids, for pipes)."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    try:
+        if not sys.stdout.isatty():
+            raise ImportError
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+        print(title)
+        print("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
+        for row in cells:
+            print("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
+        return
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for row in cells:
+        table.add_row(*row)
+    Console().print(table)
+
+
+def cmd_report(args) -> int:
+    with _client(args) as reef:
+        answer = reef.report(score=args.score, feedback=_json_arg(args.feedback, "feedback", object_only=False),
+                             references=args.reference or None,
+                             metadata=_json_arg(args.metadata, "metadata", object_only=True),
+                             report_id=args.report_id)
+    if args.json:
+        _print_json(answer)
+    else:
+        print(answer["agent_record_id"])
+    return EXIT_OK
+
+
+def cmd_records(args) -> int:
+    if args.limit < 1:
+        raise ValueError("--limit must be at least 1")
+    with _client(args) as reef:
+        rows = reef.records(after_sequence=args.after, limit=args.limit)
+    if args.json:
+        _print_json(rows)
+        return EXIT_OK
+    print_table(f"records of {reef.scenario}", ["seq", "id", "type", "created", "score", "references", "release"],
+                [[r.get("sequence"), r.get("agent_record_id"), r.get("request_type"), _when(r.get("created_at")),
+                  r.get("score"), " ".join(r.get("references") or ()), r.get("artifact_ref")] for r in rows])
+    return EXIT_OK
+
+
+def cmd_releases(args) -> int:
+    with _client(args) as reef:
+        rows = reef.releases()
+    if args.json:
+        _print_json(rows)
+        return EXIT_OK
+    print_table(f"releases of {reef.scenario}", ["", "release", "operation", "created", "parent"],
+                [["*" if r.get("current") else "", r.get("release_id"), r.get("operation"),
+                  _when(r.get("created_at")), r.get("parent_release_id")] for r in rows])
+    return EXIT_OK
+
+
+def cmd_status(args) -> int:
+    with _client(args) as reef:
+        status = reef.status() if reef.scenario else reef.server_status()
+    if args.json:
+        _print_json(status)
+        return EXIT_OK
+    if reef.scenario:
+        print_table(f"status of {reef.scenario}", ["key", "value"], [[k, v] for k, v in status.items()])
+    else:
+        scenarios = status.get("scenarios") or {}
+        print_table("scenarios", ["scenario", "learner", "release"],
+                    [[name, s.get("learner"), s.get("current_release_id")] for name, s in scenarios.items()])
+    return EXIT_OK
+
+
+def cmd_harness(args) -> int:
+    with _client(args) as reef:
+        tree = reef.harness(args.directory, release_id=args.release_id)
+    summary = {"release_id": tree["release_id"], "directory": args.directory, **tree["written"]}
+    if args.json:
+        _print_json(summary)
+    else:
+        print(f"release {tree['release_id']} in {args.directory}: {len(summary['written'])} written, "
+              f"{len(summary['deleted'])} deleted, {len(tree['files']) - len(summary['written'])} unchanged")
+    return EXIT_OK
