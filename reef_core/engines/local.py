@@ -61,6 +61,7 @@ from reef_core.engines.base import (
     StreamEvent,
     TokenData,
 )
+from reef_core.engines.sampling import SamplingParams, sampling_params
 from reef_core.engines.topk import MAX_K, TopK
 from reef_core.engines.translate import anthropic_count_tokens_to_openai
 from reef_core.errors import ConfigError, Conflict, ReefError, UpstreamError, ValidationFailed
@@ -79,33 +80,6 @@ def _load_model(model_dir: Path):
 
 # ---------------------------------------------------------------------------------------------------------
 # request parameters
-
-
-@dataclass
-class _Params:
-    max_new: int
-    temperature: float
-    top_p: float
-    stops: list[str]
-    seed: int | None
-    logprobs: bool
-    top_logprobs: int
-    include_usage: bool
-    model: str
-
-
-def _num(body: dict, key: str, default, kind, lo=None, hi=None):
-    value = body.get(key)
-    if value is None:
-        return default
-    try:
-        value = kind(value)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ValidationFailed(f"{key} must be a number", param=key) from exc
-    # Written so that NaN fails too.
-    if not ((lo is None or value >= lo) and (hi is None or value <= hi)):
-        raise ValidationFailed(f"{key} out of range [{lo}, {hi}]", param=key)
-    return value
 
 
 def _flatten(content: Any) -> str:
@@ -476,33 +450,12 @@ class LocalEngine(Engine):
         return adapter.version
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def _params(self, body: dict) -> _Params:
-        if (body.get("n") or 1) != 1:
-            raise ValidationFailed("the local engine generates one choice (n must be 1)")
-        max_new = body.get("max_completion_tokens") or body.get("max_tokens")
-        max_new = _num({"max_tokens": max_new}, "max_tokens", self.max_new_tokens, int, 1, None)
-        stop = body.get("stop")
-        stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else [] if stop is None else None
-        if stops is None or not all(isinstance(s, str) for s in stops):
-            raise ValidationFailed("stop must be a string or a list of strings", param="stop")
-        seed = body.get("seed")
-        # torch seeds are 64-bit; a larger one would fail inside generation, as if the engine had.
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**63):
-            raise ValidationFailed("seed must be a 64-bit integer", param="seed")
+    def _params(self, body: dict) -> SamplingParams:
         tools = body.get("tools")
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise ValidationFailed("tools must be a list of tool objects", param="tools")
-        return _Params(
-            max_new=max_new,
-            temperature=_num(body, "temperature", self.temperature, float, 0.0, 2.0),
-            top_p=_num(body, "top_p", self.top_p, float, 0.0, 1.0),
-            stops=stops,
-            seed=seed,
-            logprobs=bool(body.get("logprobs")),
-            top_logprobs=_num(body, "top_logprobs", 0, int, 0, 20),
-            include_usage=bool((body.get("stream_options") or {}).get("include_usage")),
-            model=body.get("model") or self.name,
-        )
+        return sampling_params(body, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                               top_p=self.top_p, model=self.name, one_choice="the local engine generates one choice")
 
     def _check_prompt_size(self, messages: list[dict], tools: Any) -> None:
         """Refuse, on the event loop and before any tokenizing, a prompt whose text alone could not fit the
@@ -523,7 +476,7 @@ class LocalEngine(Engine):
         return list(self._tok(text, add_special_tokens=False)["input_ids"])
 
     @torch.inference_mode()
-    def _generate(self, messages: list[dict], tools: list | None, p: _Params,
+    def _generate(self, messages: list[dict], tools: list | None, p: SamplingParams,
                   emit: Callable[[str, list[dict]], None] | None, cancel: threading.Event,
                   started: Callable[[str], None] | None = None, frozen: str | None = None) -> _Result:
         """Worker thread: one whole generation, by the adapter the ``frozen`` version names (else the base).
@@ -602,7 +555,7 @@ class LocalEngine(Engine):
         p = self._params(body)
         return self._generate(_chat_messages(body), body.get("tools"), p, emit, cancel, started, frozen)
 
-    def _completion_body(self, res: _Result, p: _Params, rid: str, created: int) -> dict:
+    def _completion_body(self, res: _Result, p: SamplingParams, rid: str, created: int) -> dict:
         logprobs = {"content": res.lp_entries, "refusal": None} if p.logprobs else None
         return {
             "id": rid, "object": "chat.completion", "created": created, "model": p.model,

@@ -45,6 +45,7 @@ adapters an earlier Reef process left behind (Reef's adapter names), so restart 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import random
@@ -70,6 +71,7 @@ from reef_core.engines.base import (
     TokenData,
     relay_status,
 )
+from reef_core.engines.sampling import SamplingParams, sampling_params
 from reef_core.engines.sse import SSEDecoder
 from reef_core.engines.toolcalls import parse_tool_calls, tool_parser
 from reef_core.engines.topk import MAX_K, TopK
@@ -93,39 +95,11 @@ def adapter_name(version: str) -> str:
 
 
 @dataclass
-class _Sampling:
-    max_new: int
-    temperature: float
-    top_p: float
-    stops: list[str]
-    seed: int | None
-    logprobs: bool
-    top_logprobs: int
-    include_usage: bool
-    model: str
-
-
-@dataclass
 class _Served:
     """What a LoRA scenario is served by now: ``adapter`` (None: the base) under ``version``."""
 
     adapter: str | None
     version: str
-
-
-def _num(body: dict, key: str, default, kind, lo=None, hi=None):
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool):
-        raise ValidationFailed(f"{key} must be a number", param=key)
-    try:
-        value = kind(value)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ValidationFailed(f"{key} must be a number", param=key) from exc
-    if not ((lo is None or value >= lo) and (hi is None or value <= hi)):
-        raise ValidationFailed(f"{key} out of range [{lo}, {hi}]", param=key)
-    return value
 
 
 class SGLangEngine(Engine):
@@ -336,9 +310,7 @@ class SGLangEngine(Engine):
         text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
         return list(self._tok(text, add_special_tokens=False)["input_ids"])
 
-    def _sampling(self, body: dict) -> _Sampling:
-        if (body.get("n") or 1) != 1:
-            raise ValidationFailed("a training scenario generates one choice (n must be 1)", param="n")
+    def _sampling(self, body: dict) -> SamplingParams:
         for key in _REFUSED:
             if body.get(key):
                 raise ValidationFailed(f"{key} would make the recorded log-probs disagree with the policy; a training "
@@ -346,25 +318,13 @@ class SGLangEngine(Engine):
         fmt = body.get("response_format")
         if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
             raise ValidationFailed("response_format is not supported on a training scenario", param="response_format")
-        stop = body.get("stop")
-        stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else [] if stop is None else None
-        if stops is None or not all(isinstance(s, str) for s in stops):
-            raise ValidationFailed("stop must be a string or a list of strings", param="stop")
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**63):
-            raise ValidationFailed("seed must be a 64-bit integer", param="seed")
-        max_new = body.get("max_completion_tokens") or body.get("max_tokens")
-        return _Sampling(
-            max_new=_num({"max_tokens": max_new}, "max_tokens", self.max_new_tokens, int, 1, None),
-            temperature=_num(body, "temperature", self.temperature, float, 0.0, 2.0),
-            top_p=_num(body, "top_p", self.top_p, float, 0.0, 1.0),
-            stops=stops, seed=seed if seed is not None else (self._seeds.getrandbits(63) if self._seeds else None),
-            logprobs=bool(body.get("logprobs")),
-            top_logprobs=_num(body, "top_logprobs", 0, int, 0, 20),
-            include_usage=bool((body.get("stream_options") or {}).get("include_usage")),
-            model=body.get("model") or self.name)
+        s = sampling_params(body, max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                            model=self.name, one_choice="a training scenario generates one choice")
+        if s.seed is None and self._seeds:
+            s = dataclasses.replace(s, seed=self._seeds.getrandbits(63))
+        return s
 
-    def _native_body(self, body: dict, prompt_ids: list[int], s: _Sampling, lora: str | None, stream: bool) -> dict:
+    def _native_body(self, body: dict, prompt_ids: list[int], s: SamplingParams, lora: str | None, stream: bool) -> dict:
         params: dict[str, Any] = {"max_new_tokens": s.max_new, "temperature": s.temperature, "top_p": s.top_p,
                                   "top_k": -1, "min_p": 0.0}
         if s.stops:
@@ -427,7 +387,7 @@ class SGLangEngine(Engine):
         async with self._drained:
             self._drained.notify_all()
 
-    async def _generate(self, req: EngineRequest, s: _Sampling, prompt_ids: list[int]):
+    async def _generate(self, req: EngineRequest, s: SamplingParams, prompt_ids: list[int]):
         """One native generation, retried while the engine aborts it: (answer, the version that produced it)."""
         deadline = time.monotonic() + self.retry_timeout_s
         delay = 0.05
@@ -499,7 +459,7 @@ class SGLangEngine(Engine):
                 reason = "tool_calls"
         return message, reason
 
-    def _logprob_entries(self, out: dict, s: _Sampling) -> dict | None:
+    def _logprob_entries(self, out: dict, s: SamplingParams) -> dict | None:
         if not s.logprobs:
             return None
         meta = out["meta_info"]
