@@ -51,7 +51,6 @@ from typing import Any, AsyncIterator, Callable
 import torch
 
 from reef_core.config.schema import EngineConfig
-from reef_core.content import content_text
 from reef_core.engines.adapter import AdapterWeights
 from reef_core.engines.base import (
     TOKENS_EVENT,
@@ -61,7 +60,7 @@ from reef_core.engines.base import (
     StreamEvent,
     TokenData,
 )
-from reef_core.engines.sampling import SamplingParams, sampling_params
+from reef_core.engines.chat_body import SamplingParams, chat_messages, sampling_params
 from reef_core.engines.topk import MAX_K, TopK
 from reef_core.engines.translate import anthropic_count_tokens_to_openai
 from reef_core.errors import ConfigError, Conflict, ReefError, UpstreamError, ValidationFailed
@@ -82,25 +81,8 @@ def _load_model(model_dir: Path):
 # request parameters
 
 
-def _flatten(content: Any) -> str:
-    # The embedded model reads text only: any other part is refused, never silently dropped.
-    return content_text(content, non_text="raise", where="the local engine's message content")
-
-
 def _chat_messages(body: dict) -> list[dict]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise ValidationFailed("messages must be a non-empty list")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ValidationFailed(f"messages[{i}] needs a role")
-        msg = {"role": m["role"], "content": _flatten(m.get("content"))}
-        for key in ("tool_calls", "tool_call_id", "name"):
-            if m.get(key) is not None:
-                msg[key] = m[key]
-        out.append(msg)
-    return out
+    return chat_messages(body, where="the local engine's message content")
 
 
 # ---------------------------------------------------------------------------------------------------------

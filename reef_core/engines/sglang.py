@@ -60,7 +60,6 @@ from typing import Any, AsyncIterator
 
 import aiohttp
 
-from reef_core.content import content_text
 from reef_core.engines.adapter import AdapterWeights
 from reef_core.engines.base import (
     TOKENS_EVENT,
@@ -71,7 +70,7 @@ from reef_core.engines.base import (
     TokenData,
     relay_status,
 )
-from reef_core.engines.sampling import SamplingParams, sampling_params
+from reef_core.engines.chat_body import SamplingParams, chat_messages, sampling_params
 from reef_core.engines.sse import SSEDecoder
 from reef_core.engines.toolcalls import parse_tool_calls, tool_parser
 from reef_core.engines.topk import MAX_K, TopK
@@ -341,20 +340,7 @@ class SGLangEngine(Engine):
         return out
 
     def _messages(self, body: dict) -> list[dict]:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise ValidationFailed("messages must be a non-empty list")
-        out = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ValidationFailed(f"messages[{i}] needs a role")
-            msg = {"role": m["role"], "content": content_text(m.get("content"), non_text="raise",
-                                                               where="a training scenario's message content")}
-            for key in ("tool_calls", "tool_call_id", "name"):
-                if m.get(key) is not None:
-                    msg[key] = m[key]
-            out.append(msg)
-        return out
+        return chat_messages(body, where="a training scenario's message content")
 
     def _check_started(self) -> None:
         if self._client is None or self._tok is None:

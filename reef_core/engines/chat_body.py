@@ -1,7 +1,7 @@
-"""Sampling parameters of an OpenAI chat body, as the engines that generate themselves read them.
+"""What an engine that renders the prompt itself reads from an OpenAI chat body: messages and sampling knobs.
 
-The embedded engine and the SGLang engine (which renders the prompt and samples through SGLang's native route)
-take the same knobs from a client body; :func:`sampling_params` reads and checks them once, raising
+The embedded engine and the SGLang engine (which renders the chat template and samples through SGLang's native
+route) read a client body the same way: :func:`chat_messages` and :func:`sampling_params` check it once, raising
 :class:`~reef_core.errors.ValidationFailed` naming the parameter (a 400 in the client's dialect).
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..content import content_text
 from ..errors import ValidationFailed
 
 
@@ -67,3 +68,23 @@ def sampling_params(body: dict, *, max_new_tokens: int, temperature: float, top_
         include_usage=bool((body.get("stream_options") or {}).get("include_usage")),
         model=body.get("model") or model,
     )
+
+
+def chat_messages(body: dict, *, where: str) -> list[dict]:
+    """``body["messages"]`` as ``{"role", "content": text}`` dicts (tool fields kept) for a chat template.
+
+    The models read text only: any other content part is refused (``where`` names the engine in the message),
+    never silently dropped."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ValidationFailed("messages must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValidationFailed(f"messages[{i}] needs a role", param=f"messages[{i}].role")
+        msg = {"role": m["role"], "content": content_text(m.get("content"), non_text="raise", where=where)}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if m.get(key) is not None:
+                msg[key] = m[key]
+        out.append(msg)
+    return out
