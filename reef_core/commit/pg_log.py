@@ -119,6 +119,16 @@ class PgCommitLog:
 
     # ---------------------------------------------------------------- writing
 
+    def adopt(self, earlier) -> int:
+        """Copy every row of ``earlier`` (a file log of the same scenario) into this log when this one is empty;
+        returns how many rows were copied (0 when this log already has rows)."""
+        if self.last_step():
+            return 0
+        rows = earlier.rows(0, limit=max(earlier.last_step(), 1))
+        for row in rows:
+            self.append(row, row["step"] - 1)
+        return len(rows)
+
     def append(self, row: dict, expected_step: int) -> dict:
         """Commit ``row`` as step ``expected_step + 1`` (CAS on the step); return the stored row."""
         if not self.writer:

@@ -31,8 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..commit.commitlog import WriterLock
+from ..commit.commitlog import CommitLog, WriterLock
 from ..commit.pg_log import PgCommitLog
+from ..commit.release import scenario_path
 from ..config.recipes import RecipeBinding, check_components, recipe_bindings
 from ..config.schema import ReefConfig
 from ..errors import ConfigError, NotFound, ReefError, ScenarioQuarantined
@@ -289,7 +290,16 @@ class Deployment:
                 self._leases = LeaseHolder(self.store.sql_engine, self.store.schema)
 
     def _shared_log(self, scenario: str) -> PgCommitLog:
-        return PgCommitLog(self.store.sql_engine, scenario, self.learner_settings.commits_dir)
+        """The scenario's commit log in PostgreSQL; a file log this data directory kept before (a deployment
+        that moved its records to PostgreSQL earlier) is copied in first, so its steps and consumed ids carry
+        over."""
+        shared = PgCommitLog(self.store.sql_engine, scenario, self.learner_settings.commits_dir)
+        if scenario_path(self.learner_settings.commits_dir, scenario, ".jsonl").exists():
+            copied = shared.adopt(CommitLog.for_scenario(self.learner_settings.commits_dir, scenario, writer=False))
+            if copied:
+                log.warning("scenario %r: %d commit-log rows copied from %s into PostgreSQL", scenario, copied,
+                            shared.path)
+        return shared
 
     def _follow(self, scenario: Scenario) -> ScenarioFollower:
         """A follower of the scenario's head (called with the learners' lock held)."""

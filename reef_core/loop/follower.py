@@ -121,6 +121,8 @@ class HeadWatcher:
         self._dsn = dsn
         self._channel = channel
         self._stop = threading.Event()
+        #: Set while a ``LISTEN`` session is up (a move notified from then on is seen at once).
+        self.listening = threading.Event()
         self._thread = threading.Thread(target=self._run, name="reef-head-watcher", daemon=True)
 
     def start(self) -> None:
@@ -141,6 +143,7 @@ class HeadWatcher:
                 try:
                     self._listen()
                 except Exception as exc:  # noqa: BLE001 - fall back to polling, then listen again
+                    self.listening.clear()
                     log.warning("head notifications unavailable (%s); polling every %.1f s", exc, self.interval_s)
             self.refresh()
             self._stop.wait(self.interval_s)
@@ -150,6 +153,7 @@ class HeadWatcher:
 
         with psycopg.connect(self._dsn, autocommit=True) as conn:
             conn.execute(f'LISTEN "{self._channel}"')
+            self.listening.set()
             self.refresh()  # moves made before LISTEN took effect
             next_poll = time.monotonic() + self.interval_s
             while not self._stop.is_set():
