@@ -206,7 +206,8 @@ class Deployment:
         processor refuses. Never blocks: the learner of a stored scenario exists once :meth:`resolve` returned; a
         scenario not stored yet has no processor, so its first report meets only the store's checks."""
         learner = self._learners.get(scenario.name)
-        processor = getattr(learner, "processor", None)
+        # A follower's processor never ingests: it only applies the same door rule as the learner's would.
+        processor = getattr(learner, "processor", None) or getattr(learner, "door", None)
         return processor.report_key(report) if processor is not None else None
 
     # -- the loop ------------------------------------------------------------------------------
@@ -305,8 +306,13 @@ class Deployment:
         """A follower of the scenario's head (called with the learners' lock held)."""
         log_view = (PgCommitLog(self.store.sql_engine, scenario.name, self.learner_settings.commits_dir,
                                 writer=False) if self.shared else None)
-        follower = ScenarioFollower(scenario.name, self.recipe(scenario).config, self.surface_for(scenario),
-                                    self.artifacts, log_view)
+        recipe = self.recipe(scenario).config
+        follower = ScenarioFollower(scenario.name, recipe, self.surface_for(scenario), self.artifacts, log_view)
+        if recipe.processor:
+            follower.door = self.pm.create(
+                "processor", recipe.processor, scenario=scenario.name, options=dict(recipe.processor_options),
+                serving_version=follower.serving_version, load_records=self.store.get_many, create=self.pm.create,
+                engine=self.engine, run_async=self.run_async)
         follower.start()
         self._learners[scenario.name] = follower
         if self._watcher is None:

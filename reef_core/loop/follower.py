@@ -28,8 +28,10 @@ def head_channel(schema: str | None) -> str:
 class ScenarioFollower:
     """Serves the head of ``scenario`` as the shared artifact repository names it."""
 
-    processor = None  # no processor: reports meet only the store's checks here
+    processor = None  # nothing is ingested here
     has_trainer = False
+    #: The recipe's processor, built only for its door rule on reports (``Processor.report_key``), or None.
+    door = None
 
     def __init__(self, scenario: str, recipe, surface, artifacts, commit_log=None):
         self.name = scenario
