@@ -1,4 +1,5 @@
-"""A serving replica (``server.learner=false``) trains nothing but applies its recipe's door rule on reports."""
+"""The roles beside `reef serve`: a replica (``server.learner=false``) applies its recipe's door rule on reports and trains
+nothing; `reef learn` refuses a config it cannot run, naming the key."""
 
 from __future__ import annotations
 
@@ -26,3 +27,17 @@ def test_a_replica_refuses_what_the_learner_would_and_names_where_training_runs(
     assert report(0.0, 0, 0).status_code == 409  # the slot's key is taken, as on a learner-bearing server
     status = httpx.get(f"{server.url}/reef/scenarios/{sc}/status").json()
     assert status["learner"] == "elsewhere"
+
+
+def test_reef_learn_refuses_bad_config_naming_the_key(tmp_path):
+    import subprocess
+
+    from reef_core.testing.fixtures import REEF
+
+    base = [*REEF, "learn", f"storage.data_dir={tmp_path}", "engine.kind=upstream",
+            "engine.upstream_url=http://127.0.0.1:9"]
+    no_recipe = subprocess.run(base, capture_output=True, text=True, timeout=60)
+    assert no_recipe.returncode == 2 and "needs a recipe" in no_recipe.stderr
+    interval = subprocess.run([*base, "recipe.name=steps", "recipe.processor=per_report",
+                               "server.follow_interval_s=0"], capture_output=True, text=True, timeout=60)
+    assert interval.returncode == 2 and "server.follow_interval_s" in interval.stderr
