@@ -41,3 +41,44 @@ def test_reef_learn_refuses_bad_config_naming_the_key(tmp_path):
     interval = subprocess.run([*base, "recipe.name=steps", "recipe.processor=per_report",
                                "server.follow_interval_s=0"], capture_output=True, text=True, timeout=60)
     assert interval.returncode == 2 and "server.follow_interval_s" in interval.stderr
+
+
+def test_on_sqlite_a_replica_and_reef_learn_share_one_data_dir(reef_server, fake_upstream_url, tmp_path):
+    """One machine without PostgreSQL: the learner process keeps the file commit log; the replica polls the head."""
+    import subprocess
+
+    from reef_core.commit.commitlog import CommitLog
+    from reef_core.testing.fixtures import REEF, wait_until
+
+    data_dir = tmp_path / "shared"
+    config = ["engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}", "recipe.name=steps",
+              "recipe.processor=per_report", "+recipe.processor_options.batch_size=1",
+              "recipe.trainer=reef_core.testing.step_trainer:StepTrainer", "recipe.surface=harness",
+              "server.follow_interval_s=0.5"]
+    server = reef_server(*config, "server.learner=false", data_dir=data_dir)
+    sc = "solo"
+    receipt = httpx.post(f"{server.url}/v1/chat/completions", headers={"x-reef-scenario": sc},
+                         json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}).headers[
+        "x-reef-agent-record-id"]
+    with open(tmp_path / "learn.log", "wb") as out:
+        learner = subprocess.Popen([*REEF, "learn", f"storage.data_dir={data_dir}", *config], stdout=out,
+                                   stderr=subprocess.STDOUT)
+    try:
+        log = CommitLog.for_scenario(data_dir / "commits", sc, writer=False)
+        wait_until(lambda: log.last_step() >= 1, timeout=60, what="release 0")
+        response = httpx.post(f"{server.url}/reef/report", headers={"x-reef-scenario": sc},
+                              json={"score": 1.0, "references": [receipt]})
+        assert response.status_code == 200, response.text
+        wait_until(lambda: log.last_step() >= 2, timeout=30, what="a trained step")
+        release_id = log.row(2)["release_id"]
+
+        def serving():
+            return httpx.post(f"{server.url}/v1/chat/completions", headers={"x-reef-scenario": sc},
+                              json={"model": "m", "messages": [{"role": "user", "content": "?"}]}).headers.get(
+                "x-reef-release-id")
+
+        wait_until(lambda: serving() == release_id, timeout=5, what="the replica serving the new release")
+        assert response.json()["agent_record_id"] in log.row(2)["consumed_ids"]
+    finally:
+        learner.terminate()
+        assert learner.wait(timeout=30) == 0
