@@ -50,15 +50,20 @@ def ensure_table(engine: sa.Engine) -> None:
 class PgCommitLog:
     """The commit log of one scenario in PostgreSQL; ``writer=False`` refuses appends.
 
-    ``engine`` is the record store's schema-mapped engine (:attr:`RecordStore.sql_engine`). ``path`` names the
+    ``engine`` is the record store's schema-mapped engine (:attr:`RecordStore.sql_engine`); ``fence`` as on the
+    attribute. ``path`` names the
     scenario's per-process files kept beside the log (release metrics), as the file log's path does."""
 
-    def __init__(self, engine: sa.Engine, scenario: str, commits_dir: str | Path, *, writer: bool = True):
+    def __init__(self, engine: sa.Engine, scenario: str, commits_dir: str | Path, *, writer: bool = True,
+                 fence=None):
         if engine.dialect.name != "postgresql":
             raise ValidationFailed("PgCommitLog needs a PostgreSQL engine")
         self.engine = engine
         self.scenario = scenario
         self.writer = writer
+        #: ``fence(conn)``, run inside each append's transaction: raises to refuse the append (a learner that
+        #: lost its lease, see ``reef_core.loop.lease``); None: no fence.
+        self.fence = fence
         self.path = scenario_path(commits_dir, scenario, ".jsonl")
         ensure_table(engine)
 
@@ -141,6 +146,8 @@ class PgCommitLog:
         text = json.dumps(stored, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         try:
             with self.engine.begin() as conn:
+                if self.fence is not None:
+                    self.fence(conn)
                 last = int(conn.execute(sa.select(sa.func.coalesce(sa.func.max(COMMIT_LOG.c.step), 0))
                                         .where(COMMIT_LOG.c.scenario == self.scenario)).scalar_one())
                 if expected_step == last:

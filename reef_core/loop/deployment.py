@@ -294,7 +294,8 @@ class Deployment:
         """The scenario's commit log in PostgreSQL; a file log this data directory kept before (a deployment
         that moved its records to PostgreSQL earlier) is copied in first, so its steps and consumed ids carry
         over."""
-        shared = PgCommitLog(self.store.sql_engine, scenario, self.learner_settings.commits_dir)
+        fence = self._leases.fence(scenario) if self._leases is not None else None
+        shared = PgCommitLog(self.store.sql_engine, scenario, self.learner_settings.commits_dir, fence=fence)
         if scenario_path(self.learner_settings.commits_dir, scenario, ".jsonl").exists():
             copied = shared.adopt(CommitLog.for_scenario(self.learner_settings.commits_dir, scenario, writer=False))
             if copied:

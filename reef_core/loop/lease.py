@@ -5,8 +5,10 @@ A learner process holds one dedicated database session; for each scenario it tra
 scenario name. The lock lives as long as the session: a learner killed with SIGKILL (or cut off from the
 database) drops its session and with it every lock, so a standby process's next
 :meth:`LeaseHolder.try_acquire` wins and its learner recovers from the commit log. A learner whose session
-broke stops training (:meth:`LeaseHolder.alive` is False) rather than keep writing without the lock; the commit
-log's compare-and-swap on the step refuses a stale writer's row regardless.
+broke stops training (:meth:`LeaseHolder.alive` is False) rather than keep writing without the lock, and every
+commit-log append is fenced (:meth:`LeaseHolder.fence`): inside its transaction it checks in ``pg_locks`` that
+this process's session still holds the scenario's lock, so a learner that lost its lease (a network cut it has
+not noticed yet) cannot commit a step after another one took over.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import logging
 import threading
 
 import sqlalchemy as sa
+
+from ..errors import Conflict
 
 log = logging.getLogger("reef.lease")
 
@@ -39,6 +43,7 @@ class LeaseHolder:
 
         self.schema = schema
         self._conn = psycopg.connect(psycopg_dsn(engine), autocommit=True)
+        self.backend_pid = self._conn.info.backend_pid
         self._mutex = threading.Lock()
         self._held: set[str] = set()
         self._broken = False
@@ -70,6 +75,22 @@ class LeaseHolder:
                     self._conn.execute("SELECT pg_advisory_unlock(%s)", (lease_key(self.schema, scenario),))
                 except Exception as exc:  # noqa: BLE001
                     self._lost(exc)
+
+    def fence(self, scenario: str):
+        """``check(conn)`` for :class:`~reef_core.commit.pg_log.PgCommitLog`: raises :class:`Conflict` inside the
+        append's transaction unless this process's session holds ``scenario``'s lease."""
+        key = lease_key(self.schema, scenario)
+        params = {"pid": self.backend_pid, "classid": (key >> 32) & 0xFFFFFFFF, "objid": key & 0xFFFFFFFF}
+
+        def check(conn: sa.Connection) -> None:
+            held = conn.execute(sa.text(
+                "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted AND pid = :pid"
+                " AND classid::bigint = :classid AND objid::bigint = :objid AND objsubid = 1"), params).first()
+            if held is None:
+                raise Conflict(f"this process no longer holds the learner lease of scenario {scenario!r}; "
+                               "another learner may have taken over", scenario=scenario)
+
+        return check
 
     def alive(self) -> bool:
         """Whether the session (and so every lease it holds) still stands."""

@@ -91,6 +91,23 @@ def test_one_lease_per_scenario_and_it_passes_on_when_the_session_ends(pg_schema
         second.close()
 
 
+def test_an_append_is_fenced_by_the_lease(pg_schema_engine, tmp_path):
+    engine, schema = pg_schema_engine
+    holder, rival = LeaseHolder(engine, schema), LeaseHolder(engine, schema)
+    try:
+        assert holder.try_acquire("s")
+        log = PgCommitLog(engine, "s", tmp_path, fence=holder.fence("s"))
+        log.append(row(1), 0)
+        holder.release("s")  # as if its session had been cut: another learner takes over
+        assert rival.try_acquire("s")
+        with pytest.raises(Conflict, match="no longer holds the learner lease"):
+            log.append(row(2), 1)
+        assert PgCommitLog(engine, "s", tmp_path, fence=rival.fence("s")).append(row(2), 1)["step"] == 2
+    finally:
+        holder.close()
+        rival.close()
+
+
 class _Head:
     def __init__(self, release_id):
         self.release_id = release_id
