@@ -17,7 +17,7 @@ Roles (``role``): ``all`` (``reef serve``, the default) serves and runs the lear
 the head a learner process publishes; ``learn`` (``reef learn``) runs the learners only. With a PostgreSQL
 record store the commit logs live in the database and a learner runs only while its process holds the
 scenario's lease (:mod:`reef_core.loop.lease`); a ``reef serve`` whose scenario's lease another process holds
-serves that scenario as a follower.
+serves that scenario as a follower, and takes the learner over when the lease frees (:meth:`_serve_round`).
 """
 
 from __future__ import annotations
@@ -249,8 +249,6 @@ class Deployment:
         process does not train it (see the module doc). A scenario whose learner cannot start is quarantined
         (:class:`ScenarioQuarantined`, 503) instead of failing the caller's whole process. In the ``learn`` role,
         None while another process holds the scenario's lease."""
-        from .learner import ScenarioLearner
-
         with self._learners_lock:
             found = self._learners.get(scenario.name)
             if found is None:
@@ -264,22 +262,51 @@ class Deployment:
                     log.warning("scenario %r: another process runs its learner; this one serves it as a follower",
                                 scenario.name)
                     return self._follow(scenario)
-                try:
-                    found = ScenarioLearner(scenario.name, self.recipe(scenario).config, self.surface_for(scenario),
-                                            self.learner_ports, self.settings_for(scenario))
-                    try:
-                        found.start()  # recovery runs here, before the scenario serves
-                    except BaseException:
-                        found.stop()  # no turns for a learner that did not start
-                        raise
-                except Exception as exc:  # noqa: BLE001 - one scenario's data must not stop the others
-                    if self._leases is not None:
-                        self._leases.release(scenario.name)
-                    self.quarantine(scenario.name, exc)
-                    raise ScenarioQuarantined(f"scenario {scenario.name!r} is quarantined: "
-                                              f"{self._quarantined[scenario.name]}", scenario=scenario.name) from exc
-                self._learners[scenario.name] = found
+                found = self._start_learner(scenario)
             return found
+
+    def _start_learner(self, scenario: Scenario):
+        """Build, recover and start the scenario's learner (its lease, if any, held); quarantine it if it cannot."""
+        from .learner import ScenarioLearner
+
+        with self._learners_lock:
+            try:
+                found = ScenarioLearner(scenario.name, self.recipe(scenario).config, self.surface_for(scenario),
+                                        self.learner_ports, self.settings_for(scenario))
+                try:
+                    found.start()  # recovery runs here, before the scenario serves
+                except BaseException:
+                    found.stop()  # no turns for a learner that did not start
+                    raise
+            except Exception as exc:  # noqa: BLE001 - one scenario's data must not stop the others
+                if self._leases is not None:
+                    self._leases.release(scenario.name)
+                self.quarantine(scenario.name, exc)
+                raise ScenarioQuarantined(f"scenario {scenario.name!r} is quarantined: "
+                                          f"{self._quarantined[scenario.name]}", scenario=scenario.name) from exc
+            self._learners[scenario.name] = found
+            return found
+
+    def _serve_round(self) -> None:
+        """Each watcher round of a ``reef serve`` on PostgreSQL: wake the learners held here (records also arrive
+        through other processes) and take over a followed scenario whose lease freed (its learner's process
+        ended)."""
+        from .learner import ScenarioLearner
+
+        for name, found in list(self._learners.items()):
+            if isinstance(found, ScenarioLearner):
+                if found.processor is not None:
+                    found.wake()
+                continue
+            with self._learners_lock:
+                if self._learners.get(name) is not found or not self._leases.try_acquire(name):
+                    continue
+                scenario = self._scenarios.get(name) or self.store.get_scenario(name)
+                try:
+                    self._start_learner(scenario)
+                    log.warning("scenario %r: its learner's process is gone; the learner runs here now", name)
+                except ScenarioQuarantined:
+                    pass  # the follower keeps serving; status shows the reason
 
     def _hold_writer_lock(self) -> None:
         """One process writes this data directory's commit logs (taken once, before any learner); with a
@@ -316,12 +343,18 @@ class Deployment:
                 engine=self.engine, run_async=self.run_async)
         follower.start()
         self._learners[scenario.name] = follower
-        if self._watcher is None:
-            self._watcher = HeadWatcher(self._followers, self.cfg.server.follow_interval_s,
-                                        dsn=psycopg_dsn(self.store.sql_engine) if self.shared else None,
-                                        channel=head_channel(self.store.schema))
-            self._watcher.start()
+        self._watch()
         return follower
+
+    def _watch(self) -> None:
+        """Start the head watcher (once): followers' refreshes, and :meth:`_serve_round` in a ``reef serve``."""
+        with self._learners_lock:
+            if self._watcher is None:
+                on_round = self._serve_round if self.role == "all" and self.shared else None
+                self._watcher = HeadWatcher(self._followers, self.cfg.server.follow_interval_s,
+                                            dsn=psycopg_dsn(self.store.sql_engine) if self.shared else None,
+                                            channel=head_channel(self.store.schema), on_round=on_round)
+                self._watcher.start()
 
     def _followers(self) -> dict[str, ScenarioFollower]:
         return {name: found for name, found in list(self._learners.items()) if isinstance(found, ScenarioFollower)}
@@ -469,6 +502,10 @@ class Deployment:
                         self._scenarios[scenario.name] = scenario
                 except ScenarioQuarantined:
                     pass
+        if self.role == "all" and self.shared:
+            # Other processes may serve the same scenarios: wake learners for their records, take over from the dead.
+            await asyncio.to_thread(self._hold_writer_lock)
+            self._watch()
 
     async def stop(self) -> None:
         for learner in list(self._learners.values()):

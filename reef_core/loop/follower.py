@@ -114,11 +114,12 @@ class HeadWatcher:
     """Refreshes followers: at once on a head-move notification, and all of them every ``interval_s``.
 
     ``dsn`` (PostgreSQL) enables ``LISTEN``; without it (or while the listening session is down) polling alone
-    keeps the bound."""
+    keeps the bound. ``on_round`` runs after every periodic refresh (the deployment's own round of work)."""
 
     def __init__(self, followers: Callable[[], dict[str, ScenarioFollower]], interval_s: float,
-                 dsn: str | None = None, channel: str | None = None):
+                 dsn: str | None = None, channel: str | None = None, on_round: Callable[[], None] | None = None):
         self._followers = followers
+        self._on_round = on_round
         self.interval_s = interval_s
         self._dsn = dsn
         self._channel = channel
@@ -139,6 +140,14 @@ class HeadWatcher:
             if scenario is None or name == scenario:
                 follower.refresh()
 
+    def _poll(self) -> None:
+        self.refresh()
+        if self._on_round is not None:
+            try:
+                self._on_round()
+            except Exception:  # noqa: BLE001 - the next round tries again
+                log.exception("head watcher round failed")
+
     def _run(self) -> None:
         while not self._stop.is_set():
             if self._dsn is not None:
@@ -147,7 +156,7 @@ class HeadWatcher:
                 except Exception as exc:  # noqa: BLE001 - fall back to polling, then listen again
                     self.listening.clear()
                     log.warning("head notifications unavailable (%s); polling every %.1f s", exc, self.interval_s)
-            self.refresh()
+            self._poll()
             self._stop.wait(self.interval_s)
 
     def _listen(self) -> None:
@@ -167,7 +176,7 @@ class HeadWatcher:
                         scenario = None
                     self.refresh(scenario)
                 if time.monotonic() >= next_poll:
-                    self.refresh()
+                    self._poll()
                     next_poll = time.monotonic() + self.interval_s
 
 

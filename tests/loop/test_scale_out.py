@@ -159,3 +159,36 @@ def test_replicas_share_records_and_follow_a_learner_that_fails_over(cluster):
     assert {first, second} <= set(consumed)
     assert both_serve(rows[-1]) <= FOLLOW_S + 2
     assert standby.poll() is None
+
+
+def test_two_full_servers_share_the_learning_and_the_survivor_takes_over(cluster):
+    """Two default ``reef serve`` (learner in process) on one database: one trains, the other serves as a follower
+    and wakes nothing; records sent to the follower are trained by the other's learner; SIGKILL the training one and
+    the survivor's learner takes over."""
+    sc = "duo"
+    first = ReefProcess(cluster["tmp"] / "a", cluster["overrides"])
+    cluster["started"].append(first)
+    first.start()
+    receipt = chat(first, sc, "hello").headers[RECEIPT]
+    log = PgCommitLog(cluster["engine"], sc, cluster["tmp"], writer=False)
+    wait_until(lambda: log.last_step() >= 1, timeout=30, what="release 0")
+    second = ReefProcess(cluster["tmp"] / "b", cluster["overrides"])
+    cluster["started"].append(second)
+    second.start()
+    assert httpx.get(f"{second.url}/reef/scenarios/{sc}/status").json()["learner"] == "elsewhere"
+
+    trained_by_first = report(second, sc, receipt, 1.0)
+    wait_until(lambda: log.last_step() >= 2, timeout=FOLLOW_S + 10, what="the first server training a record "
+               "stored by the second")
+    assert trained_by_first in log.row(2)["consumed_ids"]
+
+    first.kill()
+    wait_until(lambda: httpx.get(f"{second.url}/reef/scenarios/{sc}/status").json()["learner"] != "elsewhere",
+               timeout=FOLLOW_S + 10, what="the survivor taking over")
+    trained_by_second = report(second, sc, chat(second, sc, "again").headers[RECEIPT], 0.5)
+    wait_until(lambda: log.last_step() >= 3, timeout=30, what="the survivor's step")
+    rows = log.rows(0, limit=100)
+    assert [r["step"] for r in rows] == [1, 2, 3] and trained_by_second in rows[2]["consumed_ids"]
+    # The row commits before the head moves and the release activates: serving follows within moments.
+    wait_until(lambda: chat(second, sc, "which?").headers.get(RELEASE) == rows[2]["release_id"], timeout=10,
+               what="the survivor serving its release")
