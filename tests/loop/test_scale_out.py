@@ -15,6 +15,7 @@ import signal
 import subprocess
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
 import httpx
@@ -111,8 +112,13 @@ def test_replicas_share_records_and_follow_a_learner_that_fails_over(cluster):
     retry = {chat(r1, sc, "again").headers[RECEIPT],
              chat(r2, sc, "again", {"x-stainless-retry-count": "1"}).headers[RECEIPT]}
     assert len(retry) == 1
+    # The same key on both replicas at once: both answered, one record (the key's row is locked at write time).
+    raced_key = {"Idempotency-Key": f"k-{uuid.uuid4().hex}"}
+    with ThreadPoolExecutor(2) as pool:
+        raced = set(pool.map(lambda server: chat(server, sc, "at once", raced_key).headers[RECEIPT], (r1, r2)))
+    assert len(raced) == 1
     inferences = [r for r in records(r2, sc) if r["request_type"] != "report"]
-    assert sorted(r["agent_record_id"] for r in inferences) == sorted(receipts | retry)
+    assert sorted(r["agent_record_id"] for r in inferences) == sorted(receipts | retry | raced)
 
     # The learner takes the scenario, seeds its release 0, and both replicas serve it.
     active = learner(cluster, "learn-a", delay_s=20)
