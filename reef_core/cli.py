@@ -28,6 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="start the HTTP server (e.g. reef serve +recipe=sao server.port=8900)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides")
 
+    p = sub.add_parser("learn", help="run the learners only, beside serving replicas (server.learner=false) that "
+                                     "share its PostgreSQL record store and artifact repository")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides (the replicas' config)")
+
     p = sub.add_parser("config", help="print the resolved config, secrets redacted (routed recipes' own sections "
                                       "under routed_recipes)")
     p.add_argument("overrides", nargs="*")
@@ -87,6 +91,13 @@ def cmd_serve(args) -> int:
 
     cfg = compose_config(args.overrides)
     return serve(cfg)
+
+
+def cmd_learn(args) -> int:
+    from .config import compose_config
+    from .loop.learn_command import run_learn
+
+    return run_learn(compose_config(args.overrides))
 
 
 def cmd_config(args) -> int:
@@ -167,7 +178,7 @@ def cmd_gc(args) -> int:
 
 
 COMMANDS = {
-    "serve": cmd_serve, "config": cmd_config, "plugins": cmd_plugins, "recipes": cmd_recipes,
+    "serve": cmd_serve, "learn": cmd_learn, "config": cmd_config, "plugins": cmd_plugins, "recipes": cmd_recipes,
     "sweep": cmd_sweep, "gc": cmd_gc,
 }
 

@@ -24,7 +24,8 @@ decided*; the head is the truth about *what was served*):
   the chain was moved outside Reef: StorageUnavailable, for an operator to resolve.
 
 Run it with the scenario's log open as a writer, in the one process holding the data directory's
-:class:`~reef_core.commit.commitlog.WriterLock`.
+:class:`~reef_core.commit.commitlog.WriterLock` (with a PostgreSQL record store: the process holding the scenario's
+learner lease, :mod:`reef_core.loop.lease`, whose log is :class:`~reef_core.commit.pg_log.PgCommitLog`).
 """
 
 from __future__ import annotations

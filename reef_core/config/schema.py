@@ -50,6 +50,13 @@ class ServerConfig:
     #: A request naming an unknown scenario creates it (else 404).
     allow_implicit_scenarios: bool = True
     log_level: str = "info"
+    #: Run the scenarios' learners in this process (one machine, one command). ``false``: serve only, as a
+    #: replica following the heads a ``reef learn`` process publishes (see "Scaling out" in the README).
+    learner: bool = True
+    #: Longest delay, in seconds, before a replica serves a head another process moved (PostgreSQL ``NOTIFY``
+    #: is immediate; this polling bounds a lost notification), and how often ``reef learn`` looks for new
+    #: records, scenarios and free leases.
+    follow_interval_s: float = 2.0
 
 
 @dataclass

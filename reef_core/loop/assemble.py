@@ -7,7 +7,8 @@ from pathlib import Path
 from ..config.schema import ReefConfig
 
 
-def build_deployment(cfg: ReefConfig, plugin_manager=None):
+def build_deployment(cfg: ReefConfig, plugin_manager=None, role: str | None = None):
+    """The deployment ``cfg`` describes; ``role`` as in :class:`~reef_core.loop.deployment.Deployment`."""
     from ..grow.device import check_devices
     from ..observe.records import RecordStore
     from ..plugins import get_plugin_manager
@@ -23,7 +24,7 @@ def build_deployment(cfg: ReefConfig, plugin_manager=None):
     options = {"schema": cfg.storage.records_schema} if cfg.storage.records_schema else {}
     store = RecordStore.open(cfg.storage.records_url, data_dir, **options)
     try:
-        return Deployment(cfg, pm, store, engine, artifacts)
+        return Deployment(cfg, pm, store, engine, artifacts, role=role)
     except BaseException:
         store.close()
         raise

@@ -11,6 +11,13 @@ processor, trainer, surface and their options come from its recipe's ``recipe`` 
 settings (the trainer factory's ``trainer`` section, the gate's ``evaluation`` section) from the same recipe.
 Surfaces are built once per (surface name, surface options), so two recipes' harness surfaces keep their own
 options; a weights surface is built once per deployment, since the engine holds one set of base weights.
+
+Roles (``role``): ``all`` (``reef serve``, the default) serves and runs the learners; ``serve``
+(``server.learner=false``) serves only, each scenario a :class:`~reef_core.loop.follower.ScenarioFollower` of
+the head a learner process publishes; ``learn`` (``reef learn``) runs the learners only. With a PostgreSQL
+record store the commit logs live in the database and a learner runs only while its process holds the
+scenario's lease (:mod:`reef_core.loop.lease`); a ``reef serve`` whose scenario's lease another process holds
+serves that scenario as a follower, and takes the learner over when the lease frees (:meth:`_serve_round`).
 """
 
 from __future__ import annotations
@@ -24,23 +31,38 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..commit.commitlog import WriterLock
+from ..commit.commitlog import CommitLog, WriterLock
+from ..commit.pg_log import PgCommitLog
+from ..commit.release import scenario_path
 from ..config.recipes import RecipeBinding, check_components, recipe_bindings
 from ..config.schema import ReefConfig
 from ..errors import ConfigError, NotFound, ReefError, ScenarioQuarantined
 from ..grow.eval_engine import EvalGeneration
 from ..observe.records import RecordStore, Scenario
+from .follower import HeadWatcher, ScenarioFollower, head_channel, notify_head_moved
+from .lease import LeaseHolder, psycopg_dsn
 from .pool import LearnerPool
 from .ports import LearnerPorts, LearnerSettings, ServingPorts
 from .taskfile import load_tasks
 
 log = logging.getLogger("reef.serve")
 
-__all__ = ["Deployment", "RecipeBinding"]
+__all__ = ["Deployment", "RecipeBinding", "ROLES"]
+
+#: What a process does: serve and learn (``reef serve``), serve only (``server.learner=false``), learn only
+#: (``reef learn``).
+ROLES = ("all", "serve", "learn")
 
 
 class Deployment:
-    def __init__(self, cfg: ReefConfig, plugin_manager, store: RecordStore, engine, artifacts):
+    def __init__(self, cfg: ReefConfig, plugin_manager, store: RecordStore, engine, artifacts,
+                 role: str | None = None):
+        role = role or ("all" if cfg.server.learner else "serve")
+        if role not in ROLES:
+            raise ConfigError(f"deployment role must be one of {', '.join(ROLES)}, not {role!r}")
+        if not cfg.server.follow_interval_s > 0:
+            raise ConfigError("server.follow_interval_s must be a positive number of seconds")
+        self.role = role
         self.cfg = cfg
         self.pm = plugin_manager
         self.store = store
@@ -65,8 +87,13 @@ class Deployment:
         self.pool = LearnerPool(workers=cfg.trainer.learner_workers)
         self.serving_ports = ServingPorts(engine=engine, artifacts=artifacts, run_async=self.run_async,
                                           load_base_model=self.load_base_model)
+        #: Commit logs and leases in the database when the record store is PostgreSQL (shared by processes).
+        self.shared = store.dialect == "postgresql"
+        self._leases: LeaseHolder | None = None
+        self._watcher: HeadWatcher | None = None
         self.learner_ports = LearnerPorts(serving=self.serving_ports, records=store, create=plugin_manager.create,
-                                          notify=plugin_manager.notify, pool=self.pool)
+                                          notify=self._notify, pool=self.pool,
+                                          commit_log=self._shared_log if self.shared else None)
         #: The default recipe's settings (deployment-wide paths: the commit logs' directory).
         self.learner_settings = self._settings[cfg.recipe.name]
         # Build every recipe's surface now: an impossible pairing (a weights recipe on an engine that
@@ -179,7 +206,8 @@ class Deployment:
         processor refuses. Never blocks: the learner of a stored scenario exists once :meth:`resolve` returned; a
         scenario not stored yet has no processor, so its first report meets only the store's checks."""
         learner = self._learners.get(scenario.name)
-        processor = getattr(learner, "processor", None)
+        # A follower's processor never ingests: it only applies the same door rule as the learner's would.
+        processor = getattr(learner, "processor", None) or getattr(learner, "door", None)
         return processor.report_key(report) if processor is not None else None
 
     # -- the loop ------------------------------------------------------------------------------
@@ -217,35 +245,146 @@ class Deployment:
         return self._settings[self.recipe(scenario).name]
 
     def learner(self, scenario: Scenario):
-        """The scenario's learner (created, recovered and started on first use). A scenario whose learner cannot
-        start is quarantined (:class:`ScenarioQuarantined`, 503) instead of failing the caller's whole process."""
-        from .learner import ScenarioLearner
-
+        """The scenario's learner (created, recovered and started on first use), or its follower where this
+        process does not train it (see the module doc). A scenario whose learner cannot start is quarantined
+        (:class:`ScenarioQuarantined`, 503) instead of failing the caller's whole process. In the ``learn`` role,
+        None while another process holds the scenario's lease."""
         with self._learners_lock:
             found = self._learners.get(scenario.name)
             if found is None:
                 self._check_quarantine(scenario.name)
+                if self.role == "serve":
+                    return self._follow(scenario)
                 self._hold_writer_lock()  # not one scenario's fault: a second server on this data dir fails here
-                try:
-                    found = ScenarioLearner(scenario.name, self.recipe(scenario).config, self.surface_for(scenario),
-                                            self.learner_ports, self.settings_for(scenario))
-                    try:
-                        found.start()  # recovery runs here, before the scenario serves
-                    except BaseException:
-                        found.stop()  # no turns for a learner that did not start
-                        raise
-                except Exception as exc:  # noqa: BLE001 - one scenario's data must not stop the others
-                    self.quarantine(scenario.name, exc)
-                    raise ScenarioQuarantined(f"scenario {scenario.name!r} is quarantined: "
-                                              f"{self._quarantined[scenario.name]}", scenario=scenario.name) from exc
-                self._learners[scenario.name] = found
+                if self._leases is not None and not self._leases.try_acquire(scenario.name):
+                    if self.role == "learn":
+                        return None  # a standby: retried by the learn loop, which takes over when the lease frees
+                    log.warning("scenario %r: another process runs its learner; this one serves it as a follower",
+                                scenario.name)
+                    return self._follow(scenario)
+                found = self._start_learner(scenario)
             return found
 
+    def _start_learner(self, scenario: Scenario):
+        """Build, recover and start the scenario's learner (its lease, if any, held); quarantine it if it cannot."""
+        from .learner import ScenarioLearner
+
+        with self._learners_lock:
+            try:
+                found = ScenarioLearner(scenario.name, self.recipe(scenario).config, self.surface_for(scenario),
+                                        self.learner_ports, self.settings_for(scenario))
+                try:
+                    found.start()  # recovery runs here, before the scenario serves
+                except BaseException:
+                    found.stop()  # no turns for a learner that did not start
+                    raise
+            except Exception as exc:  # noqa: BLE001 - one scenario's data must not stop the others
+                if self._leases is not None:
+                    self._leases.release(scenario.name)
+                self.quarantine(scenario.name, exc)
+                raise ScenarioQuarantined(f"scenario {scenario.name!r} is quarantined: "
+                                          f"{self._quarantined[scenario.name]}", scenario=scenario.name) from exc
+            self._learners[scenario.name] = found
+            return found
+
+    def _serve_round(self) -> None:
+        """Each watcher round of a ``reef serve`` on PostgreSQL: wake the learners held here (records also arrive
+        through other processes) and take over a followed scenario whose lease freed (its learner's process
+        ended)."""
+        from .learner import ScenarioLearner
+
+        for name, found in list(self._learners.items()):
+            if isinstance(found, ScenarioLearner):
+                if found.processor is not None:
+                    found.wake()
+                continue
+            with self._learners_lock:
+                if self._learners.get(name) is not found or not self._leases.try_acquire(name):
+                    continue
+                scenario = self._scenarios.get(name) or self.store.get_scenario(name)
+                try:
+                    self._start_learner(scenario)
+                    log.warning("scenario %r: its learner's process is gone; the learner runs here now", name)
+                except ScenarioQuarantined:
+                    pass  # the follower keeps serving; status shows the reason
+
     def _hold_writer_lock(self) -> None:
-        """One process writes this data directory's commit logs (taken once, before any learner)."""
+        """One process writes this data directory's commit logs (taken once, before any learner); with a
+        PostgreSQL store, also open this process's lease session."""
         with self._learners_lock:
             if self._writer_lock is None:
                 self._writer_lock = WriterLock(self.learner_settings.commits_dir)
+            if self.shared and self._leases is None:
+                self._leases = LeaseHolder(self.store.sql_engine, self.store.schema)
+
+    def _shared_log(self, scenario: str) -> PgCommitLog:
+        """The scenario's commit log in PostgreSQL; a file log this data directory kept before (a deployment
+        that moved its records to PostgreSQL earlier) is copied in first, so its steps and consumed ids carry
+        over."""
+        fence = self._leases.fence(scenario) if self._leases is not None else None
+        shared = PgCommitLog(self.store.sql_engine, scenario, self.learner_settings.commits_dir, fence=fence)
+        if scenario_path(self.learner_settings.commits_dir, scenario, ".jsonl").exists():
+            copied = shared.adopt(CommitLog.for_scenario(self.learner_settings.commits_dir, scenario, writer=False))
+            if copied:
+                log.warning("scenario %r: %d commit-log rows copied from %s into PostgreSQL", scenario, copied,
+                            shared.path)
+        return shared
+
+    def _follow(self, scenario: Scenario) -> ScenarioFollower:
+        """A follower of the scenario's head (called with the learners' lock held)."""
+        log_view = (PgCommitLog(self.store.sql_engine, scenario.name, self.learner_settings.commits_dir,
+                                writer=False) if self.shared else None)
+        recipe = self.recipe(scenario).config
+        follower = ScenarioFollower(scenario.name, recipe, self.surface_for(scenario), self.artifacts, log_view)
+        if recipe.processor:
+            follower.door = self.pm.create(
+                "processor", recipe.processor, scenario=scenario.name, options=dict(recipe.processor_options),
+                serving_version=follower.serving_version, load_records=self.store.get_many, create=self.pm.create,
+                engine=self.engine, run_async=self.run_async)
+        follower.start()
+        self._learners[scenario.name] = follower
+        self._watch()
+        return follower
+
+    def _watch(self) -> None:
+        """Start the head watcher (once): followers' refreshes, and :meth:`_serve_round` in a ``reef serve``."""
+        with self._learners_lock:
+            if self._watcher is None:
+                on_round = self._serve_round if self.role == "all" and self.shared else None
+                self._watcher = HeadWatcher(self._followers, self.cfg.server.follow_interval_s,
+                                            dsn=psycopg_dsn(self.store.sql_engine) if self.shared else None,
+                                            channel=head_channel(self.store.schema), on_round=on_round)
+                self._watcher.start()
+
+    def _followers(self) -> dict[str, ScenarioFollower]:
+        return {name: found for name, found in list(self._learners.items()) if isinstance(found, ScenarioFollower)}
+
+    def _notify(self, hook_name: str, **kwargs) -> None:
+        """Lifecycle hooks for plugins; a head move also reaches the replicas listening on PostgreSQL."""
+        self.pm.notify(hook_name, **kwargs)
+        if hook_name == "reef_release_published" and self.shared:
+            notify_head_moved(self.store.sql_engine, self.store.schema, kwargs["scenario"])
+
+    def learn_round(self) -> list[str]:
+        """One round of the ``learn`` role: take over every free scenario and wake every learner held here (records
+        arrive through other processes). Returns the scenarios this process trains. Raises
+        ``StorageUnavailable`` once the lease session is lost: the process must stop training."""
+        from ..errors import StorageUnavailable
+
+        if self._leases is not None and not self._leases.alive():
+            raise StorageUnavailable("the learner's lease session to PostgreSQL was lost; stopping")
+        for scenario in self.store.scenarios():
+            if scenario.archived or scenario.name in self._learners:
+                continue
+            try:
+                if self.learner(scenario) is not None:
+                    self._scenarios[scenario.name] = scenario
+                    log.info("scenario %r: learner active in this process", scenario.name)
+            except ScenarioQuarantined:
+                pass
+        for learner in list(self._learners.values()):
+            learner.wake()
+        return sorted(self._learners)
 
     async def record_stored(self, record, idempotency_key: str | None = None, *,
                             check_references: bool = False):
@@ -351,22 +490,32 @@ class Deployment:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        await asyncio.to_thread(self._hold_writer_lock)  # a second server on this data dir fails here
+        if self.role != "serve":
+            await asyncio.to_thread(self._hold_writer_lock)  # a second server on this data dir fails here
         await self.engine.start()
         # Existing scenarios resume their learners (recovery runs before serving starts). One that cannot is
         # quarantined (see learner()); start-up goes on with the others.
         for scenario in await asyncio.to_thread(self.store.scenarios):
             if not scenario.archived:
                 try:
-                    await asyncio.to_thread(self.learner, scenario)
-                    self._scenarios[scenario.name] = scenario
+                    if await asyncio.to_thread(self.learner, scenario) is not None:
+                        self._scenarios[scenario.name] = scenario
                 except ScenarioQuarantined:
                     pass
+        if self.role == "all" and self.shared:
+            # Other processes may serve the same scenarios: wake learners for their records, take over from the dead.
+            await asyncio.to_thread(self._hold_writer_lock)
+            self._watch()
 
     async def stop(self) -> None:
         for learner in list(self._learners.values()):
             await asyncio.to_thread(learner.stop)
         await asyncio.to_thread(self.pool.close)
+        if self._watcher is not None:
+            await asyncio.to_thread(self._watcher.stop)
+        if self._leases is not None:
+            self._leases.close()  # ends the session: another process's learner may take over now
+            self._leases = None
         try:
             await self.engine.close()
         finally:

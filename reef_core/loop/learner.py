@@ -58,7 +58,8 @@ class ScenarioLearner:
         self.name = scenario
         self.recipe = recipe
         self.lock = threading.RLock()  # one writer of this scenario's head: steps, rollback, promote
-        self.log = CommitLog.for_scenario(settings.commits_dir, scenario)
+        self.log = (ports.commit_log(scenario) if ports.commit_log is not None
+                    else CommitLog.for_scenario(settings.commits_dir, scenario))
         self.committer = Committer(self.artifacts, self.log, scenario)
         self.surface = surface
         self.processor = None

@@ -70,6 +70,9 @@ class LearnerPorts:
     notify: Callable[..., None]
     #: The worker pool that gives the learner its turns.
     pool: LearnerPool
+    #: ``commit_log(scenario)``: the scenario's commit log opened as its writer; None: the file log under
+    #: ``settings.commits_dir`` (PostgreSQL deployments keep it in the database, ``reef_core.commit.pg_log``).
+    commit_log: Callable[[str], Any] | None = None
 
 
 @dataclass(frozen=True)

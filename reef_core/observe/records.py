@@ -90,6 +90,12 @@ class RecordStore:
         return self._engines.schema
 
     @property
+    def sql_engine(self) -> sa.Engine:
+        """The store's schema-mapped SQLAlchemy engine, for tables kept beside the records in the same database
+        (the PostgreSQL commit log, learner leases); reads and short transactions only, never record writes."""
+        return self._engines.reader
+
+    @property
     def stats(self) -> WriterStats:
         """A snapshot of the writer's counters (transactions, rows, batches, ...)."""
         return self._writer.stats()
