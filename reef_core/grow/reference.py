@@ -44,7 +44,7 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from reef_core.grow.objective import action_logits
+from reef_core.grow.logprobs import action_logits
 from reef_core.grow.token_batch import TokenBatch, TokenDataError
 
 
