@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import secrets
 import threading
 import time
@@ -61,11 +62,15 @@ from reef_core.engines.base import (
     TokenData,
 )
 from reef_core.engines.chat_body import SamplingParams, chat_messages, sampling_params
+from reef_core.engines.decode import FastDecoder, Packed, supports
+from reef_core.engines.gemv import kernel as gemv_kernel
 from reef_core.engines.topk import MAX_K, TopK
 from reef_core.engines.translate import anthropic_count_tokens_to_openai
 from reef_core.errors import ConfigError, Conflict, ReefError, UpstreamError, ValidationFailed
 from reef_core.grow.device import resolve_device
 
+
+log = logging.getLogger(__name__)
 
 _UNKNOWN = object()  # which adapter the model applies is not known (a slot was just added or removed)
 
@@ -239,6 +244,13 @@ class LocalEngine(Engine):
         #: Counters updated by the worker: generations run, tokens sampled, generations cut short by a
         #: consumer that went away.
         self.stats = {"generations": 0, "output_tokens": 0, "cancelled": 0}
+        #: Decode with :class:`reef_core.engines.decode.FastDecoder` when the model allows (False: transformers'
+        #: forward, kept as the reference the fast pass is tested against).
+        self.fast_decode = True
+        self._fast_unsupported: str | None = "not loaded"
+        self._packed: Packed | None = None
+        #: Which forward served the last generation: "lean" (FastDecoder) or "transformers".
+        self.decode_path: str | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -273,8 +285,26 @@ class LocalEngine(Engine):
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._prefill_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self._fast_unsupported = supports(model)
+        self._packed = Packed(gemv_kernel() if self.device.type == "cpu" else None)
+        self._warm_up()
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Worker thread, at load: run a 3-token generation so the first request pays no one-time cost (bf16 weight
+        copies, kernel and allocator warm-up). A failing fast path is switched off here, with the reason kept."""
+        if self._fast_unsupported:
+            log.info("local engine: transformers' forward (%s)", self._fast_unsupported)
+            return
+        try:
+            dec = FastDecoder(self._model, None, 3, self.device, self._packed)
+            dec.prefill([0, 0])
+            dec.step(torch.zeros(1, dtype=torch.long, device=self.device))
+        except Exception as exc:  # an architecture variant this pass gets wrong must not take the engine down
+            self._fast_unsupported = f"warm-up failed: {exc.__class__.__name__}: {exc}"
+            log.warning("local engine: fast decoding off, %s", self._fast_unsupported)
 
     async def close(self) -> None:
         executor, self._executor = self._executor, None
@@ -322,6 +352,7 @@ class LocalEngine(Engine):
             with torch.no_grad():
                 for k, v in state_dict.items():
                     own[k].copy_(v.to(device=own[k].device, dtype=own[k].dtype))
+            self._packed.clear()  # the bf16 copies describe the old weights
         self.version = version
 
     # ---- adapters ----------------------------------------------------------------------------------------
@@ -489,9 +520,16 @@ class LocalEngine(Engine):
         k = min(self.top_k_logprobs, int(model.config.vocab_size)) if self.top_k_logprobs else 0
         top_vals: list[torch.Tensor] = []  # per step, left on the device until the generation ends
         top_ids: list[torch.Tensor] = []
-        out = model(input_ids=torch.tensor([res.prompt_ids], device=self.device), use_cache=True, **self._prefill_kw)
-        for step in range(max_new):
+        dec = self._decoder(len(res.prompt_ids) + max_new)
+        self.decode_path = "transformers" if dec is None else "lean"
+        if dec is not None:
+            logits = dec.prefill(res.prompt_ids)
+            last = torch.zeros(1, dtype=torch.long, device=self.device)  # the step's input, refilled in place
+        else:
+            out = model(input_ids=torch.tensor([res.prompt_ids], device=self.device), use_cache=True,
+                        **self._prefill_kw)
             logits = out.logits[0, -1].float()
+        for step in range(max_new):
             logp = torch.log_softmax(logits, dim=-1)
             if k:
                 vals, idx = torch.topk(logp, k)
@@ -517,8 +555,12 @@ class LocalEngine(Engine):
                 self.stats["cancelled"] += 1
                 break
             if step + 1 < max_new:
-                out = model(input_ids=torch.tensor([[tid]], device=self.device), use_cache=True,
-                            **{ckw: getattr(out, ckw)})
+                if dec is not None:
+                    logits = dec.step(last.fill_(tid))
+                else:
+                    out = model(input_ids=torch.tensor([[tid]], device=self.device), use_cache=True,
+                                **{ckw: getattr(out, ckw)})
+                    logits = out.logits[0, -1].float()
         self.stats["generations"] += 1
         self.stats["output_tokens"] += len(res.output_ids)
         if k:
@@ -532,6 +574,17 @@ class LocalEngine(Engine):
         if p.logprobs:
             res.lp_entries = pending  # non-streamed: every entry (emit was None)
         return res
+
+    def _decoder(self, length: int) -> FastDecoder | None:
+        """Worker thread: the lean forward pass for this generation (after :meth:`_serve_as` chose the adapter),
+        or None to use transformers' forward (unsupported model or adapter, or :attr:`fast_decode` off)."""
+        if not self.fast_decode or self._fast_unsupported:
+            return None
+        slot = self._serving_slot if isinstance(self._serving_slot, str) else None
+        try:
+            return FastDecoder(self._model, slot, length, self.device, self._packed)
+        except NotImplementedError:  # e.g. a DoRA adapter: this generation only
+            return None
 
     def _job(self, body: dict, emit, cancel: threading.Event, started=None, frozen: str | None = None) -> _Result:
         p = self._params(body)

@@ -1,0 +1,205 @@
+"""A lean forward pass for single-stream decoding of Llama-family models (Llama, Qwen2) in the local engine.
+
+Why: a profile of the engine on a 2-core CPU (``bench/profiles/``) shows that, beside the matrix-vector products,
+about a third of each decode step goes to transformers' module machinery (``Module.__call__``, cache objects,
+per-layer config lookups, ``torch.cat`` growing the KV cache). :class:`FastDecoder` computes the same arithmetic
+with plain tensor ops over the model's own parameters:
+
+* a static KV cache, allocated once per generation for prompt + budget, written in place;
+* rotary tables computed once per generation by the model's own rotary module (so every static rope type the
+  model supports gives the same angles);
+* decode attention as one SDPA call per layer, the query's heads grouped under their shared KV head (no
+  ``repeat_kv`` copy);
+* LoRA adapters (``peft``, unmerged) applied as ``base(x) + scale * B(A(x))`` for the slot the engine enabled.
+
+Numerics are float32 like the trainer's recomputation (:func:`reef_core.grow.objective.sequence_logprobs`); only
+the order of some reductions differs, far inside the 1e-4 contract. The parameters are read by reference when a
+generation starts, so weight swaps (in-place copies) and adapter switches between requests are seen at once.
+:func:`supports` says when the model falls outside what this pass implements; the engine then keeps transformers'
+forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from reef_core.engines.gemv import Bf16Matrix, bf16_exact
+
+#: rope types whose angles depend only on the position (not on the sequence length seen so far)
+_STATIC_ROPE = {"default", "linear", "llama3"}
+
+
+def _rope_type(cfg) -> str:
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    return str(params.get("rope_type", params.get("type", "default"))) if isinstance(params, dict) else "?"
+
+
+def supports(model) -> str | None:
+    """None when :class:`FastDecoder` computes ``model`` exactly, else why not (kept for logs and tests)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) not in ("llama", "qwen2"):
+        return f"model type {getattr(cfg, 'model_type', None)!r} (llama and qwen2 only)"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act!r}"
+    if getattr(cfg, "use_sliding_window", False):
+        return "sliding-window attention"
+    if _rope_type(cfg) not in _STATIC_ROPE:
+        return f"rope type {_rope_type(cfg)!r}"
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp > 1"
+    body = getattr(model, "model", None)
+    if body is None or not hasattr(body, "layers") or not hasattr(body, "rotary_emb"):
+        return "no decoder body"
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        return "parameters are not float32"
+    return None
+
+
+class Packed:
+    """bf16 copies of the float32 weights that are exactly bf16 (:mod:`reef_core.engines.gemv`), kept across
+    generations; :meth:`clear` after any weight change."""
+
+    def __init__(self, fn):
+        self.fn = fn  # the C kernel, or None: every weight stays float32
+        self._mats: dict[int, tuple[torch.Tensor, Bf16Matrix | None]] = {}
+
+    def clear(self) -> None:
+        self._mats.clear()
+
+    def __len__(self) -> int:
+        """How many weights are served from a bf16 copy now."""
+        return sum(1 for _, mat in self._mats.values() if mat is not None)
+
+    def get(self, w: torch.Tensor) -> Bf16Matrix | None:
+        if self.fn is None or w.device.type != "cpu":
+            return None
+        hit = self._mats.get(id(w))
+        if hit is None or hit[0] is not w:  # the tensor is held in the entry, so its id is not reused meanwhile
+            hit = (w, Bf16Matrix(w, self.fn) if bf16_exact(w) else None)
+            self._mats[id(w)] = hit
+        return hit[1]
+
+
+class _Proj:
+    """One linear projection: the base weight and bias, plus the enabled LoRA pair and its scale (if any).
+
+    With a bf16 copy of the base weight (``packed``), single-row inputs go through the bf16 kernel into a buffer
+    of this projection's own (reused every step: each output is consumed before the projection runs again)."""
+
+    __slots__ = ("w", "b", "a", "bb", "scale", "mat", "out")
+
+    def __init__(self, module, slot: str | None, packed: Packed | None = None):
+        base = getattr(module, "base_layer", module)  # a peft LoraLayer wraps the original Linear
+        self.w, self.b = base.weight, base.bias
+        self.mat = packed.get(self.w) if packed is not None else None
+        self.out = torch.empty(1, self.w.shape[0]) if self.mat is not None else None
+        self.a = self.bb = None
+        self.scale = 0.0
+        if slot is not None and slot in getattr(module, "lora_A", {}):
+            if getattr(module, "use_dora", {}).get(slot):
+                raise _Unsupported("DoRA adapters")
+            self.a, self.bb = module.lora_A[slot].weight, module.lora_B[slot].weight
+            self.scale = float(module.scaling[slot])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mat is not None and x.shape[0] == 1:
+            y = self.mat(x.contiguous(), self.b, self.out)
+        else:
+            y = F.linear(x, self.w, self.b)
+        if self.a is not None:
+            y = y + F.linear(F.linear(x, self.a), self.bb) * self.scale
+        return y
+
+
+class _Unsupported(Exception):
+    pass
+
+
+class FastDecoder:
+    """One generation's forward passes: :meth:`prefill` the prompt, then :meth:`step` one token at a time.
+
+    Build one per generation (cheap: it only collects references), with ``slot`` the peft adapter the engine
+    enabled (None: the base). ``length`` bounds prompt + new tokens (the cache is allocated for it).
+    """
+
+    def __init__(self, model, slot: str | None, length: int, device: torch.device, packed: Packed | None = None):
+        cfg = model.config
+        body = model.model
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.hd = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
+        self.groups = self.n_heads // self.n_kv
+        self.layers = []
+        try:
+            for layer in body.layers:
+                at, mlp = layer.self_attn, layer.mlp
+                self.layers.append((
+                    layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon),
+                    _Proj(at.q_proj, slot, packed), _Proj(at.k_proj, slot, packed), _Proj(at.v_proj, slot, packed),
+                    _Proj(at.o_proj, slot, packed),
+                    layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon),
+                    _Proj(mlp.gate_proj, slot, packed), _Proj(mlp.up_proj, slot, packed),
+                    _Proj(mlp.down_proj, slot, packed),
+                ))
+            self.head = _Proj(model.lm_head, slot, packed)
+        except _Unsupported as exc:
+            raise NotImplementedError(str(exc)) from None
+        self.embed = body.embed_tokens
+        self.embed_w = getattr(self.embed, "base_layer", self.embed).weight
+        self.norm_w, self.norm_eps = body.norm.weight, float(body.norm.variance_epsilon)
+        n = len(self.layers)
+        self.k = torch.empty(n, self.n_kv, length, self.hd, device=device)
+        self.v = torch.empty(n, self.n_kv, length, self.hd, device=device)
+        pos = torch.arange(length, device=device)[None]
+        cos, sin = body.rotary_emb(self.k[0, :1, :1], pos)  # the model's own angles, [1, length, hd]
+        self.cos, self.sin = cos[0].float(), sin[0].float()
+        self.pos = 0
+        self.scale = getattr(body.layers[0].self_attn, "scaling", self.hd ** -0.5)
+
+    @staticmethod
+    def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, w.shape, w, eps)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = self.hd // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rot * sin
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Run ``ids`` ([T]) at positions pos..pos+T-1 through the model; logits of the last one, float32."""
+        t = ids.shape[0]
+        p0, p1 = self.pos, self.pos + t
+        h = F.embedding(ids, self.embed_w)  # [T, H]
+        cos, sin = self.cos[p0:p1], self.sin[p0:p1]  # [T, hd]
+        nh, nkv, hd = self.n_heads, self.n_kv, self.hd
+        for i, (w1, e1, q_p, k_p, v_p, o_p, w2, e2, g_p, u_p, d_p) in enumerate(self.layers):
+            x = self._norm(h, w1, e1)
+            q = self._rope(q_p(x).view(t, nh, hd).transpose(0, 1), cos, sin)  # [nh, T, hd]
+            k = self._rope(k_p(x).view(t, nkv, hd).transpose(0, 1), cos, sin)  # [nkv, T, hd]
+            self.k[i, :, p0:p1] = k
+            self.v[i, :, p0:p1] = v_p(x).view(t, nkv, hd).transpose(0, 1)
+            keys, values = self.k[i, :, :p1], self.v[i, :, :p1]
+            if t == 1:  # each KV head's query heads as a "sequence" of queries over every cached key: no mask
+                a = F.scaled_dot_product_attention(q.reshape(nkv, self.groups, hd), keys, values, scale=self.scale)
+                a = a.reshape(1, nh * hd)
+            else:  # the prompt: causal, from an empty cache
+                keys = keys.repeat_interleave(self.groups, dim=0)
+                values = values.repeat_interleave(self.groups, dim=0)
+                a = F.scaled_dot_product_attention(q, keys, values, is_causal=p0 == 0, scale=self.scale)
+                a = a.transpose(0, 1).reshape(t, nh * hd)
+            h = h + o_p(a)
+            x = self._norm(h, w2, e2)
+            h = h + d_p(F.silu(g_p(x)) * u_p(x))
+        self.pos = p1
+        return self.head(self._norm(h[-1:], self.norm_w, self.norm_eps))[0].float()
+
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        """Logits after the prompt ``ids`` (the cache must be empty)."""
+        if self.pos:
+            raise RuntimeError("prefill on a cache already in use")
+        return self._forward(torch.tensor(ids, device=self.k.device))
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """Logits after one more token (``token``: a 1-element long tensor)."""
+        return self._forward(token.view(1))
