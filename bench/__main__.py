@@ -16,6 +16,7 @@ BENCHMARKS = {
     "publish": "bench.publish",
     "fuzz": "bench.fuzz",
     "topk": "bench.topk",
+    "engine": "bench.engine",
 }
 
 

@@ -39,9 +39,10 @@ _SOURCE = r"""
 
 static inline float widen(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 
-/* y[j] = sum_i x[i] * w[j*k + i] (+ b[j]) for j < n; w holds bf16 bit patterns; float32 products and sums. */
-void reef_gemv_bf16(const float *x, const uint16_t *w, const float *b, float *y, long n, long k) {
-    long j = 0;
+/* y[j] = sum_i x[i] * w[j*k + i] (+ b[j]) for j0 <= j < n; w holds bf16 bit patterns; float32 products and
+   sums. Each row's arithmetic does not depend on how rows are split between threads. */
+static void rows(const float *x, const uint16_t *w, const float *b, float *y, long j0, long n, long k) {
+    long j = j0;
 #ifdef __AVX512F__
     long k16 = k & ~15L;
     for (; j + 4 <= n; j += 4) {  /* four rows share each load of x */
@@ -76,6 +77,75 @@ void reef_gemv_bf16(const float *x, const uint16_t *w, const float *b, float *y,
         for (; i < k; i++) s += x[i] * widen(row[i]);
         y[j] = b ? s + b[j] : s;
     }
+}
+
+/* Worker threads: each takes a fixed share of the rows of every product. They spin briefly for the next job
+   (the decode step calls back within microseconds), then sleep on a condition variable. */
+#include <pthread.h>
+#include <sched.h>
+#define MAX_THREADS 16
+static struct { const float *x; const uint16_t *w; const float *b; float *y; long n, k; } job;
+static volatile int epoch, done, sleepers, nthreads = 1;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static pthread_mutex_t caller = PTHREAD_MUTEX_INITIALIZER;  /* one job at a time (engines on other threads) */
+
+static void share(int t, long n, long *lo, long *hi) {
+    long per = ((n + nthreads - 1) / nthreads + 3) & ~3L;
+    *lo = t * per < n ? t * per : n;
+    *hi = (t + 1) * per < n ? (t + 1) * per : n;
+}
+
+static void *worker(void *arg) {
+    int t = (int)(long)arg, seen = 0;
+    for (;;) {
+        int spins = 0;
+        while (__atomic_load_n(&epoch, __ATOMIC_ACQUIRE) == seen) {
+            if (++spins < 20000) continue;
+            pthread_mutex_lock(&mu);
+            __atomic_fetch_add(&sleepers, 1, __ATOMIC_SEQ_CST);  /* a full fence before reading epoch again */
+            while (__atomic_load_n(&epoch, __ATOMIC_ACQUIRE) == seen) pthread_cond_wait(&cv, &mu);
+            __atomic_fetch_sub(&sleepers, 1, __ATOMIC_SEQ_CST);
+            pthread_mutex_unlock(&mu);
+        }
+        seen = __atomic_load_n(&epoch, __ATOMIC_ACQUIRE);
+        long lo, hi;
+        share(t, job.n, &lo, &hi);
+        rows(job.x, job.w, job.b, job.y, lo, hi, job.k);
+        __atomic_fetch_add(&done, 1, __ATOMIC_RELEASE);
+    }
+    return 0;
+}
+
+/* Use `n` threads in all (the caller's plus n - 1 workers, started once; never fewer than already started). */
+int reef_gemv_threads(int n) {
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    for (int t = nthreads; t < n; t++) {
+        pthread_t th;
+        if (pthread_create(&th, 0, worker, (void *)(long)t)) break;
+        pthread_detach(th);
+        nthreads = t + 1;
+    }
+    return nthreads;
+}
+
+void reef_gemv_bf16(const float *x, const uint16_t *w, const float *b, float *y, long n, long k) {
+    if (nthreads == 1 || n * k < 65536) { rows(x, w, b, y, 0, n, k); return; }
+    pthread_mutex_lock(&caller);
+    job.x = x; job.w = w; job.b = b; job.y = y; job.n = n; job.k = k;
+    __atomic_store_n(&done, 0, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&epoch, 1, __ATOMIC_SEQ_CST);  /* a full fence before reading sleepers */
+    if (__atomic_load_n(&sleepers, __ATOMIC_ACQUIRE)) {
+        pthread_mutex_lock(&mu);
+        pthread_cond_broadcast(&cv);
+        pthread_mutex_unlock(&mu);
+    }
+    long lo, hi;
+    share(0, n, &lo, &hi);
+    rows(x, w, b, y, lo, hi, k);
+    for (int spins = 0; __atomic_load_n(&done, __ATOMIC_ACQUIRE) < nthreads - 1; spins++)
+        if (spins > 1000) sched_yield();
+    pthread_mutex_unlock(&caller);
 }
 """
 
@@ -113,6 +183,8 @@ def _build() -> ctypes.CDLL | None:
     fn = lib.reef_gemv_bf16
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long]
     fn.restype = None
+    lib.reef_gemv_threads.argtypes = [ctypes.c_int]
+    lib.reef_gemv_threads.restype = ctypes.c_int
     return lib
 
 
@@ -123,6 +195,13 @@ def kernel():
         if _loaded is False:
             _loaded = _build() if sys.platform.startswith("linux") or sys.platform == "darwin" else None
         return _loaded.reef_gemv_bf16 if _loaded else None
+
+
+def set_threads(n: int) -> int:
+    """Run the kernel on ``n`` threads (process-wide, like ``torch.set_num_threads``; worker threads are started once
+    and never stopped, so this only grows). Returns the count in use; 1 without the kernel."""
+    kernel()
+    return int(_loaded.reef_gemv_threads(max(1, int(n)))) if _loaded else 1
 
 
 def bf16_exact(w: torch.Tensor) -> bool:
