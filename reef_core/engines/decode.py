@@ -12,7 +12,7 @@ with plain tensor ops over the model's own parameters:
   ``repeat_kv`` copy);
 * LoRA adapters (``peft``, unmerged) applied as ``base(x) + scale * B(A(x))`` for the slot the engine enabled.
 
-Numerics are float32 like the trainer's recomputation (:func:`reef_core.grow.objective.sequence_logprobs`); only
+Numerics are float32 like the trainer's recomputation (:func:`reef_core.grow.logprobs.sequence_logprobs`); only
 the order of some reductions differs, far inside the 1e-4 contract. The parameters are read by reference when a
 generation starts, so weight swaps (in-place copies) and adapter switches between requests are seen at once.
 :func:`supports` says when the model falls outside what this pass implements; the engine then keeps transformers'

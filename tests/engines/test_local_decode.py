@@ -20,7 +20,7 @@ from reef_core.engines.decode import FastDecoder, Packed, supports
 from reef_core.engines.gemv import Bf16Matrix, bf16_exact, kernel
 from reef_core.engines.local import LocalEngine
 from reef_core.grow.models import build_tiny_model, load_model, save_tokenizer
-from reef_core.grow.objective import sequence_logprobs
+from reef_core.grow.logprobs import sequence_logprobs
 
 MESSAGES = [{"role": "user", "content": "Write a long story about the sea."}]
 
@@ -30,7 +30,7 @@ def _req(**body):
 
 
 def _trainer_logprobs(model, prompt_ids, output_ids):
-    """What the trainer recomputes (objective.sequence_logprobs) for the output tokens, plus the full rows."""
+    """What the trainer recomputes (grow.logprobs.sequence_logprobs) for the output tokens, plus the full rows."""
     ids = torch.tensor([prompt_ids + output_ids])
     n = len(prompt_ids)
     # the fields sequence_logprobs reads
