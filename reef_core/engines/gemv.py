@@ -117,8 +117,16 @@ static void *worker(void *arg) {
     return 0;
 }
 
+/* A forked child has none of the workers: it computes alone (else it would wait for them forever). */
+static void after_fork_in_child(void) {
+    nthreads = 1; epoch = 0; done = 0; sleepers = 0;
+    pthread_mutex_init(&mu, 0); pthread_cond_init(&cv, 0); pthread_mutex_init(&caller, 0);
+}
+
 /* Use `n` threads in all (the caller's plus n - 1 workers, started once; never fewer than already started). */
 int reef_gemv_threads(int n) {
+    static int registered;
+    if (!registered) { pthread_atfork(0, 0, after_fork_in_child); registered = 1; }
     if (n > MAX_THREADS) n = MAX_THREADS;
     for (int t = nthreads; t < n; t++) {
         pthread_t th;

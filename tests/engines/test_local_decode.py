@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -153,3 +154,33 @@ def test_smollm2_lean_path_matches_the_trainer(tmp_path):
     expected, full = _trainer_logprobs(model, lean.tokens.prompt_ids, lean.tokens.output_ids)
     assert (torch.tensor(lean.tokens.output_logprobs) - expected).abs().max() <= 1e-4
     assert (torch.tensor(lean.tokens.top_k.logprobs).view(-1, 4) - full.topk(4).values).abs().max() <= 1e-4
+
+
+def test_bf16_kernel_on_two_threads_and_in_a_forked_child():
+    """Rows split across threads give the single-thread result; a child forked after the workers started (they do
+    not exist there) still computes instead of waiting for them."""
+    fn = kernel()
+    if fn is None:
+        pytest.skip("no C compiler for the bf16 kernel")
+    from reef_core.engines.gemv import set_threads
+
+    torch.manual_seed(1)
+    w = torch.randn(300, 576).to(torch.bfloat16).float()
+    x = torch.randn(1, 576)
+    mat = Bf16Matrix(w, fn)
+    one = mat(x, None, torch.empty(1, 300)).clone()
+    assert set_threads(2) >= 2
+    assert torch.equal(mat(x, None, torch.empty(1, 300)), one)
+    pid = os.fork()
+    if pid == 0:  # child: exit 0 only if the product completes and matches
+        ok = torch.equal(mat(x, None, torch.empty(1, 300)), one)
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    pytest.fail("the forked child's product never finished")
