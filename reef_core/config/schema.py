@@ -50,6 +50,13 @@ class ServerConfig:
     #: A request naming an unknown scenario creates it (else 404).
     allow_implicit_scenarios: bool = True
     log_level: str = "info"
+    #: ``text`` (the terminal default) or ``json``: one JSON object a line, a line per request (receipt,
+    #: scenario, status, timings; never bodies or tokens).
+    log_format: str = "text"
+    #: ``GET /metrics`` (Prometheus text format) without a token; by default it needs one like every route.
+    metrics_public: bool = False
+    #: Scenarios labelled by name in ``/metrics``; later ones share the label ``_other`` (bounded cardinality).
+    metrics_max_scenarios: int = 100
     #: Run the scenarios' learners in this process (one machine, one command). ``false``: serve only, as a
     #: replica following the heads a ``reef learn`` process publishes (see "Scaling out" in the README).
     learner: bool = True

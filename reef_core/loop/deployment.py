@@ -356,6 +356,10 @@ class Deployment:
                                             channel=head_channel(self.store.schema), on_round=on_round)
                 self._watcher.start()
 
+    def learners(self) -> dict[str, Any]:
+        """The learners (and followers) held in this process, by scenario name (a snapshot)."""
+        return dict(self._learners)
+
     def _followers(self) -> dict[str, ScenarioFollower]:
         return {name: found for name, found in list(self._learners.items()) if isinstance(found, ScenarioFollower)}
 

@@ -45,6 +45,8 @@ class WriterStats:
     failed_requests: int  # requests whose caller got a storage error
     largest_batch: int  # most append requests committed in one transaction
     pending: int  # requests queued now
+    appended: int = 0  # append requests committed in batches (with ``batches``: the mean batch size)
+    commit_s: float = 0.0  # seconds spent in committed append transactions (with ``batches``: the mean latency)
 
 
 class _Call:
@@ -94,7 +96,7 @@ class Writer:
         self._cond = threading.Condition()
         self._closed = False
         self._counts = {"transactions": 0, "rows": 0, "batches": 0, "retried_batches": 0,
-                        "failed_requests": 0, "largest_batch": 0}
+                        "failed_requests": 0, "largest_batch": 0, "appended": 0, "commit_s": 0.0}
         # Daemon: a process exiting without close() must not hang; callers not yet answered were never promised.
         self._thread = threading.Thread(target=self._run, name="reef-record-writer", daemon=True)
         self._thread.start()
@@ -246,10 +248,12 @@ class Writer:
             for name, delta in deltas.items():
                 self._counts[name] += delta
 
-    def _committed(self, rows: int, requests: int) -> None:
+    def _committed(self, rows: int, requests: int, seconds: float = 0.0) -> None:
         with self._cond:
             self._counts["transactions"] += 1
             self._counts["rows"] += rows
+            self._counts["appended"] += requests
+            self._counts["commit_s"] += seconds
             self._counts["largest_batch"] = max(self._counts["largest_batch"], requests)
 
     def _run_call(self, item: _Call) -> None:
@@ -271,6 +275,7 @@ class Writer:
         for item in items:
             item.start()
         self._bump(batches=1)
+        started = time.perf_counter()
         try:
             with self._transaction() as conn:
                 rows = apply_appends(conn, self._dialect, [item.request for item in items])
@@ -282,7 +287,7 @@ class Writer:
                 self._run_single(item)
                 _deliver([item])
             return
-        self._committed(rows, len(items))
+        self._committed(rows, len(items), time.perf_counter() - started)
         _deliver(items)
 
     def _run_single(self, item: _Append) -> None:

@@ -13,10 +13,11 @@ from starlette.responses import JSONResponse
 
 from .. import __version__
 from ..errors import ReefError
-from .auth import AuthMiddleware, TokenSet
+from .auth import OPEN_PATHS, AuthMiddleware, TokenSet
 from .errors import dialect_for_path, error_body, new_error_id
 from .inference import InferenceCall
-from . import harness, install, reads, releases, reports, scenario_routes, skills
+from . import harness, install, metrics, reads, releases, reports, scenario_routes, skills
+from .observe import ObserveMiddleware
 
 log = logging.getLogger("reef.serve")
 
@@ -35,6 +36,7 @@ def create_app(deployment) -> FastAPI:
 
     app = ReefApp(title="Reef", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.reef = deployment
+    app.state.reef_metrics = metrics.ServeMetrics(deployment, deployment.cfg.server.metrics_max_scenarios)
 
     @app.get("/healthz")
     async def healthz():
@@ -63,7 +65,8 @@ def create_app(deployment) -> FastAPI:
     async def count_tokens(request: Request):
         return await InferenceCall(deployment, request, *INFERENCE_ROUTES["/v1/messages/count_tokens"]).run()
 
-    for router in (reads.router, reports.router, releases.router, harness.router, install.router, skills.router):
+    for router in (reads.router, reports.router, releases.router, harness.router, install.router, skills.router,
+                   metrics.router):
         app.include_router(router)
     scenario_routes.mount(app, getattr(deployment, "pm", None))
 
@@ -71,8 +74,13 @@ def create_app(deployment) -> FastAPI:
     admin_routes = [(route.path_regex, frozenset(route.methods or ()))
                     for route in iter_routes(app.routes) if getattr(route, "openapi_extra", None) == ADMIN]
     tokens = TokenSet.from_config(deployment.cfg.server)
-    app.add_middleware(AuthMiddleware, tokens=tokens, admin_routes=admin_routes)
-    app.reef_inference = AuthMiddleware(_inference_endpoint(app, deployment), tokens=tokens, admin_routes=admin_routes)
+    open_paths = OPEN_PATHS | ({"/metrics"} if deployment.cfg.server.metrics_public else set())
+    app.add_middleware(AuthMiddleware, tokens=tokens, admin_routes=admin_routes, open_paths=open_paths)
+    # Outermost, so a request refused by the token check is counted and logged too.
+    app.add_middleware(ObserveMiddleware, metrics=app.state.reef_metrics, inference_routes=INFERENCE_ROUTES)
+    app.reef_inference = ObserveMiddleware(
+        AuthMiddleware(_inference_endpoint(app, deployment), tokens=tokens, admin_routes=admin_routes,
+                       open_paths=open_paths), app.state.reef_metrics, INFERENCE_ROUTES)
     return app
 
 

@@ -1,6 +1,7 @@
 """Bearer-token authentication with two scopes: inference and admin.
 
-* ``GET /healthz`` is the only route open without a token.
+* ``GET /healthz`` is the only route open without a token (and ``GET /metrics`` with
+  ``server.metrics_public=true``).
 * ``Authorization: Bearer <token>`` (scheme case-insensitive); when absent, ``x-api-key``
   (what Anthropic SDKs send) is accepted.
 * Tokens are compared as SHA-256 digests with ``hmac.compare_digest`` against every configured
@@ -82,13 +83,15 @@ def _presented_token(headers: list[tuple[bytes, bytes]]) -> str | None:
 class AuthMiddleware:
     """Pure ASGI middleware: checks the token before any routing or body parsing."""
 
-    def __init__(self, app, tokens: TokenSet, admin_routes: list[tuple[re.Pattern, frozenset[str]]]):
+    def __init__(self, app, tokens: TokenSet, admin_routes: list[tuple[re.Pattern, frozenset[str]]],
+                 open_paths: frozenset[str] = OPEN_PATHS):
         self.app = app
+        self.open_paths = open_paths
         self.tokens = tokens
         self.admin_routes = admin_routes
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or not self.tokens.enabled:
+        if scope["type"] != "http" or scope["path"] in self.open_paths or not self.tokens.enabled:
             if scope["type"] == "http":
                 scope.setdefault("state", {})["reef_scope"] = "admin"
             return await self.app(scope, receive, send)

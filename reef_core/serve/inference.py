@@ -128,6 +128,8 @@ class InferenceCall:
         self.record_id = self.client_record_id or new_record_id()
         self.idempotency_key = optional_id_header(request, "idempotency-key")
         self.scenario = await dep.resolve(name)  # creates nothing: the first stored record does
+        # What /metrics and the request log line learn about this call (never a body or a token).
+        self.facts = request.scope.setdefault("state", {})["reef_facts"] = {"scenario": self.scenario.name}
         self.request_hash = hashlib.sha256(
             canonical_json({"route": self.route, "body": body}).encode()).hexdigest()
         self.client_body = body
@@ -219,6 +221,7 @@ class InferenceCall:
 
     def _replay(self, record: Record, stream: bool) -> Response:
         payload = record.payload
+        self.facts["receipt"] = record.record_id
         # A token count is answered as the engine gave it (see _complete); only chat answers are translated.
         body = payload["response"] if self.route == "count_tokens" else translate_response(
             payload["response"], payload["dialect"], self.client_dialect)
@@ -288,6 +291,8 @@ class InferenceCall:
             payload["release_id"] = self.release_id  # the harness release that shaped the request
         if self.retry_of:
             payload["retry_of"] = self.retry_of  # the incomplete attempt this request repeats
+        self.facts.update(receipt=self.record_id, engine_ms=round(engine_ms, 3), stream=stream,
+                          **_usage(response))
         top_k = tokens.packed_top_k() if tokens is not None else None
         return Record(record_id=self.record_id, scenario=self.scenario.name, kind="inference", payload=payload,
                       tags=self.tags, version=(tokens.version if tokens else None) or version or self.version,
@@ -453,6 +458,16 @@ def _error_event(dialect: str, message: str, record_id: str | None) -> StreamEve
     if record_id:
         body["reef"] = {"agent_record_id": record_id, "complete": False}
     return StreamEvent("error" if dialect == "anthropic" else None, body)
+
+
+def _usage(response: Any) -> dict[str, int]:
+    """Tokens in and out from a response body's ``usage`` (OpenAI or Anthropic names), when it has one."""
+    usage = response.get("usage") if isinstance(response, dict) else None
+    if not isinstance(usage, dict):
+        return {}
+    found = {"tokens_in": usage.get("prompt_tokens", usage.get("input_tokens")),
+             "tokens_out": usage.get("completion_tokens", usage.get("output_tokens"))}
+    return {k: v for k, v in found.items() if isinstance(v, int) and not isinstance(v, bool)}
 
 
 async def _in_thread(fn, *args):

@@ -8,6 +8,7 @@ from pathlib import Path
 from ..config.schema import ReefConfig
 from ..errors import ConfigError
 from .auth import TokenSet, is_loopback
+from .logs import configure as configure_logs
 
 log = logging.getLogger("reef.serve")
 
@@ -29,6 +30,7 @@ def serve(cfg: ReefConfig) -> int:
     from .connection import ConnectionLimits, protocol_class, reserve_descriptors
 
     check_bind(cfg)
+    configure_logs(cfg.server)
     limits = ConnectionLimits.from_config(cfg.server)
     reserve_descriptors(limits.max_connections)
     # One log line per proxied request would cost more than the proxying itself.
@@ -40,6 +42,8 @@ def serve(cfg: ReefConfig) -> int:
     # The httptools protocol with Reef's connection limits (header size and count, read timeouts, connection cap).
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, http=protocol_class(limits),
                             log_level=cfg.server.log_level, access_log=False,
+                            # JSON: uvicorn's own lines go through the root handler too, one object a line.
+                            **({"log_config": None} if cfg.server.log_format == "json" else {}),
                             timeout_graceful_shutdown=30)
     server = uvicorn.Server(config)
     server.run()
