@@ -207,7 +207,7 @@ def _learner_gauges(learner) -> dict[str, float]:
 router = APIRouter()
 
 
-@router.get("/metrics", include_in_schema=False)
+@router.get("/metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
     """Every series, in the Prometheus text exposition format."""
     if request.query_params:

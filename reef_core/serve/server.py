@@ -45,6 +45,35 @@ def serve(cfg: ReefConfig) -> int:
                             # JSON: uvicorn's own lines go through the root handler too, one object a line.
                             **({"log_config": None} if cfg.server.log_format == "json" else {}),
                             timeout_graceful_shutdown=30)
-    server = uvicorn.Server(config)
+    server = _announcing_server(config, ready_banner(cfg))
     server.run()
     return 0 if server.started else 1
+
+
+def ready_banner(cfg: ReefConfig, port: int | None = None) -> str:
+    """What ``reef serve`` prints once it accepts requests: where to send them, where to look, what serves."""
+    host = cfg.server.host
+    shown = f"[{host}]" if ":" in host else ("127.0.0.1" if host in ("0.0.0.0", "") else host)
+    url = f"http://{shown}:{port or cfg.server.port}"
+    if cfg.engine.kind == "local":
+        model = f"{cfg.engine.model} (embedded)"
+    else:
+        model = f"{cfg.engine.upstream_model or 'as requested'} via {cfg.engine.kind} {cfg.engine.upstream_url or ''}"
+    return "\n".join([f"Reef is ready at {url}",
+                      f"  OpenAI base URL  {url}/v1",
+                      f"  metrics          {url}/metrics",
+                      f"  recipe           {cfg.recipe.name}",
+                      f"  model            {model.strip()}"])
+
+
+def _announcing_server(config, banner: str):
+    """uvicorn's server, printing :func:`ready_banner` once it listens (on stdout: it is not a log line)."""
+    import uvicorn
+
+    class AnnouncingServer(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if self.started:
+                print(banner, flush=True)
+
+    return AnnouncingServer(config)

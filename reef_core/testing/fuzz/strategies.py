@@ -458,6 +458,7 @@ def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
         "GET /v1/models": _plain_get(pools, "/v1/models"),
         "GET /reef/scenarios": _plain_get(pools, "/reef/scenarios"),
         "GET /reef/status": _plain_get(pools, "/reef/status"),
+        "GET /metrics": _plain_get(pools, "/metrics"),
         "POST /v1/chat/completions": _inference(pools, "/v1/chat/completions", openai_chat(), OPENAI_FIELDS),
         "POST /v1/messages": _inference(pools, "/v1/messages", anthropic_messages(), ANTHROPIC_FIELDS),
         "POST /v1/messages/count_tokens": _inference(pools, "/v1/messages/count_tokens", anthropic_messages(True),
