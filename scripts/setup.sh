@@ -22,6 +22,14 @@ if ! command -v shellcheck >/dev/null 2>&1; then
     echo "shellcheck is missing: the install-script lint test will skip (sudo apt-get install shellcheck)" >&2
   fi
 fi
+# Headless Chromium and its driver run the dashboard's browser tests (they skip without them).
+if ! command -v chromedriver >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null
+  else
+    echo "chromium/chromium-driver are missing: the dashboard browser tests will skip (sudo apt-get install chromium chromium-driver)" >&2
+  fi
+fi
 
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"

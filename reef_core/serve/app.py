@@ -16,7 +16,7 @@ from ..errors import ReefError
 from .auth import OPEN_PATHS, AuthMiddleware, TokenSet
 from .errors import dialect_for_path, error_body, new_error_id
 from .inference import InferenceCall
-from . import harness, install, metrics, reads, releases, reports, scenario_routes, skills
+from . import harness, install, metrics, reads, releases, reports, scenario_routes, skills, ui
 from .observe import ObserveMiddleware
 
 log = logging.getLogger("reef.serve")
@@ -66,14 +66,14 @@ def create_app(deployment) -> FastAPI:
         return await InferenceCall(deployment, request, *INFERENCE_ROUTES["/v1/messages/count_tokens"]).run()
 
     for router in (reads.router, reports.router, releases.router, harness.router, install.router, skills.router,
-                   metrics.router):
+                   metrics.router, ui.router):
         app.include_router(router)
     scenario_routes.mount(app, getattr(deployment, "pm", None))
 
     _install_error_handlers(app)
     admin_routes = [(route.path_regex, frozenset(route.methods or ()))
                     for route in iter_routes(app.routes) if getattr(route, "openapi_extra", None) == ADMIN]
-    tokens = TokenSet.from_config(deployment.cfg.server)
+    tokens = app.state.reef_tokens = TokenSet.from_config(deployment.cfg.server)
     open_paths = OPEN_PATHS | ({"/metrics"} if deployment.cfg.server.metrics_public else set())
     app.add_middleware(AuthMiddleware, tokens=tokens, admin_routes=admin_routes, open_paths=open_paths)
     # Outermost, so a request refused by the token check is counted and logged too.

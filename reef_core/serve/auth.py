@@ -1,7 +1,9 @@
 """Bearer-token authentication with two scopes: inference and admin.
 
-* ``GET /healthz`` is the only route open without a token (and ``GET /metrics`` with
+* ``GET /healthz`` and the dashboard's login page are open without a token (and ``GET /metrics`` with
   ``server.metrics_public=true``).
+* Dashboard pages (``/ui...``) also take the token from the ``reef_ui_token`` cookie its login form sets; a
+  browser without a valid one is sent to ``/ui/login``.
 * ``Authorization: Bearer <token>`` (scheme case-insensitive); when absent, ``x-api-key``
   (what Anthropic SDKs send) is accepted.
 * Tokens are compared as SHA-256 digests with ``hmac.compare_digest`` against every configured
@@ -19,11 +21,14 @@ import hmac
 import ipaddress
 import os
 import re
+from urllib.parse import unquote
 from dataclasses import dataclass
 
 from .errors import dialect_for_path, error_bytes
 
-OPEN_PATHS = frozenset({"/healthz"})
+OPEN_PATHS = frozenset({"/healthz", "/ui/login"})
+#: The dashboard's cookie: the token its login form stored, read for ``/ui`` paths only.
+UI_COOKIE = "reef_ui_token"
 
 
 def _digest(token: str) -> bytes:
@@ -95,9 +100,14 @@ class AuthMiddleware:
             if scope["type"] == "http":
                 scope.setdefault("state", {})["reef_scope"] = "admin"
             return await self.app(scope, receive, send)
+        dashboard = scope["path"] == "/ui" or scope["path"].startswith("/ui/")
         token = _presented_token(scope["headers"])
+        if token is None and dashboard:
+            token = _cookie_token(scope["headers"])
         granted = self.tokens.scope_of(token) if token else None
         if granted is None:
+            if dashboard and scope["method"] in ("GET", "HEAD"):
+                return await _redirect(send, "/ui/login")
             return await _deny(send, scope["path"], 401, "invalid service token")
         if granted != "admin" and self._is_admin_route(scope["method"], scope["path"]):
             return await _deny(send, scope["path"], 403, "this route needs an admin token")
@@ -115,3 +125,20 @@ async def _deny(send, path: str, status: int, message: str) -> None:
         headers.append((b"www-authenticate", b"Bearer"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def _cookie_token(headers: list[tuple[bytes, bytes]]) -> str | None:
+    for name, value in headers:
+        if name == b"cookie":
+            for part in value.decode("latin-1").split(";"):
+                key, _, found = part.strip().partition("=")
+                if key == UI_COOKIE and found:
+                    return unquote(found)  # the login form stores it percent-encoded
+    return None
+
+
+async def _redirect(send, location: str) -> None:
+    await send({"type": "http.response.start", "status": 303,
+                "headers": [(b"location", location.encode()), (b"content-length", b"0"),
+                            (b"cache-control", b"no-store")]})
+    await send({"type": "http.response.body", "body": b""})

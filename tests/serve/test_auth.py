@@ -1,4 +1,5 @@
-"""Authentication: every route but /healthz needs a token; admin routes need an admin token."""
+"""Authentication: every route but /healthz (and the dashboard's login page) needs a token; admin routes need an
+admin token."""
 
 from __future__ import annotations
 
@@ -46,12 +47,16 @@ def test_every_route_but_healthz_needs_a_token(server, tmp_path, fake_upstream_u
     assert len(routes) >= 8
     for method, path, is_admin in routes:
         response = httpx.request(method, server.url + path, json={})
-        if path == "/healthz":
-            assert response.status_code == 200
+        if path in ("/healthz", "/ui/login"):
+            assert response.status_code in (200, 303), (method, path, response.status_code)  # the login page
             continue
-        assert response.status_code == 401, (method, path, response.status_code)
+        # A dashboard page sends a browser without a valid token to the login page.
+        refused = 303 if path.startswith("/ui") and method == "GET" else 401
+        assert response.status_code == refused, (method, path, response.status_code)
+        if refused == 303:
+            assert response.headers["location"] == "/ui/login"
         wrong = httpx.request(method, server.url + path, json={}, headers={"authorization": "Bearer wrong"})
-        assert wrong.status_code == 401, (method, path)
+        assert wrong.status_code == refused, (method, path)
         with_inference = httpx.request(method, server.url + path, json={},
                                        headers={"authorization": f"Bearer {INFERENCE}"})
         if is_admin:

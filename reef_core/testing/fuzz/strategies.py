@@ -346,24 +346,24 @@ def _query(draw, *names):
 
 
 def _scenario_route(pools: Pools, method: str, route: str, suffix: str = "", query=(), admin=False, body=None,
-                    pool=None):
+                    pool=None, prefix: str = "/reef/scenarios/"):
     @st.composite
     def build(draw):
         segment, raw, note = draw(_path_scenario(pools, pool))
-        target = f"/reef/scenarios/{segment}{suffix}" + draw(_query(*query))
+        target = f"{prefix}{segment}{suffix}" + draw(_query(*query))
         drawn = draw(mutated_body(body(draw), ("release_id",))) if body is not None else None
         return draw(request_case(pools, method, route, target, body=drawn, admin=admin, names=[raw], note=note))
     return build()
 
 
 @st.composite
-def _record(draw, pools: Pools):
+def _record(draw, pools: Pools, prefix: str = "/reef/scenarios/"):
     segment, raw, note = draw(_path_scenario(pools))
     scenario = raw.decode("utf-8", "replace")
     receipt = draw(st.one_of(st.sampled_from(pools.receipt_list(scenario)), odd_text.map(lambda t: path_segment(t)),
                              st.sampled_from(["..", "%2F", "%00", "a%2Fb", "x" * 5000])))
-    target = f"/reef/scenarios/{segment}/records/{receipt}"
-    return draw(request_case(pools, "GET", "/reef/scenarios/{scenario}/records/{record_id}", target,
+    target = f"{prefix}{segment}/records/{receipt}"
+    return draw(request_case(pools, "GET", f"{prefix}{{scenario}}/records/{{record_id}}", target,
                              names=[raw], note=note))
 
 
@@ -449,6 +449,13 @@ def _plain_get(draw, pools: Pools, route: str):
     return case
 
 
+@st.composite
+def _plain_post(draw, pools: Pools, route: str):
+    data = draw(st.one_of(st.just(b"token=x"), st.binary(max_size=64), st.just(b"token=%ff%fe"),
+                          st.just(b"&".join([b"a=1"] * 40))))
+    return draw(request_case(pools, "POST", route, route, body=(data, "form body")))
+
+
 def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
     """``METHOD /openapi/path`` -> strategy of cases for that route."""
     plain = ["/reef/scenarios/{scenario}/releases", "/reef/scenarios/{scenario}/status",
@@ -459,6 +466,22 @@ def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
         "GET /reef/scenarios": _plain_get(pools, "/reef/scenarios"),
         "GET /reef/status": _plain_get(pools, "/reef/status"),
         "GET /metrics": _plain_get(pools, "/metrics"),
+        # The dashboard (HTML; forms are urlencoded, so a JSON body is a malformed form to it).
+        "GET /ui": _plain_get(pools, "/ui"),
+        "GET /ui/login": _plain_get(pools, "/ui/login"),
+        "POST /ui/login": _plain_post(pools, "/ui/login"),
+        "POST /ui/logout": _plain_post(pools, "/ui/logout"),
+        "GET /ui/scenarios/{scenario}": _scenario_route(pools, "GET", "/ui/scenarios/{scenario}", prefix="/ui/scenarios/"),
+        "GET /ui/scenarios/{scenario}/records": _scenario_route(
+            pools, "GET", "/ui/scenarios/{scenario}/records", "/records", ("after", "type", "tag"),
+            prefix="/ui/scenarios/"),
+        "GET /ui/scenarios/{scenario}/records/{record_id}": _record(pools, prefix="/ui/scenarios/"),
+        "GET /ui/scenarios/{scenario}/rollback": _scenario_route(
+            pools, "GET", "/ui/scenarios/{scenario}/rollback", "/rollback", ("release_id",), admin=True,
+            prefix="/ui/scenarios/"),
+        "POST /ui/scenarios/{scenario}/rollback": _scenario_route(
+            pools, "POST", "/ui/scenarios/{scenario}/rollback", "/rollback", admin=True, body=_release_body(pools),
+            pool=pools.harness, prefix="/ui/scenarios/"),
         "POST /v1/chat/completions": _inference(pools, "/v1/chat/completions", openai_chat(), OPENAI_FIELDS),
         "POST /v1/messages": _inference(pools, "/v1/messages", anthropic_messages(), ANTHROPIC_FIELDS),
         "POST /v1/messages/count_tokens": _inference(pools, "/v1/messages/count_tokens", anthropic_messages(True),
