@@ -60,6 +60,7 @@ def ready_banner(cfg: ReefConfig, port: int | None = None) -> str:
     else:
         model = f"{cfg.engine.upstream_model or 'as requested'} via {cfg.engine.kind} {cfg.engine.upstream_url or ''}"
     return "\n".join([f"Reef is ready at {url}",
+                      f"  dashboard        {url}/ui",
                       f"  OpenAI base URL  {url}/v1",
                       f"  metrics          {url}/metrics",
                       f"  recipe           {cfg.recipe.name}",

@@ -14,6 +14,7 @@ with its reason), ``/ui/scenarios/{s}/records`` (paged, filtered by type and tag
 from __future__ import annotations
 
 import asyncio
+import difflib
 import json
 import math
 from html import escape
@@ -22,7 +23,7 @@ from urllib.parse import parse_qs, quote, urlencode
 from fastapi import APIRouter, Query, Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
-from ..errors import ValidationFailed
+from ..errors import Conflict, NotFound, ValidationFailed
 from .auth import UI_COOKIE
 from .names import path_record, path_scenario
 from .plot import line_svg
@@ -195,7 +196,9 @@ async def scenario_page(request: Request, scenario: str):
         reason = source.get("reason") or source.get("kind") or ""
         action = (f'<a href="/ui/scenarios/{_q(found.name)}/rollback?release_id={_q(r["release_id"])}">roll back '
                   "to this</a>") if admin and not r.get("current") and r.get("restorable") else ""
-        chain.append(f'<tr class="release selected"><td><code>{escape(r["release_id"][:12])}</code></td>'
+        link = f'/ui/scenarios/{_q(found.name)}/releases/{_q(r["release_id"])}'
+        chain.append(f'<tr class="release selected"><td><a href="{link}"><code>{escape(r["release_id"][:12])}'
+                     "</code></a></td>"
                      f"<td>{escape(str(r.get('operation')))}</td><td>{escape(str((r.get('metrics') or {}).get('step', '')))}"
                      f"</td><td>{'current' if r.get('current') else 'pending review' if r.get('pending') else ''}</td>"
                      f"<td>{escape(str(reason))}</td><td>{escape(str(r.get('created_at', '')))}</td><td>{action}</td></tr>")
@@ -219,6 +222,64 @@ async def scenario_page(request: Request, scenario: str):
             "<h2>Gate decisions</h2><table id=\"decisions\"><tr><th>Step</th><th>Decision</th><th>Policy</th>"
             "<th>Reason</th><th>Release</th></tr>" + "".join(decisions) + "</table>")
     return _page(f"Scenario {found.name}", body)
+
+
+# -- release files -------------------------------------------------------------------------------------------
+
+#: Files shown inline (and diffed) up to this size; larger or binary ones (weights) are listed with their size.
+TEXT_LIMIT = 64 * 1024
+
+
+def _text(data: bytes) -> str | None:
+    if len(data) > TEXT_LIMIT:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+@router.get("/ui/scenarios/{scenario}/releases/{release_id}", response_class=HTMLResponse)
+async def release_page(request: Request, scenario: str, release_id: str):
+    """The file tree of one release of the scenario (a harness or skill tree), with a diff against its parent."""
+    dep = request.app.state.reef
+    found = await path_scenario(dep, scenario)
+    rows = await asyncio.to_thread(dep.release_rows, found.name)
+    row = next((r for r in rows if r.get("release_id") == release_id), None)
+    if row is None:
+        raise NotFound(f"scenario {found.name!r} has no release {release_id[:80]!r}")
+    try:
+        files = await asyncio.to_thread(dep.artifacts.read_files, release_id)
+        parent_id = row.get("parent_release_id")
+        parent = await asyncio.to_thread(dep.artifacts.read_files, parent_id) if parent_id else {}
+    except Conflict as exc:  # weights garbage-collected: the release is listed, its files are gone
+        return _page(f"Release {release_id[:12]}", f"<p>{escape(exc.message)}</p>")
+    listing, diffs = [], []
+    for path in sorted(set(files) | set(parent)):
+        now, before = files.get(path), parent.get(path)
+        state = "added" if before is None else "removed" if now is None else "changed" if now != before else ""
+        size = len(now) if now is not None else 0
+        listing.append(f'<tr class="file"><td><code>{escape(path)}</code></td><td>{size}</td><td>{state}</td></tr>')
+        if state:
+            old_text = _text(before) if before is not None else ""
+            new_text = _text(now) if now is not None else ""
+            if old_text is None or new_text is None:
+                diffs.append(f"<p><code>{escape(path)}</code>: binary or large ({state})</p>")
+            else:
+                diff = "".join(difflib.unified_diff(old_text.splitlines(keepends=True),
+                                                    new_text.splitlines(keepends=True),
+                                                    f"a/{path}", f"b/{path}"))
+                diffs.append(f'<pre class="diff">{escape(diff)}</pre>')
+    shown = "".join(f"<h3><code>{escape(p)}</code></h3><pre>{escape(t)}</pre>"
+                    for p, t in ((p, _text(d)) for p, d in sorted(files.items())) if t is not None)
+    parent_link = (f'<a href="/ui/scenarios/{_q(found.name)}/releases/{_q(row["parent_release_id"])}">'
+                   f'{escape(row["parent_release_id"][:12])}</a>') if row.get("parent_release_id") else "none"
+    body = (f"<p>{escape(str(row.get('operation')))} · parent {parent_link} · "
+            f'<a href="/ui/scenarios/{_q(found.name)}">back to the scenario</a></p>'
+            '<h2>Files</h2><table id="files"><tr><th>Path</th><th>Bytes</th><th>vs parent</th></tr>'
+            + "".join(listing) + "</table><h2>Diff against the parent</h2>"
+            + ("".join(diffs) or "<p>no change</p>") + "<h2>Contents</h2>" + shown)
+    return _page(f"Release {release_id[:12]} of {found.name}", body)
 
 
 # -- records -------------------------------------------------------------------------------------------------

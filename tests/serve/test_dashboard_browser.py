@@ -117,6 +117,14 @@ def test_dashboard_shows_the_loop(loop_url, browser, artifacts):
     # The chain: the seed release and one per selected step; an inference token gets no rollback link.
     assert len(browser.find_elements(By.CSS_SELECTOR, "#chain tr.release")) == 1 + len(selected)
     assert not browser.find_elements(By.PARTIAL_LINK_TEXT, "roll back")
+    # The newest release's harness tree, diffed against its parent.
+    browser.find_element(By.CSS_SELECTOR, "#chain tr.release a").click()
+    assert [r.text.split()[0] for r in browser.find_elements(By.CSS_SELECTOR, "#files tr.file")] == [
+        "system_prompt.md"]
+    diff = browser.find_element(By.CSS_SELECTOR, "pre.diff").text
+    assert "-step " in diff and f"+step {steps}" in diff
+    browser.save_screenshot(str(artifacts / "release.png"))
+    browser.back()
 
     # The records browser pages through every record, 50 a page.
     browser.find_element(By.LINK_TEXT, "records").click()
@@ -155,7 +163,7 @@ def test_dashboard_shows_the_loop(loop_url, browser, artifacts):
     after = httpx.get(f"{loop_url}/reef/scenarios/{SCENARIO}/releases",
                       headers={"authorization": f"Bearer {TOKEN}"}).json()["releases"]
     assert after[0]["release_id"] == chain[0]["release_id"]  # the head did not move
-    for name in ("scenario.png", "records.png", "record.png"):
+    for name in ("scenario.png", "release.png", "records.png", "record.png"):
         assert (artifacts / name).stat().st_size > 1000
 
 

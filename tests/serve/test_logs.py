@@ -48,7 +48,7 @@ def test_json_request_lines_carry_receipt_and_timings_but_no_body_or_token(reef_
     # Everything but the banner (stdout) is JSON: uvicorn's own lines included.
     others = [l for l in text.splitlines() if l.strip() and not l.startswith("{")]
     assert others and all(l.startswith(("Reef is ready at", "  ")) for l in others), others
-    assert f"Reef is ready at {server.url}" in text
+    assert f"Reef is ready at {server.url}" in text and f"dashboard        {server.url}/ui" in text
 
 
 def test_text_is_the_default_and_bad_values_name_their_key():

@@ -476,6 +476,9 @@ def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
             pools, "GET", "/ui/scenarios/{scenario}/records", "/records", ("after", "type", "tag"),
             prefix="/ui/scenarios/"),
         "GET /ui/scenarios/{scenario}/records/{record_id}": _record(pools, prefix="/ui/scenarios/"),
+        "GET /ui/scenarios/{scenario}/releases/{release_id}": _scenario_route(
+            pools, "GET", "/ui/scenarios/{scenario}/releases/{release_id}", "/releases/0123abcd",
+            prefix="/ui/scenarios/"),
         "GET /ui/scenarios/{scenario}/rollback": _scenario_route(
             pools, "GET", "/ui/scenarios/{scenario}/rollback", "/rollback", ("release_id",), admin=True,
             prefix="/ui/scenarios/"),
