@@ -72,3 +72,15 @@ def test_plot_has_one_marker_per_finite_point():
     assert svg.count('class="pt"') == 3 and 'data-points="3"' in svg
     assert "no data yet" in line_svg("loss", [])
     assert "&lt;script" in line_svg("<script>", [(1, 1.0)])
+
+
+def test_docs_lists_every_route_offline(url):
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    assert httpx.get(f"{url}/docs").status_code == 401
+    page = httpx.get(f"{url}/docs", headers=auth)
+    assert page.status_code == 200 and "cdn" not in page.text.lower() and "<script" not in page.text
+    spec = httpx.get(f"{url}/openapi.json", headers=auth).json()
+    for path, item in spec["paths"].items():
+        for method in item:
+            assert f"<code>{method.upper()} {path}</code>" in page.text, (method, path)
+    assert "<code>POST /ui/scenarios/{scenario}/rollback</code> (admin token)" in page.text

@@ -466,6 +466,7 @@ def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
         "GET /reef/scenarios": _plain_get(pools, "/reef/scenarios"),
         "GET /reef/status": _plain_get(pools, "/reef/status"),
         "GET /metrics": _plain_get(pools, "/metrics"),
+        "GET /docs": _plain_get(pools, "/docs"),
         # The dashboard (HTML; forms are urlencoded, so a JSON body is a malformed form to it).
         "GET /ui": _plain_get(pools, "/ui"),
         "GET /ui/login": _plain_get(pools, "/ui/login"),
