@@ -139,9 +139,9 @@ def test_scrape_of_100_scenarios_is_cheap_and_bounded():
     assert value(found, "reef_requests_total", scenario=OVERFLOW) == 10
     costs = []
     for _ in range(20):
-        started = time.perf_counter()
+        started = time.thread_time()  # CPU time: wall time on a shared test machine mostly measures the queue
         metrics.render()
-        costs.append(time.perf_counter() - started)
+        costs.append(time.thread_time() - started)
     costs.sort()
-    # The budget is 5 ms; the median is held to it with room for a loaded two-core test machine.
-    assert costs[len(costs) // 2] < 0.015, f"median scrape {costs[len(costs) // 2] * 1000:.1f} ms"
+    # The budget is 5 ms (about 4 ms of CPU here, 1100 lines); twice that absorbs a contended machine.
+    assert costs[len(costs) // 2] < 0.010, f"median scrape {costs[len(costs) // 2] * 1000:.1f} ms of CPU"
