@@ -16,7 +16,7 @@ from ..errors import ReefError
 from .auth import AuthMiddleware, TokenSet
 from .errors import dialect_for_path, error_body, new_error_id
 from .inference import InferenceCall
-from . import harness, install, reads, releases, reports, scenario_routes, skills
+from . import harness, imports, install, reads, releases, reports, scenario_routes, skills
 
 log = logging.getLogger("reef.serve")
 
@@ -63,7 +63,8 @@ def create_app(deployment) -> FastAPI:
     async def count_tokens(request: Request):
         return await InferenceCall(deployment, request, *INFERENCE_ROUTES["/v1/messages/count_tokens"]).run()
 
-    for router in (reads.router, reports.router, releases.router, harness.router, install.router, skills.router):
+    for router in (reads.router, reports.router, imports.router, releases.router, harness.router, install.router,
+                   skills.router):
         app.include_router(router)
     scenario_routes.mount(app, getattr(deployment, "pm", None))
 

@@ -317,6 +317,44 @@ def _report(draw, pools: Pools):
     return Case("POST", case.route, case.target, headers, data, case.names, "; ".join(notes) or "valid")
 
 
+ENVELOPE_FIELDS = ("agent_record_id", "request_type", "payload")
+
+
+@st.composite
+def import_envelope(draw, pools: Pools, scenario: str):
+    """A record-import envelope: an OpenAI or Anthropic exchange, or a report quoting known receipts."""
+    record_id = draw(st.uuids().map(lambda u: u.hex))
+    kind = draw(st.sampled_from(["inference", "inference", "report"]))
+    if kind == "report":
+        payload = draw(report_body(pools, scenario))
+        payload.pop("agent_record_id", None)  # the envelope names the record
+        return {"agent_record_id": record_id, "request_type": "report", "payload": payload}
+    text = draw(words)
+    if draw(st.booleans()):
+        payload = {"model": "m", "messages": [{"role": "user", "content": text}],
+                   "response": {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}}
+    else:
+        payload = {"dialect": "anthropic", "request": {"model": "m", "max_tokens": 8,
+                                                       "messages": [{"role": "user", "content": text}]},
+                   "response": {"type": "message", "role": "assistant", "content": [{"type": "text", "text": text}]}}
+    return {"agent_record_id": record_id, "request_type": "inference", "payload": payload}
+
+
+@st.composite
+def _record_import(draw, pools: Pools, batch: bool):
+    route = "/reef/records/batch" if batch else "/reef/records"
+    case = draw(request_case(pools, "POST", route, route, scenario_header=True))
+    name = case.names[0].decode("latin-1") if case.names else pools.plain[0]
+    if batch:
+        valid = st.lists(import_envelope(pools, name), min_size=1, max_size=3).map(lambda rs: {"records": rs})
+        data, note = draw(mutated_body(valid, ("records",)))
+    else:
+        data, note = draw(mutated_body(import_envelope(pools, name), ENVELOPE_FIELDS))
+    headers = case.headers + [(b"content-type", b"application/json")]
+    notes = [n for n in (case.note, note) if n != "valid"]
+    return Case("POST", case.route, case.target, headers, data, case.names, "; ".join(notes) or "valid")
+
+
 @st.composite
 def _path_scenario(draw, pools: Pools, pool=None):
     """(segment, raw name bytes, note) for a ``{scenario}`` path parameter."""
@@ -463,6 +501,8 @@ def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
         "POST /v1/messages/count_tokens": _inference(pools, "/v1/messages/count_tokens", anthropic_messages(True),
                                                       ANTHROPIC_FIELDS),
         "POST /reef/report": _report(pools),
+        "POST /reef/records": _record_import(pools, False),
+        "POST /reef/records/batch": _record_import(pools, True),
         "GET /reef/scenarios/{scenario}/records": _scenario_route(pools, "GET", "/reef/scenarios/{scenario}/records",
                                                                   "/records", ("after_sequence", "limit")),
         "GET /reef/scenarios/{scenario}/records/{record_id}": _record(pools),
