@@ -327,7 +327,10 @@ class InferenceCall:
 
     async def _relay(self, first: StreamEvent | None, events: AsyncIterator[StreamEvent]):
         """The client's SSE frames; stores the record before the terminal event (receipt or error)."""
-        translator = stream_translator(self.engine_dialect, self.client_dialect,
+        # The client's own stream_options: a request translated to Anthropic carries none.
+        options = self.client_body.get("stream_options")
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        translator = stream_translator(self.engine_dialect, self.client_dialect, include_usage=include_usage,
                                        model=self.engine_request.body.get("model"))
         accumulator = self.accumulator
         terminal_seen = False
