@@ -343,6 +343,19 @@ class AsyncReefClient(_Base):
             self.receipts.close_session(closes)
         return answer
 
+    async def import_records(self, items: Iterable[Any], *, batch_size: int = DEFAULT_BATCH,
+                             progress: Callable[[int], None] | None = None) -> list[dict]:
+        """:meth:`ReefClient.import_records`, awaitable."""
+        receipts: list[dict] = []
+        scenario = self._need_scenario()
+        groups = (line_envelopes(item, scenario, f"item {i}") for i, item in enumerate(items))
+        for batch in batches(groups, batch_size):
+            answer = await self._run(_Call("POST", "/reef/records/batch", json={"records": batch}))
+            receipts.extend(answer["records"])
+            if progress is not None:
+                progress(len(batch))
+        return receipts
+
     async def records(self, *, after_sequence: int = 0, limit: int | None = None) -> list[dict]:
         rows: list[dict] = []
         cursor = after_sequence

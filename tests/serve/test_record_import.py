@@ -217,3 +217,18 @@ def test_client_import_records(server):
         assert [r["request_type"] for r in receipts] == ["inference", "report"] * 5 + ["inference"]
         assert sum(seen) == 11 and max(seen) <= 4
         assert len(reef.records()) == 11
+
+
+def test_async_client_import_records(server):
+    import asyncio
+
+    from reef_core.client import AsyncReefClient
+
+    async def run():
+        async with AsyncReefClient(server.url, scenario="imp-async") as reef:
+            first = await reef.import_records([json.loads(conversation_line(i)) for i in range(3)])
+            again = await reef.import_records([json.loads(conversation_line(i)) for i in range(3)])
+            return first, again, await reef.records()
+
+    first, again, stored = asyncio.run(run())
+    assert first == again and len(first) == 6 and len(stored) == 6
