@@ -59,6 +59,10 @@ def create_app(deployment) -> FastAPI:
     async def messages(request: Request):
         return await InferenceCall(deployment, request, *INFERENCE_ROUTES["/v1/messages"]).run()
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await InferenceCall(deployment, request, *INFERENCE_ROUTES["/v1/responses"]).run()
+
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         return await InferenceCall(deployment, request, *INFERENCE_ROUTES["/v1/messages/count_tokens"]).run()
@@ -82,6 +86,7 @@ INFERENCE_ROUTES = {
     "/v1/chat/completions": ("openai", "chat"),
     "/v1/messages": ("anthropic", "messages"),
     "/v1/messages/count_tokens": ("anthropic", "count_tokens"),
+    "/v1/responses": ("openai", "responses"),
 }
 
 

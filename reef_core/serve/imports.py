@@ -68,7 +68,8 @@ def _inference_payload(payload: dict, where: str) -> tuple[dict, dict]:
     if not isinstance(request.get("messages"), list) or not request["messages"]:
         raise ValidationFailed(f"{where}: the request needs a non-empty messages list", param=f"{where}.messages")
     if not isinstance(response, dict):
-        raise ValidationFailed(f"{where}.response must be a JSON object (the model's answer)", param=f"{where}.response")
+        raise ValidationFailed(f"{where}.response must be a JSON object (the model's answer)",
+                               param=f"{where}.response")
     try:
         request_messages(dialect, request)
         response_message(dialect, response)

@@ -121,7 +121,8 @@ def test_openai_client_stream_with_usage(engine, case):
     usage = [c for c in chunks if c.get("usage") and c["choices"] == []]
     assert len(usage) == 1, chunks
     assert usage[0]["usage"]["completion_tokens"] >= 1
-    assert usage[0]["usage"]["total_tokens"] == usage[0]["usage"]["prompt_tokens"] + usage[0]["usage"]["completion_tokens"]
+    counts = usage[0]["usage"]
+    assert counts["total_tokens"] == counts["prompt_tokens"] + counts["completion_tokens"]
 
 
 @pytest.mark.parametrize("case", ["plain", "tools"])

@@ -262,6 +262,19 @@ def openai_chat():
                   "metadata": st.just({"k": "v"}), "user": words, "top_p": st.floats(0, 1)})
 
 
+def responses_request():
+    """A Responses API body: text or message-item input, optional instructions, tools and sampling options."""
+    part = st.fixed_dictionaries({"type": st.just("input_text"), "text": words})
+    item = st.fixed_dictionaries({"role": st.just("user"),
+                                  "content": st.one_of(words, st.lists(part, min_size=1, max_size=2))})
+    tool = st.just({"type": "function", "name": "f", "parameters": {"type": "object"}})
+    optional = {"instructions": words, "tools": st.lists(tool, max_size=1), "stream": st.booleans(),
+                "max_output_tokens": st.integers(1, 64), "temperature": st.floats(0, 2), "store": st.booleans(),
+                "previous_response_id": st.just("resp_unknown")}
+    required = {"model": st.just(MODEL), "input": st.one_of(words, st.lists(item, min_size=1, max_size=2))}
+    return st.fixed_dictionaries(required, optional=optional)
+
+
 def anthropic_messages(count_tokens: bool = False):
     block = st.fixed_dictionaries({"type": st.just("text"), "text": words})
     message = st.fixed_dictionaries({"role": st.just("user"),
@@ -295,6 +308,8 @@ OPENAI_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "te
                  "logprobs", "logit_bias")
 ANTHROPIC_FIELDS = ("model", "messages", "max_tokens", "system", "stream", "stop_sequences", "temperature", "top_k",
                     "top_p", "tools", "tool_choice", "metadata", "thinking")
+RESPONSES_FIELDS = ("model", "input", "instructions", "tools", "tool_choice", "stream", "store",
+                    "previous_response_id", "max_output_tokens", "temperature", "top_p", "metadata")
 REPORT_FIELDS = ("score", "feedback", "references", "metadata", "agent_record_id")
 
 
@@ -500,6 +515,7 @@ def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
         "POST /v1/messages": _inference(pools, "/v1/messages", anthropic_messages(), ANTHROPIC_FIELDS),
         "POST /v1/messages/count_tokens": _inference(pools, "/v1/messages/count_tokens", anthropic_messages(True),
                                                       ANTHROPIC_FIELDS),
+        "POST /v1/responses": _inference(pools, "/v1/responses", responses_request(), RESPONSES_FIELDS),
         "POST /reef/report": _report(pools),
         "POST /reef/records": _record_import(pools, False),
         "POST /reef/records/batch": _record_import(pools, True),
