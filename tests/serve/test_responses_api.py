@@ -112,3 +112,17 @@ def test_door_refuses_bad_bodies_and_creates_nothing(engine, body, param):
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == param
     assert httpx.get(f"{server.url}/reef/scenarios/responses-door/records").status_code == 404
+
+
+def test_idempotency_key_and_tags_as_on_chat(engine):
+    _, server = engine
+    headers = {"x-reef-scenario": "responses-idem", "idempotency-key": "k-1", "x-reef-tag-session": "s1"}
+    body = {"model": "m", "input": "once only", "max_output_tokens": 8}
+    first = httpx.post(f"{server.url}/v1/responses", headers=headers, json=body)
+    again = httpx.post(f"{server.url}/v1/responses", headers=headers, json=body)
+    assert first.status_code == again.status_code == 200, again.text
+    assert again.json()["id"] == first.json()["id"] and again.headers.get("x-reef-replayed") == "true"
+    rows = httpx.get(f"{server.url}/reef/scenarios/responses-idem/records").json()["records"]
+    assert len(rows) == 1
+    other = httpx.post(f"{server.url}/v1/responses", headers=headers, json={**body, "input": "different"})
+    assert other.status_code == 409
