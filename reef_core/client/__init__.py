@@ -9,7 +9,8 @@ records, releases and status, and pull harness trees.
     reef.report(score=1.0, feedback="right", references="last")
 
 Receipts come from the ``x-reef-agent-record-id`` header or, for streams, from the in-band ``reef`` field; each
-lands in ``reef.receipts``. Record import is not offered: the server has no import route.
+lands in ``reef.receipts``. ``reef.import_records(lines)`` imports logged exchanges and reports without calling a
+model (``POST /reef/records/batch``).
 
 Needs ``reef-core[client]`` (httpx; the SDKs for ``openai()`` / ``anthropic()``). Names load on first use, so
 the server can use :mod:`reef_core.client.tree` (the sidecar format it bakes into install scripts) without httpx.

@@ -5,6 +5,7 @@
     reef releases
     reef status                      (the scenario's learner; without a scenario, the whole deployment)
     reef harness pull DIR [--release-id ID]
+    reef import FILE.jsonl [--batch-size N]   (records without calling a model; a progress bar on stderr)
 
 Each takes ``--url`` (``REEF_URL``), ``--token`` (``REEF_TOKEN``), ``--scenario`` (``REEF_SCENARIO``) and ``--json``.
 Tables use ``rich`` at a terminal when it is installed (``reef-core[client]``), else aligned plain text.
@@ -15,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any, Callable
 
@@ -48,8 +51,13 @@ def add_commands(sub) -> dict[str, Callable[[argparse.Namespace], int]]:
     p.add_argument("action", choices=["pull"])
     p.add_argument("directory")
     p.add_argument("--release-id", help="an earlier release (default: the one serving)")
+
+    p = sub.add_parser("import", parents=[common], help="import records from a JSONL file without calling a model "
+                                                        "(Reef envelopes or {\"messages\": [...], \"score\": ...})")
+    p.add_argument("file", help="a JSONL file, or - for stdin")
+    p.add_argument("--batch-size", type=int, default=500, help="records per request, each stored all-or-nothing")
     return {"report": _guarded(cmd_report), "records": _guarded(cmd_records), "releases": _guarded(cmd_releases),
-            "status": _guarded(cmd_status), "harness": _guarded(cmd_harness)}
+            "status": _guarded(cmd_status), "harness": _guarded(cmd_harness), "import": _guarded(cmd_import)}
 
 
 def _guarded(command):
@@ -198,3 +206,72 @@ def cmd_harness(args) -> int:
         print(f"release {tree['release_id']} in {args.directory}: {len(summary['written'])} written, "
               f"{len(summary['deleted'])} deleted, {len(tree['files']) - len(summary['written'])} unchanged")
     return EXIT_OK
+
+
+def cmd_import(args) -> int:
+    """Read the whole file first (a bad line is named before anything is sent), then send it in batches."""
+    from .errors import ReefClientError
+    from .imports import batches, read_jsonl
+
+    reef = _client(args)
+    try:
+        scenario = reef._need_scenario()
+        if args.file == "-":
+            lines = list(read_jsonl(sys.stdin, scenario, "stdin"))
+        else:
+            try:
+                with open(args.file, encoding="utf-8") as handle:
+                    lines = list(read_jsonl(handle, scenario, args.file))
+            except OSError as exc:
+                raise ValueError(f"cannot read {args.file}: {exc.strerror}") from None
+    except BaseException:
+        reef.close()
+        raise
+    # Each envelope remembers its line, so a refusal naming records[i] of a request can name the line.
+    origin: dict[int, int] = {}
+    for number, envelopes in lines:
+        for envelope in envelopes:
+            origin[id(envelope)] = number
+    total = sum(len(envelopes) for _, envelopes in lines)
+    stored = 0
+    with reef, _progress(total) as advance:
+        for batch in batches((envelopes for _, envelopes in lines), args.batch_size):
+            try:
+                reef.import_records(batch, batch_size=len(batch))
+            except ReefClientError as exc:
+                found = re.search(r"records\[(\d+)\]", str(exc))
+                where = f" (line {origin[id(batch[int(found.group(1))])]})" if found and int(
+                    found.group(1)) < len(batch) else ""
+                print(f"reef: error: {exc}{where}; {stored} records stored before it", file=sys.stderr)
+                return EXIT_RUNTIME
+            stored += len(batch)
+            advance(len(batch))
+    summary = {"scenario": reef.scenario, "records": stored, "lines": len(lines)}
+    if args.json:
+        _print_json(summary)
+    else:
+        print(f"imported {stored} records from {len(lines)} lines into {reef.scenario}")
+    return EXIT_OK
+
+
+@contextmanager
+def _progress(total: int):
+    """``advance(n)`` for a progress bar on stderr: rich's at a terminal when installed, else a line per step."""
+    if sys.stderr.isatty():
+        try:
+            from rich.progress import Progress
+        except ImportError:
+            pass
+        else:
+            with Progress(transient=True) as bar:
+                task = bar.add_task("importing", total=total)
+                yield lambda n: bar.advance(task, n)
+            return
+    done = 0
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        print(f"imported {done}/{total}", file=sys.stderr)
+
+    yield advance

@@ -15,13 +15,14 @@ import random
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 from urllib.parse import quote
 
 import httpx
 
 from .capture import Receipt, ReceiptLog, SCENARIO_HEADER, TAG_PREFIX, capture_client
 from .errors import Unreachable, error_for
+from .imports import DEFAULT_BATCH, batches, line_envelopes
 from .tree import write_tree
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -207,6 +208,24 @@ class ReefClient(_Base):
             self.receipts.close_session(closes)
         return answer
 
+    def import_records(self, items: Iterable[Any], *, batch_size: int = DEFAULT_BATCH,
+                       progress: Callable[[int], None] | None = None) -> list[dict]:
+        """Import records without calling a model (``POST /reef/records/batch``): each item a Reef envelope
+        ``{agent_record_id, request_type, payload}`` or an OpenAI-style conversation ``{"messages": [...],
+        "score": ...}`` (:mod:`reef_core.client.imports`). Sent ``batch_size`` envelopes a request, each stored in
+        one transaction or not at all (a refused request raises, naming ``records[i]`` of that request; the
+        requests before it stay stored, and importing again is safe: identical records keep their receipts).
+        ``progress(n)`` hears how many envelopes each stored request held. Returns the receipts in order."""
+        receipts: list[dict] = []
+        scenario = self._need_scenario()
+        groups = (line_envelopes(item, scenario, f"item {i}") for i, item in enumerate(items))
+        for batch in batches(groups, batch_size):
+            answer = self._run(_Call("POST", "/reef/records/batch", json={"records": batch}))
+            receipts.extend(answer["records"])
+            if progress is not None:
+                progress(len(batch))
+        return receipts
+
     def records(self, *, after_sequence: int = 0, limit: int | None = None) -> list[dict]:
         """The scenario's records, oldest first (all of them, or the first ``limit``)."""
         rows: list[dict] = []
@@ -323,6 +342,19 @@ class AsyncReefClient(_Base):
         if closes is not None:
             self.receipts.close_session(closes)
         return answer
+
+    async def import_records(self, items: Iterable[Any], *, batch_size: int = DEFAULT_BATCH,
+                             progress: Callable[[int], None] | None = None) -> list[dict]:
+        """:meth:`ReefClient.import_records`, awaitable."""
+        receipts: list[dict] = []
+        scenario = self._need_scenario()
+        groups = (line_envelopes(item, scenario, f"item {i}") for i, item in enumerate(items))
+        for batch in batches(groups, batch_size):
+            answer = await self._run(_Call("POST", "/reef/records/batch", json={"records": batch}))
+            receipts.extend(answer["records"])
+            if progress is not None:
+                progress(len(batch))
+        return receipts
 
     async def records(self, *, after_sequence: int = 0, limit: int | None = None) -> list[dict]:
         rows: list[dict] = []

@@ -606,7 +606,8 @@ class LocalEngine(Engine):
         return {
             "id": rid, "object": "chat.completion", "created": created, "model": p.model,
             "system_fingerprint": f"reef-{res.version}",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text, "refusal": None},
+            "choices": [{"index": 0,
+                         "message": {"role": "assistant", "content": res.text, "refusal": None, "annotations": []},
                          "logprobs": logprobs, "finish_reason": res.finish_reason}],
             "usage": _usage(res),
         }

@@ -436,7 +436,7 @@ class SGLangEngine(Engine):
     def _choice(self, text: str, finish: dict, body: dict) -> tuple[dict, str]:
         """The assistant message and OpenAI finish reason for ``text`` (tool calls parsed when tools were given)."""
         reason = "length" if finish.get("type") == "length" else "stop"
-        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None, "annotations": []}
         if body.get("tools") and self.tool_parser is not None:
             content, calls = parse_tool_calls(self.tool_parser, text)
             if calls:

@@ -363,14 +363,19 @@ def anthropic_count_tokens_to_openai(body: dict) -> dict:
 # responses
 
 
+def anthropic_usage(input_tokens: int = 0, output_tokens: int = 0, cache_read: int = 0) -> dict:
+    """An Anthropic ``usage`` object with every member the published schema requires (nullable ones null)."""
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cache_read,
+            "cache_creation": {"ephemeral_1h_input_tokens": 0, "ephemeral_5m_input_tokens": 0},
+            "server_tool_use": None, "service_tier": "standard"}
+
+
 def _usage_openai_to_anthropic(usage: dict | None) -> dict:
     usage = usage or {}
-    cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
-    out = {"input_tokens": int(usage.get("prompt_tokens") or 0) - int(cached),
-           "output_tokens": int(usage.get("completion_tokens") or 0)}
-    if cached:
-        out["cache_read_input_tokens"] = int(cached)
-    return out
+    cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
+    return anthropic_usage(int(usage.get("prompt_tokens") or 0) - cached, int(usage.get("completion_tokens") or 0),
+                           cached)
 
 
 def _usage_anthropic_to_openai(usage: dict | None) -> dict:
@@ -418,7 +423,7 @@ def openai_to_anthropic_response(body: dict) -> dict:
         text = content_text(text, non_text="skip")
     calls = msg.get("tool_calls") or []
     if text or not calls:
-        content.append({"type": "text", "text": text or ""})
+        content.append({"type": "text", "text": text or "", "citations": None})
     for tc in calls:
         fn = tc.get("function") or {}
         content.append({"type": "tool_use", "id": tc.get("id") or f"toolu_{uuid.uuid4().hex[:24]}",
@@ -447,7 +452,7 @@ def anthropic_to_openai_response(body: dict, created: int | None = None) -> dict
             calls.append({"id": b.get("id"), "type": "function",
                           "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input") or {})}})
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None,
-                               "refusal": None}
+                               "refusal": None, "annotations": []}
     if calls:
         message["tool_calls"] = calls
     return {
@@ -554,7 +559,7 @@ class OpenAIToAnthropicStream:
         self.model = self.model or chunk.get("model")
         msg = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}
+               "usage": anthropic_usage(self.input_tokens)}
         return [StreamEvent("message_start", {"type": "message_start", "message": msg})]
 
     def _close_block(self) -> list[StreamEvent]:
@@ -630,7 +635,7 @@ class OpenAIToAnthropicStream:
         delta_usage = {"output_tokens": usage["output_tokens"]}
         if self._usage:
             delta_usage["input_tokens"] = usage["input_tokens"]
-            if "cache_read_input_tokens" in usage:
+            if usage["cache_read_input_tokens"]:
                 delta_usage["cache_read_input_tokens"] = usage["cache_read_input_tokens"]
         out.append(StreamEvent("message_delta", {
             "type": "message_delta",

@@ -408,6 +408,20 @@ class Deployment:
             await self._start_new_scenario(stored.scenario, stored.record_id)
         return stored
 
+    async def records_stored(self, records: list, *, check_references: bool = True) -> list:
+        """:meth:`record_stored` for a group of one scenario's records, stored in one transaction or not at all
+        (record import). Returns the stored records in input order."""
+        if not records:
+            return []
+        scenario = records[0].scenario
+        new_recipe = None if scenario in self._scenarios else self.recipe_for_new_scenario(scenario)
+        durable = self.store.submit_many(records, check_references=check_references, new_scenario_recipe=new_recipe)
+        durable.add_done_callback(self._announce)
+        stored = await asyncio.shield(durable)
+        if scenario not in self._scenarios:
+            await self._start_new_scenario(scenario, stored[0].record_id)
+        return stored
+
     async def _start_new_scenario(self, name: str, record_id: str) -> None:
         try:
             await self.resolve(name)  # starts the learner, which reads the new record from the store
@@ -417,9 +431,14 @@ class Deployment:
     def _announce(self, durable: asyncio.Future) -> None:
         if durable.cancelled() or durable.exception() is not None:
             return  # the waiter gets the error, if one still waits
-        stored = durable.result()[0]
-        if stored.scenario not in self._scenarios:
-            asyncio.get_running_loop().create_task(self._start_new_scenario(stored.scenario, stored.record_id))
+        records = durable.result()
+        if records and records[0].scenario not in self._scenarios:
+            asyncio.get_running_loop().create_task(self._start_new_scenario(records[0].scenario,
+                                                                            records[0].record_id))
+        for stored in records:
+            self._announce_one(stored)
+
+    def _announce_one(self, stored) -> None:
         self.pm.notify("reef_record_stored", record=stored)
         if stored.kind == "report":
             self.pm.notify("reef_report_accepted", record=stored, references=list(stored.references))

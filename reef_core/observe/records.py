@@ -150,13 +150,29 @@ class RecordStore:
         """Blocking :meth:`append`, for threads without an event loop."""
         return self._writer.submit_append(self._request([record], idempotency_key, check_references)).result()[0]
 
-    async def append_many(self, items: Sequence[Record], *, check_references: bool = False) -> list[Record]:
+    async def append_many(self, items: Sequence[Record], *, check_references: bool = False,
+                          new_scenario_recipe: str | None = None) -> list[Record]:
         """Store all of ``items`` in one transaction, or none of them (a :class:`Conflict` or a reference error in
-        any one refuses all). Reports may reference inference records earlier in ``items``."""
-        if not items:
-            return []
+        any one refuses all). Reports may reference inference records earlier in ``items``. Identical records
+        already stored are returned as stored. ``new_scenario_recipe`` as in :meth:`append` (all ``items`` must
+        then be of one scenario)."""
+        return await self.submit_many(items, check_references=check_references,
+                                      new_scenario_recipe=new_scenario_recipe)
+
+    def submit_many(self, items: Sequence[Record], *, check_references: bool = False,
+                    new_scenario_recipe: str | None = None) -> asyncio.Future:
+        """Queue :meth:`append_many`'s write now; a future of the running loop resolving to the stored records."""
         request = self._request(list(items), None, check_references)
-        return await self._writer.submit_append(request, asyncio.get_running_loop())
+        if new_scenario_recipe is not None:
+            if len({r.scenario for r in request.records}) > 1:
+                raise ValidationFailed("records created with their scenario must all be of that scenario")
+            request.new_scenario_recipe = check_identifier("recipe", new_scenario_recipe)
+        loop = asyncio.get_running_loop()
+        if not request.records:
+            done = loop.create_future()
+            done.set_result([])
+            return done
+        return self._writer.submit_append(request, loop)
 
     def append_many_sync(self, items: Sequence[Record], *, check_references: bool = False) -> list[Record]:
         """Blocking :meth:`append_many`."""

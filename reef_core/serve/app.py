@@ -16,7 +16,7 @@ from ..errors import ReefError
 from .auth import OPEN_PATHS, AuthMiddleware, TokenSet
 from .errors import dialect_for_path, error_body, new_error_id
 from .inference import InferenceCall
-from . import docs, harness, install, metrics, reads, releases, reports, scenario_routes, skills, ui
+from . import docs, harness, imports, install, metrics, reads, releases, reports, scenario_routes, skills, ui
 from .observe import ObserveMiddleware
 
 log = logging.getLogger("reef.serve")
@@ -61,12 +61,16 @@ def create_app(deployment) -> FastAPI:
     async def messages(request: Request):
         return await InferenceCall(deployment, request, *INFERENCE_ROUTES["/v1/messages"]).run()
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await InferenceCall(deployment, request, *INFERENCE_ROUTES["/v1/responses"]).run()
+
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         return await InferenceCall(deployment, request, *INFERENCE_ROUTES["/v1/messages/count_tokens"]).run()
 
-    for router in (reads.router, reports.router, releases.router, harness.router, install.router, skills.router,
-                   metrics.router, ui.router, docs.router):
+    for router in (reads.router, reports.router, imports.router, releases.router, harness.router, install.router,
+                   skills.router, metrics.router, ui.router, docs.router):
         app.include_router(router)
     scenario_routes.mount(app, getattr(deployment, "pm", None))
 
@@ -89,6 +93,7 @@ INFERENCE_ROUTES = {
     "/v1/chat/completions": ("openai", "chat"),
     "/v1/messages": ("anthropic", "messages"),
     "/v1/messages/count_tokens": ("anthropic", "count_tokens"),
+    "/v1/responses": ("openai", "responses"),
 }
 
 

@@ -46,6 +46,7 @@ from .aggregate import accumulator_for, receipt_events, synthetic_stream
 from .disconnect import CLIENT_DISCONNECTED, ClientGone, ClientWatch
 from .errors import error_body, new_error_id
 from .jsonbody import parse_json_object
+from . import responses
 from .names import RECEIPT_HEADER, optional_id_header, scenario_header
 from .schema import validate_request
 
@@ -121,7 +122,12 @@ class InferenceCall:
     async def run(self) -> Response:
         dep, request = self.dep, self.request
         body = await read_json_body(request, dep.cfg.server.max_body_bytes)
-        validate_request(self.client_dialect, self.route, body)
+        #: the Responses request (``POST /v1/responses``), which runs as the chat body it stands for
+        self.responses: dict | None = body if self.route == "responses" else None
+        if self.responses is not None:
+            responses.validate_responses(body)
+        else:
+            validate_request(self.client_dialect, self.route, body)
         name = scenario_header(request)
         self.tags = tags_of(request)
         self.client_record_id = optional_id_header(request, RECEIPT_HEADER)
@@ -132,6 +138,10 @@ class InferenceCall:
         self.facts = request.scope.setdefault("state", {})["reef_facts"] = {"scenario": self.scenario.name}
         self.request_hash = hashlib.sha256(
             canonical_json({"route": self.route, "body": body}).encode()).hexdigest()
+        if self.responses is not None:
+            body = await responses.chat_body(dep.store, self.scenario.name, body)
+            validate_request("openai", "chat", body)
+            self.client_dialect, self.route = "openai", "chat"
         self.client_body = body
         self.retry_of: str | None = None
 
@@ -167,7 +177,8 @@ class InferenceCall:
         # From here on the client may leave; the watch notices (and owns the receive channel).
         self.watch = ClientWatch(request.receive)
         try:
-            response = await (self._stream() if body.get("stream") else self._complete())
+            # A Responses stream is built from the finished answer (see reef_core.serve.responses).
+            response = await (self._stream() if body.get("stream") and self.responses is None else self._complete())
         except BaseException:
             self.watch.close()
             raise
@@ -226,6 +237,8 @@ class InferenceCall:
         body = payload["response"] if self.route == "count_tokens" else translate_response(
             payload["response"], payload["dialect"], self.client_dialect)
         headers = {RECEIPT_HEADER: record.record_id, "x-reef-replayed": "true"}
+        if self.responses is not None:
+            return responses.answer(self.responses, body, record.record_id, record.created_at, headers)
         if stream:
             return StreamingResponse(synthetic_stream(self.client_dialect, body, record.record_id),
                                      media_type="text/event-stream", headers={"x-reef-replayed": "true"})
@@ -260,8 +273,10 @@ class InferenceCall:
         body = result.body if self.route == "count_tokens" else translate_response(
             result.body, self.engine_dialect, self.client_dialect)
         overhead = (time.perf_counter() - self.started) * 1000 - engine_ms
-        return JSONResponse(body, headers={RECEIPT_HEADER: stored.record_id, **self.extra_headers,
-                                           "x-reef-overhead-ms": f"{overhead:.2f}"})
+        headers = {RECEIPT_HEADER: stored.record_id, **self.extra_headers, "x-reef-overhead-ms": f"{overhead:.2f}"}
+        if self.responses is not None:
+            return responses.answer(self.responses, body, stored.record_id, self.created_at, headers)
+        return JSONResponse(body, headers=headers)
 
     def _relay_error(self, result: EngineResponse) -> Response:
         """A relayed provider error, plain or in place of a stream: the client sees the provider's status,
@@ -293,6 +308,8 @@ class InferenceCall:
             payload["retry_of"] = self.retry_of  # the incomplete attempt this request repeats
         self.facts.update(receipt=self.record_id, engine_ms=round(engine_ms, 3), stream=stream,
                           **_usage(response))
+        if self.responses is not None:
+            payload["responses"] = responses.record_entry(self.responses, self.record_id)
         top_k = tokens.packed_top_k() if tokens is not None else None
         return Record(record_id=self.record_id, scenario=self.scenario.name, kind="inference", payload=payload,
                       tags=self.tags, version=(tokens.version if tokens else None) or version or self.version,
@@ -332,7 +349,10 @@ class InferenceCall:
 
     async def _relay(self, first: StreamEvent | None, events: AsyncIterator[StreamEvent]):
         """The client's SSE frames; stores the record before the terminal event (receipt or error)."""
-        translator = stream_translator(self.engine_dialect, self.client_dialect,
+        # The client's own stream_options: a request translated to Anthropic carries none.
+        options = self.client_body.get("stream_options")
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        translator = stream_translator(self.engine_dialect, self.client_dialect, include_usage=include_usage,
                                        model=self.engine_request.body.get("model"))
         accumulator = self.accumulator
         terminal_seen = False

@@ -7,8 +7,10 @@ field Reef, its translators or its engines read. The first violation raises
 client gets a 400 in its own dialect instead of a failure deep in translation or generation.
 
 Fields the schemas do not know pass through untouched: providers accept extensions, and a
-relay must not refuse what its provider would take. Requiredness follows what Reef needs
-(``messages``), not every provider rule (an absent Anthropic ``max_tokens`` gets a default).
+relay must not refuse what its provider would take. Required members follow the published APIs on
+every engine: ``model`` and ``messages`` on OpenAI, ``model``, ``messages`` and ``max_tokens`` on
+Anthropic Messages (``model`` and ``messages`` for count_tokens), so a client that works against Reef
+also works against the provider.
 """
 
 from __future__ import annotations
@@ -151,7 +153,15 @@ def _openai_message(message: dict, where: str) -> None:
             _fail(f"{at}.function.arguments", "must be a string of JSON")
 
 
+def _required(body: dict, *keys: str) -> None:
+    """The dialect's required members, whatever the engine serves (a strict provider refuses a body without)."""
+    for key in keys:
+        if body.get(key) is None:
+            _fail(key, "is required")
+
+
 def validate_openai_chat(body: dict) -> None:
+    _required(body, "model")
     _typed(body, "model", str, "a string")
     _messages(body, _OPENAI_ROLES, _openai_message)
     for key in ("max_tokens", "max_completion_tokens"):
@@ -201,6 +211,16 @@ def _anthropic_message(message: dict, where: str) -> None:
 
 
 def validate_anthropic_messages(body: dict) -> None:
+    _required(body, "model", "max_tokens")
+    _anthropic_body(body)
+
+
+def validate_anthropic_count_tokens(body: dict) -> None:
+    _required(body, "model")  # counting takes no max_tokens
+    _anthropic_body(body)
+
+
+def _anthropic_body(body: dict) -> None:
     _typed(body, "model", str, "a string")
     _messages(body, _ANTHROPIC_ROLES, _anthropic_message)
     system = body.get("system")
@@ -236,7 +256,7 @@ _VALIDATORS = {
     ("openai", "chat"): validate_openai_chat,
     ("anthropic", "messages"): validate_anthropic_messages,
     # count_tokens bodies go through the same translation, so every field it reads is checked alike.
-    ("anthropic", "count_tokens"): validate_anthropic_messages,
+    ("anthropic", "count_tokens"): validate_anthropic_count_tokens,
 }
 
 

@@ -442,17 +442,24 @@ def _anthropic_body(a: dict) -> dict:
         content = [{"type": "tool_use", "id": f"toolu_fake{a['id']}", "name": a["tool"]["name"],
                     "input": json.loads(a["tool"]["arguments"])}]
     else:
-        content = [{"type": "text", "text": a["text"]}]
+        content = [{"type": "text", "text": a["text"], "citations": None}]
     return {"id": f"msg_fake{a['id']}", "type": "message", "role": "assistant", "model": a["model"],
             "content": content, "stop_reason": _anthropic_stop(a), "stop_sequence": a["stop_sequence"],
-            "usage": {"input_tokens": a["prompt_tokens"], "output_tokens": a["completion_tokens"],
-                      "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
+            "usage": _usage_anthropic(a["prompt_tokens"], a["completion_tokens"])}
+
+
+def _usage_anthropic(input_tokens: int, output_tokens: int) -> dict:
+    """Anthropic's usage object with every member its API sends (the nullable ones null)."""
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0, "cache_creation": {"ephemeral_1h_input_tokens": 0,
+                                                             "ephemeral_5m_input_tokens": 0},
+            "server_tool_use": None, "service_tier": "standard"}
 
 
 def _anthropic_events(a: dict) -> list[tuple[str | None, Any]]:
     msg = {"id": f"msg_fake{a['id']}", "type": "message", "role": "assistant", "model": a["model"], "content": [],
            "stop_reason": None, "stop_sequence": None,
-           "usage": {"input_tokens": a["prompt_tokens"], "output_tokens": 1}}
+           "usage": _usage_anthropic(a["prompt_tokens"], 1)}
     out: list[tuple[str | None, Any]] = [("message_start", {"type": "message_start", "message": msg})]
     if a["tool"]:
         block = {"type": "tool_use", "id": f"toolu_fake{a['id']}", "name": a["tool"]["name"], "input": {}}

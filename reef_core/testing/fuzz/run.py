@@ -321,7 +321,8 @@ def _likelier_creator(case: Case, status, than: Case, than_status) -> bool:
     """Which refused case to show for a scenario that should not exist: one of the routes that create scenarios
     (inference and reports, named by header) before any other, one past authentication (not 401/403), then the
     smaller."""
-    creates = lambda c: c.method == "POST" and (c.route.startswith("/v1/") or c.route == "/reef/report")  # noqa: E731
+    creates = lambda c: c.method == "POST" and (c.route.startswith("/v1/") or c.route in (
+        "/reef/report", "/reef/records", "/reef/records/batch"))  # noqa: E731
     rank = lambda c, s: (not creates(c), s in (401, 403), c.size())  # noqa: E731
     return rank(case, status) < rank(than, than_status)
 

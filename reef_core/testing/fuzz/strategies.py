@@ -262,6 +262,19 @@ def openai_chat():
                   "metadata": st.just({"k": "v"}), "user": words, "top_p": st.floats(0, 1)})
 
 
+def responses_request():
+    """A Responses API body: text or message-item input, optional instructions, tools and sampling options."""
+    part = st.fixed_dictionaries({"type": st.just("input_text"), "text": words})
+    item = st.fixed_dictionaries({"role": st.just("user"),
+                                  "content": st.one_of(words, st.lists(part, min_size=1, max_size=2))})
+    tool = st.just({"type": "function", "name": "f", "parameters": {"type": "object"}})
+    optional = {"instructions": words, "tools": st.lists(tool, max_size=1), "stream": st.booleans(),
+                "max_output_tokens": st.integers(1, 64), "temperature": st.floats(0, 2), "store": st.booleans(),
+                "previous_response_id": st.just("resp_unknown")}
+    required = {"model": st.just(MODEL), "input": st.one_of(words, st.lists(item, min_size=1, max_size=2))}
+    return st.fixed_dictionaries(required, optional=optional)
+
+
 def anthropic_messages(count_tokens: bool = False):
     block = st.fixed_dictionaries({"type": st.just("text"), "text": words})
     message = st.fixed_dictionaries({"role": st.just("user"),
@@ -295,6 +308,8 @@ OPENAI_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "te
                  "logprobs", "logit_bias")
 ANTHROPIC_FIELDS = ("model", "messages", "max_tokens", "system", "stream", "stop_sequences", "temperature", "top_k",
                     "top_p", "tools", "tool_choice", "metadata", "thinking")
+RESPONSES_FIELDS = ("model", "input", "instructions", "tools", "tool_choice", "stream", "store",
+                    "previous_response_id", "max_output_tokens", "temperature", "top_p", "metadata")
 REPORT_FIELDS = ("score", "feedback", "references", "metadata", "agent_record_id")
 
 
@@ -312,6 +327,44 @@ def _report(draw, pools: Pools):
     case = draw(request_case(pools, "POST", "/reef/report", "/reef/report", scenario_header=True))
     name = case.names[0].decode("latin-1") if case.names else pools.plain[0]
     data, note = draw(mutated_body(report_body(pools, name), REPORT_FIELDS))
+    headers = case.headers + [(b"content-type", b"application/json")]
+    notes = [n for n in (case.note, note) if n != "valid"]
+    return Case("POST", case.route, case.target, headers, data, case.names, "; ".join(notes) or "valid")
+
+
+ENVELOPE_FIELDS = ("agent_record_id", "request_type", "payload")
+
+
+@st.composite
+def import_envelope(draw, pools: Pools, scenario: str):
+    """A record-import envelope: an OpenAI or Anthropic exchange, or a report quoting known receipts."""
+    record_id = draw(st.uuids().map(lambda u: u.hex))
+    kind = draw(st.sampled_from(["inference", "inference", "report"]))
+    if kind == "report":
+        payload = draw(report_body(pools, scenario))
+        payload.pop("agent_record_id", None)  # the envelope names the record
+        return {"agent_record_id": record_id, "request_type": "report", "payload": payload}
+    text = draw(words)
+    if draw(st.booleans()):
+        payload = {"model": "m", "messages": [{"role": "user", "content": text}],
+                   "response": {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}}
+    else:
+        payload = {"dialect": "anthropic", "request": {"model": "m", "max_tokens": 8,
+                                                       "messages": [{"role": "user", "content": text}]},
+                   "response": {"type": "message", "role": "assistant", "content": [{"type": "text", "text": text}]}}
+    return {"agent_record_id": record_id, "request_type": "inference", "payload": payload}
+
+
+@st.composite
+def _record_import(draw, pools: Pools, batch: bool):
+    route = "/reef/records/batch" if batch else "/reef/records"
+    case = draw(request_case(pools, "POST", route, route, scenario_header=True))
+    name = case.names[0].decode("latin-1") if case.names else pools.plain[0]
+    if batch:
+        valid = st.lists(import_envelope(pools, name), min_size=1, max_size=3).map(lambda rs: {"records": rs})
+        data, note = draw(mutated_body(valid, ("records",)))
+    else:
+        data, note = draw(mutated_body(import_envelope(pools, name), ENVELOPE_FIELDS))
     headers = case.headers + [(b"content-type", b"application/json")]
     notes = [n for n in (case.note, note) if n != "valid"]
     return Case("POST", case.route, case.target, headers, data, case.names, "; ".join(notes) or "valid")
@@ -490,7 +543,10 @@ def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
         "POST /v1/messages": _inference(pools, "/v1/messages", anthropic_messages(), ANTHROPIC_FIELDS),
         "POST /v1/messages/count_tokens": _inference(pools, "/v1/messages/count_tokens", anthropic_messages(True),
                                                       ANTHROPIC_FIELDS),
+        "POST /v1/responses": _inference(pools, "/v1/responses", responses_request(), RESPONSES_FIELDS),
         "POST /reef/report": _report(pools),
+        "POST /reef/records": _record_import(pools, False),
+        "POST /reef/records/batch": _record_import(pools, True),
         "GET /reef/scenarios/{scenario}/records": _scenario_route(pools, "GET", "/reef/scenarios/{scenario}/records",
                                                                   "/records", ("after_sequence", "limit")),
         "GET /reef/scenarios/{scenario}/records/{record_id}": _record(pools),

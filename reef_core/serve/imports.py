@@ -1,0 +1,192 @@
+"""``POST /reef/records`` and ``POST /reef/records/batch``: import inference and report records without calling a model.
+
+For cold start and for learning from existing logs. An envelope is exactly ``{"agent_record_id", "request_type":
+"inference" | "report", "payload"}``; the answer is its receipt ``{agent_record_id, scenario, request_type}``.
+
+An inference payload is either Reef's own form ``{"request": {...}, "response": {...}, "dialect"?, "metadata"?}``
+or the provider request itself with its ``response`` beside it (``{"model", "messages", ..., "response"}``, the
+upstream form). Both are stored as a served exchange is (``route``, ``dialect``, ``request``, ``response``), with
+``imported: true``, so a recipe's processor reads an imported exchange exactly as a served one. The request must
+hold chat ``messages`` and the response an assistant message in the dialect. ``metadata.tags`` (a string map)
+becomes the record's tags. A report payload follows ``POST /reef/report``'s rules (its references name stored
+inference records of the scenario, or inference records earlier in the same batch).
+
+Everything is validated before anything is stored, and a batch is stored in one transaction: on any error (400
+naming ``records[i]``, 409 for an id reused with other content, 413 for an envelope over 1 MiB) nothing is stored.
+The stored payload depends only on the envelope, so an identical retry returns the same receipts (the store answers
+a known id with identical content with the stored record).
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse
+
+from ..errors import Conflict, PayloadTooLarge, ReefError, ValidationFailed
+from ..observe.model import Record, canonical_json
+from ..observe.names import check_record_id
+from ..observe.processors.conversation import UnusableRecord, request_messages, response_message
+from .inference import read_json_body
+from .names import RECEIPT_HEADER, scenario_header
+from .reports import validate_report
+
+router = APIRouter()
+
+ENVELOPE_FIELDS = frozenset({"agent_record_id", "request_type", "payload"})
+REQUEST_TYPES = ("inference", "report")
+#: Largest envelope, as canonical JSON (upstream: a record import over 1 MiB is a 413).
+MAX_RECORD_BYTES = 1024 * 1024
+#: Most envelopes in one batch, and the largest batch body.
+MAX_BATCH = 1000
+MAX_BATCH_BYTES = 64 * 1024 * 1024
+#: Keys of Reef's own inference payload form.
+OWN_FORM_FIELDS = frozenset({"request", "response", "dialect", "metadata"})
+DIALECT_ROUTES = {"openai": "chat", "anthropic": "messages"}
+
+
+def _inference_payload(payload: dict, where: str) -> tuple[dict, dict]:
+    """The stored payload of an imported exchange and its tags; ``where`` prefixes field names in errors."""
+    if "request" in payload:
+        unknown = sorted(set(payload) - OWN_FORM_FIELDS)
+        if unknown:
+            raise ValidationFailed(f"{where}: unknown field(s) {', '.join(unknown)}; allowed: "
+                                   f"{', '.join(sorted(OWN_FORM_FIELDS))}", param=f"{where}.{unknown[0]}")
+        request, response = payload["request"], payload.get("response")
+        dialect = payload.get("dialect", "anthropic" if _anthropic_reply(response) else "openai")
+        metadata = payload.get("metadata")
+    else:  # the upstream form: the provider request, with its response beside it
+        request = {k: v for k, v in payload.items() if k not in ("response", "metadata")}
+        response = payload.get("response")
+        dialect = "anthropic" if _anthropic_reply(response) else "openai"
+        metadata = payload.get("metadata")
+    if dialect not in DIALECT_ROUTES:
+        raise ValidationFailed(f"{where}.dialect must be one of {', '.join(DIALECT_ROUTES)}", param=f"{where}.dialect")
+    if not isinstance(request, dict):
+        raise ValidationFailed(f"{where}.request must be a JSON object", param=f"{where}.request")
+    if not isinstance(request.get("messages"), list) or not request["messages"]:
+        raise ValidationFailed(f"{where}: the request needs a non-empty messages list", param=f"{where}.messages")
+    if not isinstance(response, dict):
+        raise ValidationFailed(f"{where}.response must be a JSON object (the model's answer)",
+                               param=f"{where}.response")
+    try:
+        request_messages(dialect, request)
+        response_message(dialect, response)
+    except UnusableRecord as exc:
+        raise ValidationFailed(f"{where}: {exc}", param=f"{where}.response") from None
+    tags = {}
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise ValidationFailed(f"{where}.metadata must be a JSON object", param=f"{where}.metadata")
+        tags = metadata.get("tags") or {}
+        if not isinstance(tags, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tags.items()):
+            raise ValidationFailed(f"{where}.metadata.tags must map strings to strings", param=f"{where}.metadata.tags")
+    stored = {"route": DIALECT_ROUTES[dialect], "dialect": dialect, "client_dialect": dialect, "request": request,
+              "response": response, "engine": "import", "stream": False, "imported": True}
+    if metadata is not None:
+        stored["metadata"] = metadata
+    return stored, tags
+
+
+def _anthropic_reply(response) -> bool:
+    return isinstance(response, dict) and response.get("type") == "message"
+
+
+def envelope_record(envelope, scenario: str, where: str = "record") -> Record:
+    """The record an import envelope describes, or :class:`ValidationFailed` / :class:`PayloadTooLarge` naming
+    ``where`` and the field."""
+    if not isinstance(envelope, dict):
+        raise ValidationFailed(f"{where} must be a JSON object", param=where)
+    unknown = sorted(set(envelope) - ENVELOPE_FIELDS)
+    if unknown:
+        raise ValidationFailed(f"{where}: unknown field(s) {', '.join(unknown)}; allowed: "
+                               f"{', '.join(sorted(ENVELOPE_FIELDS))}", param=f"{where}.{unknown[0]}")
+    for name in sorted(ENVELOPE_FIELDS):
+        if name not in envelope:
+            raise ValidationFailed(f"{where}: missing {name}", param=f"{where}.{name}")
+    record_id = check_record_id(envelope["agent_record_id"], f"{where}.agent_record_id")
+    kind = envelope["request_type"]
+    if kind not in REQUEST_TYPES:
+        raise ValidationFailed(f"{where}.request_type must be one of {', '.join(REQUEST_TYPES)}",
+                               param=f"{where}.request_type")
+    payload = envelope["payload"]
+    if not isinstance(payload, dict):
+        raise ValidationFailed(f"{where}.payload must be a JSON object", param=f"{where}.payload")
+    if len(canonical_json(envelope).encode()) > MAX_RECORD_BYTES:
+        raise PayloadTooLarge(f"{where} is larger than {MAX_RECORD_BYTES} bytes", param=where)
+    if kind == "inference":
+        stored, tags = _inference_payload(payload, f"{where}.payload")
+        return Record(record_id=record_id, scenario=scenario, kind="inference", payload=stored, tags=tags,
+                      created_at=time.time())
+    if "agent_record_id" in payload:
+        raise ValidationFailed(f"{where}.payload.agent_record_id: the envelope names the record",
+                               param=f"{where}.payload.agent_record_id")
+    try:
+        report = validate_report(payload)
+    except ValidationFailed as exc:
+        raise ValidationFailed(f"{where}.payload: {exc.message}", param=f"{where}.payload") from None
+    return Record(record_id=record_id, scenario=scenario, kind="report",
+                  payload={k: report[k] for k in ("score", "feedback", "metadata") if k in report},
+                  references=report["references"], created_at=time.time())
+
+
+def _receipt(record: Record) -> dict:
+    return {"agent_record_id": record.record_id, "scenario": record.scenario, "request_type": record.kind}
+
+
+async def _store(dep, records: list[Record]) -> list[Record]:
+    """Store ``records`` in one transaction; a refusal names the envelope it is about (``records[i]``)."""
+    try:
+        return await dep.records_stored(records, check_references=True)
+    except (Conflict, ValidationFailed) as exc:
+        index = _culprit(records, exc)
+        if index is None or len(records) == 1:
+            raise
+        raise type(exc)(f"records[{index}]: {exc.message}", param=f"records[{index}]", **{
+            k: v for k, v in exc.details.items() if k != "param"}) from None
+
+
+def _culprit(records: list[Record], exc: ReefError) -> int | None:
+    """Which record a store refusal is about: the reused id, or the first report quoting the bad reference."""
+    record_id, reference = exc.details.get("record_id"), exc.details.get("reference")
+    for i, record in enumerate(records):
+        if record_id is not None and record.record_id == record_id:
+            return i
+        if reference is not None and record.kind == "report" and reference in record.references:
+            return i
+    return None
+
+
+@router.post("/reef/records")
+async def post_record(request: Request):
+    dep = request.app.state.reef
+    body = await read_json_body(request, MAX_RECORD_BYTES + 4096)
+    name = scenario_header(request)
+    record = envelope_record(body, name)
+    await dep.resolve(name)  # refuses an archived or unknown (implicit scenarios off) one; creates nothing
+    stored = (await _store(dep, [record]))[0]
+    return JSONResponse(_receipt(stored), headers={RECEIPT_HEADER: stored.record_id})
+
+
+@router.post("/reef/records/batch")
+async def post_records_batch(request: Request):
+    dep = request.app.state.reef
+    body = await read_json_body(request, MAX_BATCH_BYTES)
+    name = scenario_header(request)
+    unknown = sorted(set(body) - {"records"})
+    if unknown:
+        raise ValidationFailed(f"unknown field(s) {', '.join(unknown)}; allowed: records", param=unknown[0])
+    envelopes = body.get("records")
+    if not isinstance(envelopes, list) or not 1 <= len(envelopes) <= MAX_BATCH:
+        raise ValidationFailed(f"records must be a list of 1 to {MAX_BATCH} envelopes", param="records")
+    records = [envelope_record(envelope, name, f"records[{i}]") for i, envelope in enumerate(envelopes)]
+    seen: dict[str, int] = {}
+    for i, record in enumerate(records):
+        first = seen.setdefault(record.record_id, i)
+        if first != i and records[first].content_hash != record.content_hash:
+            raise Conflict(f"records[{i}]: agent_record_id {record.record_id!r} is used by records[{first}] with "
+                           "different content", param=f"records[{i}].agent_record_id")
+    await dep.resolve(name)
+    stored = await _store(dep, records)
+    return JSONResponse({"records": [_receipt(r) for r in stored]})

@@ -1,0 +1,264 @@
+"""``POST /v1/responses`` (OpenAI Responses API) served through the chat path.
+
+A Responses request is validated at the door, turned into a Chat Completions body (``instructions`` as the system
+message, ``input`` items as chat turns, function tools as chat tools, ``max_output_tokens`` as ``max_tokens``) and
+then runs exactly as a chat request does: the same engines (translated to Anthropic for an Anthropic upstream),
+receipts, scenarios, tags, idempotency and harness/skill injection. The record stores the chat exchange (so a
+processor reads it as any served exchange) plus a ``responses`` entry: the response id ``resp_<receipt>``, the
+``previous_response_id`` and ``store``.
+
+``previous_response_id`` names an earlier stored response of the same scenario: its conversation (without its
+``instructions``, which do not carry over) and its reply come before the new input. A response made with
+``store: false`` cannot be chained (404, as OpenAI answers). ``stream: true`` answers the typed event sequence
+(``response.created`` ... ``response.completed``, the receipt on the terminal event's ``reef`` field), built once the
+engine's answer is complete: this increment does not relay tokens as they are generated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from starlette.responses import JSONResponse, StreamingResponse
+
+from ..errors import NotFound, ValidationFailed
+from ..observe.processors.conversation import UnusableRecord, exchange_of
+
+RESPONSE_PREFIX = "resp_"
+_ROLES = frozenset({"user", "assistant", "system", "developer"})
+
+
+def _fail(param: str, problem: str):
+    raise ValidationFailed(f"{param}: {problem}", param=param)
+
+
+def validate_responses(body: dict) -> None:
+    """The Responses fields Reef reads, checked before anything runs (400 naming the field)."""
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        _fail("model", "is required (a string)")
+    if "input" not in body:
+        _fail("input", "is required")
+    items = body["input"]
+    if not isinstance(items, (str, list)):
+        _fail("input", "must be a string or a list of input items")
+    for i, item in enumerate(items if isinstance(items, list) else ()):
+        _check_item(item, f"input[{i}]")
+    for key, kind, name in (("instructions", str, "a string"), ("previous_response_id", str, "a string"),
+                            ("store", bool, "a boolean"), ("stream", bool, "a boolean"),
+                            ("metadata", dict, "an object"), ("parallel_tool_calls", bool, "a boolean")):
+        if body.get(key) is not None and not isinstance(body[key], kind):
+            _fail(key, f"must be {name}")
+    tokens = body.get("max_output_tokens")
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        _fail("max_output_tokens", "must be a positive integer")
+    for key, hi in (("temperature", 2), ("top_p", 1)):
+        value = body.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 <= value <= hi):
+            _fail(key, f"must be a number from 0 to {hi}")
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            _fail("tools", "must be a list")
+        for j, tool in enumerate(tools):
+            if not isinstance(tool, dict) or tool.get("type") != "function":
+                _fail(f"tools[{j}].type", "only function tools are served")
+            if not isinstance(tool.get("name"), str) or not tool["name"]:
+                _fail(f"tools[{j}].name", "must be a string")
+            if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
+                _fail(f"tools[{j}].parameters", "must be an object")
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none", "required") and not (
+            isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str)):
+        _fail("tool_choice", "must be 'auto', 'none', 'required' or {type: function, name}")
+
+
+def _check_item(item: Any, where: str) -> None:
+    if not isinstance(item, dict):
+        _fail(where, "must be an object")
+    kind = item.get("type", "message")
+    if kind == "message":
+        if item.get("role") not in _ROLES:
+            _fail(f"{where}.role", f"must be one of {', '.join(sorted(_ROLES))}")
+        content = item.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text") \
+                        or not isinstance(part.get("text"), str):
+                    _fail(f"{where}.content[{j}]", "must be an input_text or output_text part with text")
+        elif not isinstance(content, str):
+            _fail(f"{where}.content", "must be a string or a list of text parts")
+    elif kind == "function_call":
+        for key in ("call_id", "name", "arguments"):
+            if not isinstance(item.get(key), str):
+                _fail(f"{where}.{key}", "must be a string")
+    elif kind == "function_call_output":
+        if not isinstance(item.get("call_id"), str):
+            _fail(f"{where}.call_id", "must be a string")
+        if not isinstance(item.get("output"), str):
+            _fail(f"{where}.output", "must be a string")
+    else:
+        _fail(f"{where}.type", "must be message, function_call or function_call_output")
+
+
+def _chat_turns(items: str | list) -> list[dict]:
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    turns: list[dict] = []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            content = item["content"]
+            text = content if isinstance(content, str) else "".join(part["text"] for part in content)
+            turns.append({"role": "system" if item["role"] == "developer" else item["role"], "content": text})
+        elif kind == "function_call":
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if turns and turns[-1]["role"] == "assistant" and turns[-1].get("tool_calls") is not None:
+                turns[-1]["tool_calls"].append(call)  # parallel calls belong to one assistant turn
+            else:
+                turns.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            turns.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+    return turns
+
+
+async def previous_turns(store, scenario: str, response_id: str) -> list[dict]:
+    """The conversation ``previous_response_id`` names, its reply included (its instructions left out)."""
+    record_id = response_id[len(RESPONSE_PREFIX):] if response_id.startswith(RESPONSE_PREFIX) else None
+    record = await asyncio.to_thread(store.get, record_id) if record_id else None
+    meta = (record.payload.get("responses") or {}) if record is not None and record.kind == "inference" else None
+    if record is None or record.scenario != scenario or not meta or meta.get("store") is False:
+        raise NotFound(f"Previous response with id {response_id!r} not found.", param="previous_response_id")
+    try:
+        messages, reply = exchange_of(record)
+    except UnusableRecord as exc:
+        raise NotFound(f"Previous response with id {response_id!r} has no usable answer: {exc}",
+                       param="previous_response_id") from None
+    if meta.get("instructions") and messages and messages[0].get("role") == "system":
+        messages = messages[1:]
+    return [*messages, reply]
+
+
+async def chat_body(store, scenario: str, body: dict) -> dict:
+    """The Chat Completions body a validated Responses request stands for."""
+    turns: list[dict] = []
+    if body.get("instructions"):
+        turns.append({"role": "system", "content": body["instructions"]})
+    if body.get("previous_response_id"):
+        turns += await previous_turns(store, scenario, body["previous_response_id"])
+    turns += _chat_turns(body["input"])
+    chat: dict[str, Any] = {"model": body["model"], "messages": turns}
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    for key in ("temperature", "top_p", "parallel_tool_calls"):
+        if body.get(key) is not None:
+            chat[key] = body[key]
+    if body.get("tools"):
+        chat["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                           if t.get(k) is not None}} for t in body["tools"]]
+    choice = body.get("tool_choice")
+    if choice is not None:
+        chat["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",
+                                                                        "function": {"name": choice["name"]}}
+    return chat
+
+
+def record_entry(body: dict, record_id: str) -> dict:
+    """What the record keeps of the Responses request beside the chat exchange."""
+    return {"response_id": RESPONSE_PREFIX + record_id, "previous_response_id": body.get("previous_response_id"),
+            "store": body.get("store", True), "instructions": bool(body.get("instructions"))}
+
+
+def response_object(body: dict, completion: dict, record_id: str, created_at: float) -> dict:
+    """The Responses ``response`` object for a chat completion (OpenAI dialect) of request ``body``."""
+    choice = (completion.get("choices") or [{}])[0]
+    message = choice.get("message") or {}
+    output: list[dict] = []
+    text = message.get("content")
+    if isinstance(text, str) and text or not message.get("tool_calls"):
+        output.append({"type": "message", "id": f"msg_{record_id}", "status": "completed", "role": "assistant",
+                       "content": [{"type": "output_text", "text": text or "", "annotations": [], "logprobs": []}]})
+    for i, call in enumerate(message.get("tool_calls") or []):
+        fn = call.get("function") or {}
+        output.append({"type": "function_call", "id": f"fc_{record_id}_{i}",
+                       "call_id": call.get("id") or f"call_{i}",
+                       "name": fn.get("name") or "", "arguments": fn.get("arguments") or "{}",
+                       "status": "completed"})
+    usage = completion.get("usage") or {}
+    prompt, done = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    incomplete = choice.get("finish_reason") == "length"
+    return {
+        "id": RESPONSE_PREFIX + record_id, "object": "response", "created_at": int(created_at),
+        "status": "incomplete" if incomplete else "completed", "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+        "model": completion.get("model") or body["model"], "output": output,
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "previous_response_id": body.get("previous_response_id"), "store": body.get("store", True),
+        "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+        "tool_choice": body.get("tool_choice", "auto"), "tools": [
+            {"type": "function", "name": t["name"], "description": t.get("description"),
+             "parameters": t.get("parameters") or {}, "strict": t.get("strict", False)}
+            for t in body.get("tools") or []],
+        "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": body.get("metadata") or {},
+        "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                  "output_tokens": done, "output_tokens_details": {"reasoning_tokens": 0},
+                  "total_tokens": prompt + done},
+    }
+
+
+def _event_stream(response: dict, record_id: str):
+    """The typed Responses events of a finished response, the receipt on ``response.completed``."""
+    sequence = 0
+
+    def event(kind: str, **fields) -> bytes:
+        nonlocal sequence
+        data = {"type": kind, "sequence_number": sequence, **fields}
+        sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
+
+    async def events():
+        start = {**response, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
+        yield event("response.created", response=start)
+        yield event("response.in_progress", response=start)
+        for index, item in enumerate(response["output"]):
+            if item["type"] == "message":
+                text = item["content"][0]["text"]
+                yield event("response.output_item.added", output_index=index,
+                            item={**item, "status": "in_progress", "content": []})
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                yield event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
+                            part=part)
+                if text:
+                    yield event("response.output_text.delta", item_id=item["id"], output_index=index,
+                                content_index=0, delta=text, logprobs=[])
+                yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                            text=text, logprobs=[])
+                yield event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                            part={**part, "text": text})
+            else:
+                yield event("response.output_item.added", output_index=index,
+                            item={**item, "status": "in_progress", "arguments": ""})
+                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                            delta=item["arguments"])
+                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            arguments=item["arguments"], name=item["name"])
+            yield event("response.output_item.done", output_index=index, item=item)
+        terminal = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        yield event(terminal, response=response, reef={"agent_record_id": record_id})
+
+    return events()
+
+
+def answer(body: dict, completion: dict, record_id: str, created_at: float,
+           headers: dict) -> JSONResponse | StreamingResponse:
+    """The client's answer: the response object, or its event stream when the request asked for one."""
+    response = response_object(body, completion, record_id, created_at)
+    if body.get("stream"):
+        return StreamingResponse(_event_stream(response, record_id), media_type="text/event-stream",
+                                 headers={"cache-control": "no-store", **{k: v for k, v in headers.items()
+                                                                          if k.startswith("x-reef-")}})
+    return JSONResponse(response, headers=headers)
+
