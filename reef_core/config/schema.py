@@ -175,6 +175,9 @@ class RecipeConfig:
     trainer: Optional[str] = None
     surface: Optional[str] = None
     report_schema: Optional[str] = None
+    #: The next-state judge (``reef_register_judges``) a judging processor asks, or ``"package.module:function"``
+    #: (a callable judge of that function); recipes without one leave it unset.
+    judge: Optional[str] = None
     #: Options handed to the processor (e.g. batch_size, max_staleness).
     processor_options: dict[str, Any] = field(default_factory=dict)
     #: Options of the recipe's trainer and objective.

@@ -191,5 +191,5 @@ def make_callable_judge(*, options: dict | None = None, **_context) -> CallableJ
     path = options.get("function")
     if not isinstance(path, str) or ":" not in path:
         raise ConfigError("judge 'callable' needs recipe.processor_options.judges.callable.function = "
-                          "'package.module:function' (or recipe.processor_options.judge = 'package.module:function')")
+                          "'package.module:function' (or recipe.judge = 'package.module:function')")
     return CallableJudge(load_callable(path, "judge function"), name=path)

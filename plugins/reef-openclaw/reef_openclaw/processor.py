@@ -90,7 +90,7 @@ def build_judge(spec: Any, judges: Any = None, *, create: Callable[..., Any] | N
     if not isinstance(judges, Mapping):
         raise ConfigError("openclaw: processor_options.judges must be a mapping of judge name -> options")
     if not isinstance(spec, str) or not spec:
-        raise ConfigError(f"openclaw: processor_options.judge must be a judge name (prm, callable) or "
+        raise ConfigError(f"openclaw: recipe.judge must be a judge name (prm, callable) or "
                           f"'package.module:function', got {spec!r}")
     name, function = ("callable", spec) if ":" in spec else (spec, None)  # a function is the callable judge
     options = judges.get(name) or {}
@@ -99,7 +99,7 @@ def build_judge(spec: Any, judges: Any = None, *, create: Callable[..., Any] | N
     options = dict(options)
     if function is not None:
         if options.get("function") not in (None, function):
-            raise ConfigError("openclaw: processor_options.judge names a function and "
+            raise ConfigError("openclaw: recipe.judge names a function and "
                               "processor_options.judges.callable.function names another")
         options["function"] = function
     if create is None:

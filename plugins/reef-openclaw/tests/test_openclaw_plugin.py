@@ -46,7 +46,7 @@ def test_tiny_profile_control_arm_and_command_line_judge():
     assert cfg.recipe.options["w_rl"] == 0.0 and cfg.recipe.options["w_opd"] == 0.0
     assert cfg.recipe.processor_options["judge"] == "reef_openclaw.examples.style:judge"
     assert cfg.engine.max_new_tokens == 4 and cfg.engine.top_k_logprobs == 4
-    cfg = compose_config(["+recipe=openclaw", "recipe.processor_options.judge=callable",
+    cfg = compose_config(["+recipe=openclaw", "recipe.judge=callable",
                           "+recipe.processor_options.judges.callable.function=reef_openclaw.examples.style:judge"], pm)
     proc = pm.create("processor", "openclaw", scenario="s", options=cfg.recipe.processor_options, create=pm.create,
                      serving_version=lambda: None)
