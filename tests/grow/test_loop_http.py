@@ -223,7 +223,9 @@ def test_rollback_of_weights_restores_exact_logprobs(reef_server):
 
     # One batch (4 reports) trains one release, which then serves.
     _report_tasks(server, client, scenario, reef_sao_tasks.task_stream(seed=11), 4)
-    trained = wait_until(lambda: [r for r in _releases(server, scenario) if r["operation"] == "training"], 300)
+    # The release row is written before the engine serves it: wait for its serving version (activation done).
+    trained = wait_until(lambda: [r for r in _releases(server, scenario)
+                                  if r["operation"] == "training" and "serving_version" in r["metrics"]], 300)
     assert len(trained) == 1, server.log()
     text1, tokens1 = _probe(server, client, scenario)
     assert tokens1["version"] == trained[0]["metrics"]["serving_version"] != tokens0["version"]
