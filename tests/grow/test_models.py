@@ -183,6 +183,8 @@ def test_smollm2_converts_once_and_answers(tmp_path_factory):
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
     assert [p.name for p in cache.iterdir()] == [path.name]  # no temp dir left behind
 
+    # the model card's sampling defaults, which the engines use when a request sets none
+    assert models.generation_defaults(path) == {"temperature": 0.2, "top_p": 0.9}
     model, tok = load_model(path)
     assert type(model).__name__ == "LlamaForCausalLM"
     assert tok.chat_template and tok.eos_token == "<|im_end|>"
@@ -197,3 +199,36 @@ def test_smollm2_converts_once_and_answers(tmp_path_factory):
     letters = [c for c in answer if c.isalpha()]
     assert letters and sum(c.isascii() for c in letters) / len(letters) > 0.9  # English, not byte soup
     assert "paris" in answer.lower()
+
+
+def _gen_config(directory, cfg):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "generation_config.json").write_text(json.dumps(cfg))
+    return directory
+
+
+def test_generation_defaults_read_only_what_the_model_sets(tmp_path, tiny_dir):
+    assert models.generation_defaults(tiny_dir) == {}  # a tiny model sets no sampling: the engines keep 1.0
+    assert models.generation_defaults(tmp_path / "no-such-dir") == {}
+    d = _gen_config(tmp_path / "a", {"do_sample": True, "temperature": 0.7, "top_p": 0.95, "top_k": 50})
+    assert models.generation_defaults(d) == {"temperature": 0.7, "top_p": 0.95}
+    d = _gen_config(tmp_path / "b", {"do_sample": False, "temperature": 0.7})
+    assert models.generation_defaults(d) == {"temperature": 0.0}  # the model asks for greedy decoding
+    for bad in ({"temperature": "hot"}, {"top_p": 1.5}, {"temperature": True}, [1, 2]):
+        d = _gen_config(tmp_path / "c", bad)
+        with pytest.raises(ConfigError, match="generation_config.json"):
+            models.generation_defaults(d)
+    (tmp_path / "c" / "generation_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="unreadable"):
+        models.generation_defaults(tmp_path / "c")
+
+
+def test_an_older_smollm2_conversion_gains_the_sampling_defaults(tmp_path):
+    d = _gen_config(tmp_path / "smollm2", {"bos_token_id": 1, "eos_token_id": 2})
+    models._add_generation_defaults(d)
+    cfg = json.loads((d / "generation_config.json").read_text())
+    assert cfg == {"bos_token_id": 1, "eos_token_id": 2, **models.SMOLLM2_GENERATION}
+    # a directory that already states its sampling is left as it is
+    d = _gen_config(tmp_path / "own", {"temperature": 0.5})
+    models._add_generation_defaults(d)
+    assert json.loads((d / "generation_config.json").read_text()) == {"temperature": 0.5}
