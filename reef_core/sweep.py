@@ -18,6 +18,7 @@ from hydra.experimental.callback import Callback
 
 from .config.compose import CONFIG_NAME, CONFIG_MODULE, searchpath_override, to_plain
 from .config.schema import register_schema
+from .progress import Progress
 
 
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME)
@@ -46,12 +47,46 @@ def run_sweep(args: list[str]) -> int:
 
 
 class SummaryTable(Callback):
-    """Hydra callback: after a multirun, print the ``metrics.json`` of each job as one table row."""
+    """Hydra callback of ``reef sweep``: progress over the jobs of a multirun (stderr), then the ``metrics.json``
+    of each job as one table row."""
+
+    def __init__(self) -> None:
+        self._progress: Progress | None = None
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        self._progress = Progress("reef sweep", sweep_size(list(config.hydra.overrides.task)), unit="job")
+
+    def on_job_end(self, config, job_return, **kwargs) -> None:
+        if self._progress is not None:
+            status = getattr(getattr(job_return, "status", None), "name", "?").lower()
+            self._progress.note = f"job {config.hydra.job.num} {status}"
+            self._progress.advance(1)
 
     def on_multirun_end(self, config, **kwargs) -> None:
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
         rows = collect_metrics(Path(str(config.hydra.sweep.dir)))
         if rows:
             print(format_table(rows), flush=True)
+
+
+def sweep_size(overrides: list[str]) -> int | None:
+    """How many jobs the basic sweeper makes of ``overrides`` (the product of the swept lists); None when a sweep
+    is not a plain list (a range or interval the progress cannot count ahead)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # Hydra itself reports a malformed override; the count is only for progress
+        return None
+    total = 1
+    for override in parsed:
+        if override.is_sweep_override():
+            if not override.is_discrete_sweep():
+                return None
+            total *= len(list(override.sweep_string_iterator()))
+    return total
 
 
 def collect_metrics(sweep_dir: Path) -> list[dict]:

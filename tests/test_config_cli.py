@@ -73,6 +73,9 @@ def test_sweep_runs_four_jobs_with_four_resolved_configs(tmp_path):
     assert combos == {("sao", 0), ("sao", 1), ("gepa", 0), ("gepa", 1)}
     summaries = [json.loads(p.with_name("summary.json").read_text()) for p in resolved]
     assert all(s["task"] == "dry_run" for s in summaries)
+    progress = [line for line in result.stderr.splitlines() if line.startswith("reef sweep: ")]
+    assert [line.split(" (")[0] for line in progress] == [f"reef sweep: {i}/4 jobs" for i in range(1, 5)]
+    assert all(line.endswith(" completed)") for line in progress)
 
 
 def test_sweep_job_with_unknown_component_fails(tmp_path):

@@ -18,7 +18,6 @@ import json
 import logging
 import re
 import sys
-from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any, Callable
 
@@ -210,6 +209,7 @@ def cmd_harness(args) -> int:
 
 def cmd_import(args) -> int:
     """Read the whole file first (a bad line is named before anything is sent), then send it in batches."""
+    from ..progress import Progress
     from .errors import ReefClientError
     from .imports import batches, read_jsonl
 
@@ -234,7 +234,7 @@ def cmd_import(args) -> int:
             origin[id(envelope)] = number
     total = sum(len(envelopes) for _, envelopes in lines)
     stored = 0
-    with reef, _progress(total) as advance:
+    with reef, Progress("importing", total, unit="record") as bar:
         for batch in batches((envelopes for _, envelopes in lines), args.batch_size):
             try:
                 reef.import_records(batch, batch_size=len(batch))
@@ -245,33 +245,10 @@ def cmd_import(args) -> int:
                 print(f"reef: error: {exc}{where}; {stored} records stored before it", file=sys.stderr)
                 return EXIT_RUNTIME
             stored += len(batch)
-            advance(len(batch))
+            bar.advance(len(batch))
     summary = {"scenario": reef.scenario, "records": stored, "lines": len(lines)}
     if args.json:
         _print_json(summary)
     else:
         print(f"imported {stored} records from {len(lines)} lines into {reef.scenario}")
     return EXIT_OK
-
-
-@contextmanager
-def _progress(total: int):
-    """``advance(n)`` for a progress bar on stderr: rich's at a terminal when installed, else a line per step."""
-    if sys.stderr.isatty():
-        try:
-            from rich.progress import Progress
-        except ImportError:
-            pass
-        else:
-            with Progress(transient=True) as bar:
-                task = bar.add_task("importing", total=total)
-                yield lambda n: bar.advance(task, n)
-            return
-    done = 0
-
-    def advance(n: int) -> None:
-        nonlocal done
-        done += n
-        print(f"imported {done}/{total}", file=sys.stderr)
-
-    yield advance

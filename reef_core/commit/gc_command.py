@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..progress import Progress
 from .retention import RetentionPolicy, plan_gc, run_gc
 
 
@@ -17,7 +18,11 @@ def run_gc_command(cfg, *, dry_run: bool) -> int:
     policy = RetentionPolicy(keep_last=int(retention.keep_last), keep_ever_current=bool(retention.keep_ever_current),
                              pinned=frozenset(retention.pinned))
     plan = plan_gc(store, policy)
-    result = run_gc(store, plan, dry_run=dry_run)
+    if dry_run:
+        result = run_gc(store, plan, dry_run=True)
+    else:
+        with Progress("reef gc: deleting LFS objects", len(plan.delete_objects), unit="object") as bar:
+            result = run_gc(store, plan, dry_run=False, advance=bar.advance)
     report = {
         "dry_run": dry_run,
         "policy": {"keep_last": policy.keep_last, "keep_ever_current": policy.keep_ever_current,

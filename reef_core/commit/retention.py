@@ -29,6 +29,7 @@ delete.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from reef_core.commit.store import ArtifactStore
@@ -131,8 +132,10 @@ def plan_gc(store: ArtifactStore, policy: RetentionPolicy | None = None) -> GcPl
     return _plan(store, policy or RetentionPolicy())[0]
 
 
-def run_gc(store: ArtifactStore, plan: GcPlan, dry_run: bool = True) -> GcResult:
-    """Carry out ``plan`` (``dry_run``: only report). Re-checks retention under the GC lock.
+def run_gc(store: ArtifactStore, plan: GcPlan, dry_run: bool = True,
+           advance: Callable[[int], None] | None = None) -> GcResult:
+    """Carry out ``plan`` (``dry_run``: only report). Re-checks retention under the GC lock; ``advance(1)`` is
+    called per object looked at (a progress bar's).
 
     The store-level equivalent of ``git lfs prune`` for a bare repository: objects are removed
     from ``<repo>/lfs/objects`` and the affected releases are marked pruned. Only objects that
@@ -157,4 +160,6 @@ def run_gc(store: ArtifactStore, plan: GcPlan, dry_run: bool = True) -> GcResult
                 path.unlink()
             except FileNotFoundError:
                 pass
+            if advance is not None:
+                advance(1)
     return GcResult(False, prune, sorted(doomed), reclaimed)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from reef_core.errors import ConfigError
+from reef_core.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -262,13 +263,14 @@ def ensure_smollm2(cache_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Path
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     started = time.monotonic()
-    progress = _Progress(f"converting {gguf.name} (once)", ["tokenizer", "dequantize", "copy", "save"])
+    # A first `reef serve` converts for about a minute: say so, stage by stage (a bar at a terminal).
+    progress = Progress(f"converting {gguf.name} (once)", 4, unit="stage", logger=None if sys.stderr.isatty() else log)
     try:
-        progress.step()
+        progress.stage("tokenizer")
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        progress.step()
+        progress.stage("dequantize")
         quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        progress.step()
+        progress.stage("copy")
         cfg = quantized.config
         # A GGUF-loaded model refuses save_pretrained; copy its dequantized weights into a plain one.
         if hasattr(cfg, "quantization_config"):
@@ -285,13 +287,14 @@ def ensure_smollm2(cache_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Path
             setattr(plain.generation_config, key, value)
         if not tok.chat_template:
             raise ConfigError(f"{gguf} carries no chat template; cannot build a chat model from it")
-        progress.step()
+        progress.stage("save")
         plain.save_pretrained(tmp)
         save_tokenizer(tok, tmp, _TOKENIZER_CLASS.get(cfg.model_type, "PreTrainedTokenizerFast"))
         (tmp / MARKER).write_text(json.dumps(expected))
         _publish_dir(tmp, target)
-    finally:
         progress.close()
+    finally:
+        progress.close(finished=False)
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s to %s in %.1f s", gguf.name, target, time.monotonic() - started)
@@ -337,39 +340,6 @@ def generation_defaults(model_dir: Path) -> dict[str, float]:
             raise ConfigError(f"{path}: {key} must be a number in [0, {hi}], got {value!r}", path=str(path))
         out[key] = float(value)
     return out
-
-
-class _Progress:
-    """Stages of a long first-run step: a bar on a terminal (tqdm, a transformers dependency), a log line
-    per stage otherwise, so a first ``reef serve`` never sits silent for a minute."""
-
-    def __init__(self, what: str, stages: list[str]):
-        self.what, self.stages, self.done = what, stages, 0
-        self.bar = None
-        if sys.stderr.isatty():
-            try:
-                from tqdm.auto import tqdm
-
-                self.bar = tqdm(total=len(stages), desc=what, unit="stage", leave=True)
-            except ImportError:  # the plain log lines below do the job
-                pass
-
-    def step(self) -> None:
-        """Start the next stage (the previous one is done)."""
-        if self.done and self.bar is not None:
-            self.bar.update(1)
-        stage = self.stages[min(self.done, len(self.stages) - 1)]
-        self.done += 1
-        if self.bar is not None:
-            self.bar.set_postfix_str(stage)
-        else:
-            log.info("%s: %s (%d/%d)", self.what, stage, self.done, len(self.stages))
-
-    def close(self) -> None:
-        if self.bar is not None:
-            if self.done == len(self.stages):
-                self.bar.update(1)
-            self.bar.close()
 
 
 # --------------------------------------------------------------------------- resolution and loading

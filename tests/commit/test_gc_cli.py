@@ -11,10 +11,12 @@ from reef_core.commit.git_store import GitArtifactStore
 from reef_core.testing.chain import publish
 
 
-def reef_gc(data_dir, *args):
+def reef_gc(data_dir, *args, stderr=None):
     result = subprocess.run([sys.executable, "-m", "reef_core.cli", "gc", *args, f"storage.data_dir={data_dir}"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+    if stderr is not None:
+        stderr.append(result.stderr)
     return json.loads(result.stdout)
 
 
@@ -38,8 +40,11 @@ def test_gc_dry_run_then_prune(tmp_path):
                      f"storage.retention.pinned=[{held[0].release_id}]")
     assert set(pinned["would_prune_releases"]) == {held[1].release_id}
 
-    done = reef_gc(tmp_path, "storage.retention.keep_last=2")
+    err: list[str] = []
+    done = reef_gc(tmp_path, "storage.retention.keep_last=2", stderr=err)
     assert set(done["pruned_releases"]) == doomed
+    n = len(done["deleted_objects"])
+    assert n >= 2 and f"reef gc: deleting LFS objects: {n}/{n} objects" in err[0]
     rows = {r.release_id: r for r in GitArtifactStore(tmp_path / "artifacts.git", tmp_path / "artifacts-work")
             .releases("s")}
     assert not rows[held[0].release_id].restorable and rows[head.release_id].restorable

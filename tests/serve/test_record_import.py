@@ -166,6 +166,9 @@ def test_reef_import_cli_then_the_processor_sees_served_exchanges(server, tmp_pa
     assert code == 0, out.err
     summary = json.loads(out.out)
     assert summary == {"scenario": "imp-cli", "records": 2 * CLI_CONVERSATIONS, "lines": CLI_CONVERSATIONS}
+    # progress on stderr (not a terminal here: a line per tenth, ending at the total)
+    progress = [line for line in out.err.splitlines() if line.startswith("importing: ")]
+    assert 5 <= len(progress) <= 12 and progress[-1].startswith(f"importing: {2 * CLI_CONVERSATIONS}/")
     print(f"imported {2 * CLI_CONVERSATIONS} records in {elapsed:.2f} s")
     with ReefClient(server.url, scenario="imp-cli") as reef:
         stored = reef.records()

@@ -66,6 +66,12 @@ def test_readme_path_serves_smollm2(reef_server):
         model="reef", messages=[{"role": "user", "content": "What is the capital of France?"}],
         extra_headers={"x-reef-scenario": "readme"}, temperature=0)
     assert "Paris" in completion.choices[0].message.content
+    # at default settings the engine samples with the model's own generation config (temperature 0.2, top_p 0.9)
+    for seed in (1, 2):
+        completion = client.chat.completions.create(
+            model="reef", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            extra_headers={"x-reef-scenario": "readme"}, seed=seed)
+        assert "Paris" in completion.choices[0].message.content
 
 
 def test_a_huge_prompt_is_refused_fast_with_400(server):
