@@ -1,7 +1,7 @@
 """The dashboard at ``/ui``: server-rendered HTML pages over the same data as the JSON routes.
 
-Read-only for an inference token; an admin token also sees a rollback button, which asks for confirmation on
-a page of its own before it posts. The token comes from the login form and lives in a cookie scoped to ``/ui``
+Read-only for an inference token; an admin token also sees rollback buttons and, on releases held for review
+(``evaluation.publish=review``), promote buttons; each asks for confirmation on a page of its own before it posts. The token comes from the login form and lives in a cookie scoped to ``/ui``
 (HttpOnly, SameSite=Strict); :class:`~reef_core.serve.auth.AuthMiddleware` reads it there for ``/ui`` paths
 only, and sends a browser without a valid one to the login page. Plots are SVG drawn here
 (:mod:`reef_core.serve.plot`): no script and no CDN.
@@ -194,8 +194,12 @@ async def scenario_page(request: Request, scenario: str):
     for r in releases:
         source = r.get("source") or {}
         reason = source.get("reason") or source.get("kind") or ""
-        action = (f'<a href="/ui/scenarios/{_q(found.name)}/rollback?release_id={_q(r["release_id"])}">roll back '
-                  "to this</a>") if admin and not r.get("current") and r.get("restorable") else ""
+        action = ""
+        if admin and r.get("pending"):
+            action = f'<a href="/ui/scenarios/{_q(found.name)}/promote?release_id={_q(r["release_id"])}">promote</a>'
+        elif admin and not r.get("current") and r.get("restorable"):
+            action = (f'<a href="/ui/scenarios/{_q(found.name)}/rollback?release_id={_q(r["release_id"])}">roll back '
+                      "to this</a>")
         link = f'/ui/scenarios/{_q(found.name)}/releases/{_q(r["release_id"])}'
         chain.append(f'<tr class="release selected"><td><a href="{link}"><code>{escape(r["release_id"][:12])}'
                      "</code></a></td>"
@@ -356,28 +360,56 @@ async def record_page(request: Request, scenario: str, record_id: str):
 # -- admin ---------------------------------------------------------------------------------------------------
 
 
-@router.get("/ui/scenarios/{scenario}/rollback", response_class=HTMLResponse, openapi_extra=ADMIN)
-async def rollback_confirm(request: Request, scenario: str, release_id: str = Query(..., min_length=1,
-                                                                                     max_length=200)):
+#: The release operations the dashboard offers an admin: the question its confirmation page asks, and its button.
+_OPERATIONS = {
+    "rollback": ("Serve release {release} of {scenario} again, as a new release?", "Roll back"),
+    "promote": ("Serve release {release} of {scenario}, held for review, as the new release?", "Promote"),
+}
+
+
+async def _confirm(request: Request, scenario: str, release_id: str, operation: str) -> HTMLResponse:
     found = await path_scenario(request.app.state.reef, scenario)
-    body = (f"<p>Serve release <code>{escape(release_id)}</code> of <b>{escape(found.name)}</b> again, as a new "
-            f'release?</p><form method="post" action="/ui/scenarios/{_q(found.name)}/rollback">'
+    question, button = _OPERATIONS[operation]
+    text = escape(question).format(release=f"<code>{escape(release_id)}</code>", scenario=f"<b>{escape(found.name)}</b>")
+    body = (f'<p>{text}</p><form method="post" action="/ui/scenarios/{_q(found.name)}/{operation}">'
             f'<input type="hidden" name="release_id" value="{escape(release_id)}">'
-            '<input type="hidden" name="confirm" value="yes"><button type="submit" id="confirm">Roll back</button> '
+            f'<input type="hidden" name="confirm" value="yes"><button type="submit" id="confirm">{button}</button> '
             f'<a href="/ui/scenarios/{_q(found.name)}">cancel</a></form>')
-    return _page("Confirm rollback", body)
+    return _page(f"Confirm {operation}", body)
 
 
-@router.post("/ui/scenarios/{scenario}/rollback", response_class=HTMLResponse, openapi_extra=ADMIN)
-async def rollback(request: Request, scenario: str):
+async def _republish(request: Request, scenario: str, operation: str) -> Response:
     dep = request.app.state.reef
     found = await path_scenario(dep, scenario)
     form = await _form(request)
     release_id = form.get("release_id", "")
     if form.get("confirm") != "yes" or not release_id:
-        raise ValidationFailed("a rollback needs release_id and confirm=yes (from the confirmation page)")
-    await asyncio.to_thread(dep.learner(found).republish, "rollback", release_id)
+        raise ValidationFailed(f"a {operation} needs release_id and confirm=yes (from the confirmation page)")
+    await asyncio.to_thread(dep.learner(found).republish, operation, release_id)
     return RedirectResponse(f"/ui/scenarios/{_q(found.name)}", status_code=303, headers=_HEADERS)
+
+
+_RELEASE_ID = Query(..., min_length=1, max_length=200)
+
+
+@router.get("/ui/scenarios/{scenario}/rollback", response_class=HTMLResponse, openapi_extra=ADMIN)
+async def rollback_confirm(request: Request, scenario: str, release_id: str = _RELEASE_ID):
+    return await _confirm(request, scenario, release_id, "rollback")
+
+
+@router.post("/ui/scenarios/{scenario}/rollback", response_class=HTMLResponse, openapi_extra=ADMIN)
+async def rollback(request: Request, scenario: str):
+    return await _republish(request, scenario, "rollback")
+
+
+@router.get("/ui/scenarios/{scenario}/promote", response_class=HTMLResponse, openapi_extra=ADMIN)
+async def promote_confirm(request: Request, scenario: str, release_id: str = _RELEASE_ID):
+    return await _confirm(request, scenario, release_id, "promote")
+
+
+@router.post("/ui/scenarios/{scenario}/promote", response_class=HTMLResponse, openapi_extra=ADMIN)
+async def promote(request: Request, scenario: str):
+    return await _republish(request, scenario, "promote")
 
 
 def no_token_redirect() -> Response:

@@ -90,6 +90,32 @@ def test_release_list_rollback_promote_delete(data_dir, reef_server, fake_upstre
     assert archived and archived[0]["release_id"] == promoted.json()["release_id"]
 
 
+def test_dashboard_promotes_a_held_release_for_an_admin_only(data_dir, reef_server, fake_upstream_url):
+    c = committer(data_dir)
+    a, _ = c.publish({"prompt.md": b"version one"}, expected_head=None, consumed_ids=["r1"])
+    held, _ = c.publish({"prompt.md": b"version two"}, expected_head=a.release_id, hold=True)
+    c.log.close()
+    server = reef_server("engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}", *_tokens(),
+                         data_dir=data_dir)
+    page_url = f"{server.url}/ui/scenarios/rel"
+    infer, admin = {"reef_ui_token": "infer-secret"}, {"reef_ui_token": "admin-secret"}
+    link = f"/ui/scenarios/rel/promote?release_id={held.release_id}"
+    assert link not in httpx.get(page_url, cookies=infer).text  # read-only for an inference token
+    assert link in httpx.get(page_url, cookies=admin).text
+    confirm = httpx.get(server.url + link, cookies=admin)
+    assert confirm.status_code == 200 and "Confirm promote" in confirm.text and held.release_id in confirm.text
+    form = {"release_id": held.release_id, "confirm": "yes"}
+    assert httpx.post(f"{page_url}/promote", cookies=infer, data=form).status_code == 403
+    assert httpx.post(f"{page_url}/promote", cookies=admin, data={"release_id": held.release_id}).status_code == 400
+    # promoting a release that is not held is a conflict, and changes nothing
+    assert httpx.post(f"{page_url}/promote", cookies=admin,
+                      data={"release_id": a.release_id, "confirm": "yes"}).status_code == 409
+    done = httpx.post(f"{page_url}/promote", cookies=admin, data=form)
+    assert done.status_code == 303 and done.headers["location"] == "/ui/scenarios/rel"
+    rows = httpx.get(f"{server.url}/reef/scenarios/rel/releases", headers=INFER).json()["releases"]
+    assert rows[0]["current"] and rows[0]["operation"] == "promote" and rows[0]["content_id"] == held.content_id
+
+
 CRASHER = textwrap.dedent("""
     import sys
     from pathlib import Path

@@ -539,6 +539,12 @@ def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
         "POST /ui/scenarios/{scenario}/rollback": _scenario_route(
             pools, "POST", "/ui/scenarios/{scenario}/rollback", "/rollback", admin=True, body=_release_body(pools),
             pool=pools.harness, prefix="/ui/scenarios/"),
+        "GET /ui/scenarios/{scenario}/promote": _scenario_route(
+            pools, "GET", "/ui/scenarios/{scenario}/promote", "/promote", ("release_id",), admin=True,
+            prefix="/ui/scenarios/"),
+        "POST /ui/scenarios/{scenario}/promote": _scenario_route(
+            pools, "POST", "/ui/scenarios/{scenario}/promote", "/promote", admin=True, body=_release_body(pools),
+            pool=pools.harness, prefix="/ui/scenarios/"),
         "POST /v1/chat/completions": _inference(pools, "/v1/chat/completions", openai_chat(), OPENAI_FIELDS),
         "POST /v1/messages": _inference(pools, "/v1/messages", anthropic_messages(), ANTHROPIC_FIELDS),
         "POST /v1/messages/count_tokens": _inference(pools, "/v1/messages/count_tokens", anthropic_messages(True),
