@@ -172,6 +172,9 @@ class RemoteEngine(Engine):
                       "adapter_unloads": 0}
 
     # ---- protocol hooks (subclasses) -----------------------------------------------------------------------
+    async def _after_ready(self) -> None:
+        """Read what the server reports about itself once it answers (default: nothing)."""
+
     async def _check_original_logprobs(self) -> None:
         """Refuse a server whose log-probs follow the request's temperature (ConfigError naming the fix)."""
         raise NotImplementedError
@@ -225,6 +228,7 @@ class RemoteEngine(Engine):
         try:
             await self._proxy.start()
             await self._wait_ready()
+            await self._after_ready()
             self._tok = await asyncio.to_thread(_load_tokenizer, self.model_dir)
             if self.check_logprobs:
                 await self._check_original_logprobs()
