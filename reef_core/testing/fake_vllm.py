@@ -306,9 +306,8 @@ class FakeVLLM(FakeSGLang):
             await self._leave(rid)
 
     async def _chat_vllm(self, body: Any, send) -> None:
-        if isinstance(body, dict):
-            lora = self._lora_of(body.get("model"))
-            body = {**body, "model": self.served_model_name, "lora_path": lora}
+        if isinstance(body, dict):  # the model names the adapter (a name the server does not serve is a 404)
+            body = {**body, "lora_path": self._lora_of(body.get("model"))}
         await self._chat_route(body, send)
 
 
