@@ -66,11 +66,19 @@ class VLLMEngine(RemoteEngine):
         ids = await asyncio.to_thread(self._prompt_ids, [{"role": "user", "content": "Hello"}], None)
         tops = []
         for temperature in (1.0, 0.5):
-            out = await self._call("/v1/completions", {
-                "model": self.served_name, "prompt": ids, "max_tokens": 1, "temperature": temperature, "logprobs": 5,
-                "return_tokens_as_token_ids": True})
-            row = _choice(out).get("logprobs", {}).get("top_logprobs", [{}])[0]
-            tops.append(dict(_ranked(row)[:5]))
+            # As many log-probs as a training request asks for: a server capped lower (--max-logprobs) fails here.
+            body = {"model": self.served_name, "prompt": ids, "max_tokens": 1, "temperature": temperature,
+                    "logprobs": max(5, self.top_k_logprobs), "return_tokens_as_token_ids": True}
+            try:
+                out = await self._call("/v1/completions", body)
+            except UpstreamError as exc:
+                if exc.details.get("status") == 400 and "logprobs" in exc.message:
+                    raise ConfigError(f"the vLLM server at {self.url} refuses {body['logprobs']} log-probs per token "
+                                      "(engine.top_k_logprobs): start it with --max-logprobs "
+                                      f"{body['logprobs']} or more") from exc
+                raise
+            row = (_choice(out).get("logprobs") or {}).get("top_logprobs") or [{}]
+            tops.append(dict(_ranked(row[0])[:5]))
         if self._temperature_probe_differs(tops):
             raise ConfigError(f"the vLLM server at {self.url} returns log-probs at the request's temperature; Reef "
                               "records temperature-1 log-probs for training: start it with --logprobs-mode "
@@ -203,4 +211,4 @@ def _extend(gen: Generation, choice: dict) -> None:
     gen.top += [_ranked(row) for row in lps.get("top_logprobs") or []]
     if choice.get("finish_reason"):
         gen.finish = choice["finish_reason"]
-        gen.message = str(choice.get("stop_reason")) if gen.finish == "abort" else None
+        gen.message = (choice.get("stop_reason") or "aborted by the server") if gen.finish == "abort" else None

@@ -145,6 +145,12 @@ def test_a_server_returning_processed_logprobs_is_refused(tiny_model_dir, tmp_pa
             asyncio.run(_engine(url, tiny_model_dir, tmp_path).start())
 
 
+def test_a_server_capping_logprobs_below_top_k_is_refused_naming_the_flag(fake, tiny_model_dir, tmp_path):
+    _app, url = fake
+    with pytest.raises(ConfigError, match="--max-logprobs 30"):
+        asyncio.run(_engine(url, tiny_model_dir, tmp_path, top_k_logprobs=30).start())
+
+
 def test_a_server_without_dev_mode_is_refused_naming_the_variable(tiny_model_dir, tmp_path):
     with serve_asgi(FakeVLLM(tiny_model_dir, dev_mode=False)) as url:
         with pytest.raises(ConfigError, match="VLLM_SERVER_DEV_MODE=1"):
