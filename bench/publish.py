@@ -43,9 +43,10 @@ def add_arguments(parser) -> None:
                         help="a local model directory to train instead of --model (the tiny profile's settings; "
                              "scripts/gpu_check.sh passes a real-size random-init model)")
     parser.add_argument("--device", default="auto", help="engine.device (the trainer follows it): auto, cpu, cuda")
-    parser.add_argument("--engine", choices=("local", "sglang"), default="local",
-                        help="local (embedded engine) or sglang (engine.kind=sglang in front of the FakeSGLang test "
-                             "server, a real tiny model behind SGLang's HTTP routes in its own process)")
+    parser.add_argument("--engine", choices=("local", "sglang", "vllm"), default="local",
+                        help="local (embedded engine), sglang or vllm (engine.kind=sglang / vllm in front of the "
+                             "FakeSGLang / FakeVLLM test server, a real tiny model behind that server's HTTP routes "
+                             "in its own process)")
 
 
 def _post(url: str, body: dict, headers: dict) -> tuple[dict, dict]:
@@ -83,16 +84,22 @@ def run(args) -> dict:
     profile.append(f"engine.device={args.device}")
     model_cache = os.environ.get("REEF_MODEL_CACHE", str(workdir / "models"))
     fake = None
-    if args.engine == "sglang":
+    if args.engine in ("sglang", "vllm"):
         from reef_core.grow.models import resolve_model
 
         # The server and Reef read the same model directory (what engine.model resolves to).
         model_dir = resolve_model(args.model_dir or args.model, workdir / "data", Path(model_cache))
         fake_port = common.free_port()
-        fake = common.Child("fake-sglang", [common.PYTHON, "-m", "reef_core.testing.fake_sglang", "--model-dir",
-                                            str(model_dir), "--port", str(fake_port)],
-                            f"http://127.0.0.1:{fake_port}", workdir / "fake-sglang.log", health="/health")
-        profile += ["engine.kind=sglang", f"engine.url={fake.url}"]
+        fake_env = None
+        if args.engine == "sglang":
+            fake_cmd = [common.PYTHON, "-m", "reef_core.testing.fake_sglang", "--model-dir", str(model_dir)]
+        else:  # launched as `vllm serve` is, with the variables its weight and adapter routes need
+            fake_cmd = [common.PYTHON, "-m", "reef_core.testing.fake_vllm", "serve", str(model_dir), "--enable-lora"]
+            fake_env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+        fake = common.Child(f"fake-{args.engine}", [*fake_cmd, "--port", str(fake_port)],
+                            f"http://127.0.0.1:{fake_port}", workdir / f"fake-{args.engine}.log", env=fake_env,
+                            health="/health")
+        profile += [f"engine.kind={args.engine}", f"engine.url={fake.url}"]
     cmd = [common.PYTHON, "-m", "reef_core.cli", "serve", "+recipe=sao", *profile, "engine.seed=0",
            "seed=0", f"trainer.checkpoint_every_n_versions={args.checkpoint_every}", f"server.port={port}",
            f"storage.data_dir={workdir / 'data'}", "server.log_level=warning"]

@@ -1,5 +1,5 @@
-"""Built-in inference engines: ``local`` (embedded transformers model), ``upstream`` (proxy) and ``sglang``
-(an SGLang server driven over HTTP)."""
+"""Built-in inference engines: ``local`` (embedded transformers model), ``upstream`` (proxy), ``sglang`` and
+``vllm`` (an SGLang or vLLM server driven over HTTP)."""
 
 from __future__ import annotations
 
@@ -76,9 +76,22 @@ def make_upstream_engine(config, data_dir: Path):
 
 def make_sglang_engine(config, data_dir: Path):
     """``engine.kind=sglang``: an SGLang server over HTTP (``engine.url``, or started by ``engine.launch``)."""
-    require("local", "engine.kind=sglang")  # the tokenizer and the trainer's torch stack
-    from ..engines.launch import launcher_from_config
     from ..engines.sglang import SGLangEngine
+
+    return _make_remote_engine(config, data_dir, "sglang", SGLangEngine)
+
+
+def make_vllm_engine(config, data_dir: Path):
+    """``engine.kind=vllm``: a vLLM OpenAI server over HTTP (``engine.url``, or started by ``engine.launch``)."""
+    from ..engines.vllm import VLLMEngine
+
+    return _make_remote_engine(config, data_dir, "vllm", VLLMEngine)
+
+
+def _make_remote_engine(config, data_dir: Path, kind: str, cls):
+    """An HTTP serving engine of ``kind`` from ``engine.*`` (the keys SGLang and vLLM share)."""
+    require("local", f"engine.kind={kind}")  # the tokenizer and the trainer's torch stack
+    from ..engines.launch import launcher_from_config
     from ..grow.models import resolve_model
 
     if str(config.model) == "smollm2":
@@ -91,18 +104,18 @@ def make_sglang_engine(config, data_dir: Path):
             raise ConfigError(f"engine.{key} must be positive, got {getattr(config, key)}")
     if config.retry_timeout_s is not None and not float(config.retry_timeout_s) > 0:
         raise ConfigError(f"engine.retry_timeout_s must be positive, got {config.retry_timeout_s}")
-    launcher = launcher_from_config(config.launch, model_dir, kind="sglang")
+    launcher = launcher_from_config(config.launch, model_dir, kind=kind)
     url = config.url or os.environ.get("REEF_ENGINE_URL")
     if launcher is not None:
         if url:
             raise ConfigError("engine.url and engine.launch exclude each other: launch starts its own server")
         url = launcher.url
     if not url:
-        raise ConfigError("engine.kind=sglang needs engine.url (or REEF_ENGINE_URL), or engine.launch to start one")
+        raise ConfigError(f"engine.kind={kind} needs engine.url (or REEF_ENGINE_URL), or engine.launch to start one")
     if not str(url).startswith(("http://", "https://")):
         raise ConfigError(f"engine.url must be an http(s) URL, not {url!r}")
     weights_dir = Path(config.weights_dir) if config.weights_dir else Path(data_dir) / "engine-weights"
-    return SGLangEngine(
+    return cls(
         str(url), model_dir,
         version=f"{uuid.uuid4().hex[:8]}:0",
         weights_dir=weights_dir,
@@ -126,3 +139,5 @@ def reef_register_engines(register):
     register("upstream", make_upstream_engine, description="any OpenAI- or Anthropic-compatible endpoint")
     register("sglang", make_sglang_engine,
              description="an SGLang server over HTTP: token capture, versioned weight updates, per-version LoRA")
+    register("vllm", make_vllm_engine,
+             description="a vLLM OpenAI server over HTTP: token capture, versioned weight updates, per-version LoRA")

@@ -117,7 +117,7 @@ class EngineConfig:
     #: record's training data (``TokenData.top_k``, stored packed in the record's ``top_k`` column); 0 = off, at
     #: most 64. Costs one ``topk`` per token, no extra forward pass.
     top_k_logprobs: int = 0
-    #: ``engine.kind=sglang``: base URL of the SGLang server (``REEF_ENGINE_URL`` when unset; unset with ``launch``:
+    #: ``engine.kind=sglang`` / ``vllm``: base URL of the server (``REEF_ENGINE_URL`` when unset; unset with ``launch``:
     #: the managed server's loopback URL). ``engine.model`` must then be a local directory holding the served
     #: model's tokenizer and base weights (Reef renders chat templates and trains from it).
     url: Optional[str] = None
@@ -134,9 +134,10 @@ class EngineConfig:
     max_loaded_loras: int = 8
     #: How tool calls are parsed from text the engine generated from token ids: ``none`` or ``hermes``.
     tool_call_parser: str = "none"
-    #: Managed start (optional): ``{"python": <interpreter of the SGLang venv>, "args": [extra server flags],
-    #: "port": 0, "env": {...}}`` starts ``python -m sglang.launch_server`` on a loopback port and stops it on
-    #: shutdown (see ``reef_core.engines.launch``). Empty: connect to ``engine.url``.
+    #: Managed start (optional): ``{"python": <interpreter of the server's venv>, "args": [extra server flags],
+    #: "port": 0, "env": {...}}`` starts ``python -m sglang.launch_server`` (``vllm serve`` for ``engine.kind=vllm``)
+    #: on a loopback port and stops it on shutdown (see ``reef_core.engines.launch``). Empty: connect to
+    #: ``engine.url``.
     launch: dict[str, Any] = field(default_factory=dict)
 
 

@@ -4,8 +4,11 @@
 * :mod:`~reef_core.engines.upstream`: :class:`UpstreamEngine`, an HTTP proxy to an OpenAI/Anthropic provider;
 * :mod:`~reef_core.engines.local`: :class:`LocalEngine`, a transformers model served in-process
   (imported lazily: it pulls in torch);
-* :mod:`~reef_core.engines.sglang`: :class:`SGLangEngine`, an SGLang server over HTTP (token capture through
-  ``/generate``, versioned weight updates, per-version LoRA; :mod:`~reef_core.engines.launch` starts one);
+* :mod:`~reef_core.engines.remote`: :class:`RemoteEngine`, what the HTTP serving engines share (token capture,
+  versioned weight updates, per-version LoRA, admission and drain, retries);
+* :mod:`~reef_core.engines.sglang` / :mod:`~reef_core.engines.vllm`: :class:`SGLangEngine` (native ``/generate``) and
+  :class:`VLLMEngine` (``/v1/completions`` from token ids), its protocols; :mod:`~reef_core.engines.launch` starts a
+  server;
 * :mod:`~reef_core.engines.translate`: OpenAI <-> Anthropic request/response/stream translation;
 * :mod:`~reef_core.engines.bridge`: :class:`DialectBridge`, any engine serving both dialects;
 * :mod:`~reef_core.engines.sse`: incremental SSE decoding and encoding.

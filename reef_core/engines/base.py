@@ -67,7 +67,7 @@ class EngineRequest:
     # adapter that version belongs to (the base for any other), see reef_core.engines.local.
     version: str | None = None
     # Whether the answer must carry its TokenData (a scenario whose weights train). The embedded engine always
-    # captures; an HTTP serving engine (engine.kind=sglang) sends the others through the server's own OpenAI route.
+    # captures; an HTTP serving engine (engine.kind=sglang, vllm) sends the others through the server's own OpenAI route.
     tokens: bool = True
 
 

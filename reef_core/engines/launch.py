@@ -1,16 +1,22 @@
 """Managed start of a serving engine (``engine.launch``): start the server, wait for it, stop it on shutdown.
 
-Without ``engine.launch`` Reef connects to ``engine.url``. With it, Reef runs
-``<python> -m <module> --model-path <engine.model> --host 127.0.0.1 --port <port> <args...>`` (SGLang's own
-interpreter: SGLang lives in its own environment, never Reef's) with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (the
-temperature-1 log-probs Reef records) plus ``env``, on a loopback port, and stops it when the engine closes. The
-engine waits for readiness (``engine.ready_timeout_s``) and fails early, with the server's last output lines, when
-the process exits first.
+Without ``engine.launch`` Reef connects to ``engine.url``. With it, Reef runs the server from its own interpreter
+(the server lives in its own environment, never Reef's), on a loopback port, and stops it when the engine closes:
+
+* ``engine.kind=sglang``: ``<python> -m sglang.launch_server --model-path <engine.model> --host 127.0.0.1 --port
+  <port> <args...>`` with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (the temperature-1 log-probs Reef records);
+* ``engine.kind=vllm``: ``<python> -m vllm.entrypoints.cli.main serve <engine.model> --host 127.0.0.1 --port <port>
+  <args...>`` (what the ``vllm serve`` command runs) with ``VLLM_SERVER_DEV_MODE=1`` (the pause, weight-version and
+  reload routes) and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (the adapter routes);
+
+plus ``env``. The engine waits for readiness (``engine.ready_timeout_s``) and fails early, with the server's last
+output lines, when the process exits first.
 
 Keys of ``engine.launch``:
 
 * ``python`` (required): the interpreter of the server's environment, e.g. ``/opt/sglang/.venv/bin/python``;
-* ``module``: default ``sglang.launch_server`` (tests use ``reef_core.testing.fake_sglang``);
+* ``module``: default ``sglang.launch_server`` / ``vllm.entrypoints.cli.main`` (tests use
+  ``reef_core.testing.fake_sglang`` / ``reef_core.testing.fake_vllm``);
 * ``args``: extra server flags, e.g. ``["--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "all"]``;
 * ``port``: default 0 (a free port); ``env``: extra environment variables.
 """
@@ -28,7 +34,10 @@ from typing import Any
 from ..errors import ConfigError, UpstreamError
 
 _KEYS = {"python", "module", "args", "port", "env"}
-_MODULES = {"sglang": "sglang.launch_server"}
+_MODULES = {"sglang": "sglang.launch_server", "vllm": "vllm.entrypoints.cli.main"}
+#: Environment each kind of server needs for what Reef drives (see the module docstring).
+_ENV = {"sglang": {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"},
+        "vllm": {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}}
 
 
 def _free_port() -> int:
@@ -40,7 +49,9 @@ def _free_port() -> int:
 class Launcher:
     """One managed server process (see the module docstring)."""
 
-    def __init__(self, python: str, module: str, model_dir: Path, port: int, args: list[str], env: dict[str, str]):
+    def __init__(self, python: str, module: str, model_dir: Path, port: int, args: list[str], env: dict[str, str],
+                 kind: str = "sglang"):
+        self.kind = kind
         self.python, self.module, self.model_dir = python, module, Path(model_dir)
         self.port = port or _free_port()
         self.args, self.env = list(args), dict(env)
@@ -50,13 +61,13 @@ class Launcher:
 
     @property
     def command(self) -> list[str]:
-        return [self.python, "-m", self.module, "--model-path", str(self.model_dir), "--host", "127.0.0.1",
-                "--port", str(self.port), *self.args]
+        model = ["serve", str(self.model_dir)] if self.kind == "vllm" else ["--model-path", str(self.model_dir)]
+        return [self.python, "-m", self.module, *model, "--host", "127.0.0.1", "--port", str(self.port), *self.args]
 
     def start(self) -> None:
         if self._proc is not None:
             return
-        env = {**os.environ, "SGLANG_RETURN_ORIGINAL_LOGPROB": "1", **self.env}
+        env = {**os.environ, **_ENV[self.kind], **self.env}
         self._log = tempfile.TemporaryFile()
         self._proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True)
@@ -115,4 +126,5 @@ def launcher_from_config(launch: Mapping[str, Any] | None, model_dir: Path, kind
     env = launch.get("env", {}) or {}
     if not isinstance(env, Mapping) or not all(isinstance(k, str) for k in env):
         raise ConfigError("engine.launch.env must map variable names to values")
-    return Launcher(python, module, model_dir, port, [str(a) for a in args], {k: str(v) for k, v in env.items()})
+    return Launcher(python, module, model_dir, port, [str(a) for a in args], {k: str(v) for k, v in env.items()},
+                    kind=kind)

@@ -1,7 +1,7 @@
 """Tool calls parsed from a generated text, for engines that generate from token ids (``engine.tool_call_parser``).
 
-An engine that renders the chat template itself (``engine.kind=sglang`` on a training scenario) gets plain text back;
-the model writes its tool calls in its own format. Parsers:
+An engine that renders the chat template itself (``engine.kind=sglang`` or ``vllm`` on a training scenario) gets plain
+text back; the model writes its tool calls in its own format. Parsers:
 
 * ``none``: never parse (the text is the answer);
 * ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes, Qwen 2/2.5/3 templates);

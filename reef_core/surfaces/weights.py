@@ -1,7 +1,8 @@
 """The weights surface: publish model weights into the embedded engine between requests.
 
-The same surface drives an SGLang server (``engine.kind=sglang``): :class:`~reef_core.engines.sglang.SGLangEngine`
-implements ``swap_weights``, ``load_adapter`` and ``drop_adapter`` over HTTP with the same semantics (see there).
+The same surface drives an SGLang or vLLM server (``engine.kind=sglang`` / ``vllm``):
+:class:`~reef_core.engines.remote.RemoteEngine` implements ``swap_weights``, ``load_adapter`` and ``drop_adapter`` over
+HTTP with the same semantics (see there).
 
 Two kinds of weights scenario, never both on one engine:
 
@@ -138,7 +139,7 @@ class WeightsSurface(Surface):
     def __init__(self, ports: ServingPorts, options: Mapping[str, Any] | None = None):
         engine = ports.engine
         if not hasattr(engine, "swap_weights"):
-            raise ConfigError(f"the weights surface needs an engine that can swap weights (engine.kind=local or sglang), "
+            raise ConfigError(f"the weights surface needs an engine that can swap weights (engine.kind=local, sglang or vllm), "
                               f"not {getattr(engine, 'name', type(engine).__name__)!r}")
         self.ports = ports
         self.engine = engine
@@ -259,7 +260,7 @@ class WeightsSurface(Surface):
         """Load ``adapter`` (None: the base) as ``scenario``'s next version; its sequence moves only once loaded."""
         if not hasattr(self.engine, "load_adapter"):
             raise ConfigError(f"scenario {scenario!r} trains a LoRA adapter, but engine "
-                              f"{getattr(self.engine, 'name', '?')!r} cannot serve adapters (engine.kind=local or sglang can)")
+                              f"{getattr(self.engine, 'name', '?')!r} cannot serve adapters (engine.kind=local, sglang or vllm can)")
         seq = self.adapters.get(scenario, 0) + 1
         version = format_version(adapter_line(self.incarnation, scenario_key(scenario)), seq)
         self.ports.run_async(self.engine.load_adapter(scenario, version, adapter))

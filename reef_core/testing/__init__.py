@@ -1,6 +1,6 @@
 """Test support shipped with reef-core: fakes for CPU tests and benchmarks (never used in production).
 
-Besides the fake upstream and the fake SGLang server, this namespace gives tests of plugin packages the internal pieces they
+Besides the fake upstream and the fake SGLang and vLLM servers, this namespace gives tests of plugin packages the internal pieces they
 assemble by hand (config composition, a plugin manager, a committer over a git store, the gate...),
 so that plugin code imports :mod:`reef_core.api` only and plugin tests ``reef_core.api`` and
 ``reef_core.testing``. Names are resolved lazily, so that ``python -m reef_core.testing.fake_upstream``
@@ -21,6 +21,8 @@ _EXPORTS = {
     "serve_asgi": ("reef_core.serve.background", "serve_asgi"),
     "FakeSGLang": ("reef_core.testing.fake_sglang", "FakeSGLang"),
     "serve_fake_sglang": ("reef_core.testing.fake_sglang", "serve_fake_sglang"),
+    "FakeVLLM": ("reef_core.testing.fake_vllm", "FakeVLLM"),
+    "serve_fake_vllm": ("reef_core.testing.fake_vllm", "serve_fake_vllm"),
     "ensure_tiny_model": ("reef_core.grow.models", "ensure_tiny_model"),
     "wait_until": ("reef_core.testing.fixtures", "wait_until"),
     "compose_config": ("reef_core.config", "compose_config"),
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
     )
     from reef_core.grow.models import ensure_tiny_model  # noqa: F401
     from reef_core.testing.fake_sglang import FakeSGLang, serve_fake_sglang  # noqa: F401
+    from reef_core.testing.fake_vllm import FakeVLLM, serve_fake_vllm  # noqa: F401
     from reef_core.testing.fixtures import wait_until  # noqa: F401
 
 

@@ -172,11 +172,11 @@ class FakeSGLang:
             await _json(send, 400, {"error": {"message": "invalid JSON body"}})
             return
         try:
-            await self._route(path, method, body, send)
+            await self._route(path, method, body, send, query=scope.get("query_string", b""))
         except _Reject as r:
             await _json(send, r.status, r.body)
 
-    async def _route(self, path: str, method: str, body: Any, send) -> None:
+    async def _route(self, path: str, method: str, body: Any, send, query: bytes = b"") -> None:
         get = {"/health": self._health, "/health_generate": self._health, "/model_info": self._model_info,
                "/get_model_info": self._model_info, "/server_info": self._server_info, "/v1/models": self._models,
                "/_fake/stats": self.snapshot}

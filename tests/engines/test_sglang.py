@@ -10,12 +10,15 @@ import time
 import pytest
 import torch
 
-from reef_core.engines.adapter import AdapterWeights
 from reef_core.engines.base import TOKENS_EVENT, EngineRequest
 from reef_core.engines.sglang import SGLangEngine, adapter_name
 from reef_core.errors import ConfigError, UpstreamError, UpstreamTimeout, ValidationFailed
 from reef_core.testing import serve_asgi
 from reef_core.testing.fake_sglang import FakeSGLang
+from reef_core.testing.remote_checks import perturbed as _perturbed
+from reef_core.testing.remote_checks import random_adapter as _adapter
+from reef_core.testing.remote_checks import reference_logprobs as _reference_logprobs
+from reef_core.testing.remote_checks import with_adapter as _merged
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 
@@ -53,48 +56,6 @@ def fake(fake_app, fake_url, tiny_model_dir):
 def _engine(url, model_dir, tmp_path, **kw):
     return SGLangEngine(url, model_dir, version=kw.pop("version", "inc:0"), weights_dir=tmp_path / "weights",
                         ready_timeout_s=10, **kw)
-
-
-def _reference_logprobs(model, prompt_ids, output_ids):
-    ids = torch.tensor([prompt_ids + output_ids])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float()
-    lp = torch.log_softmax(logits[len(prompt_ids) - 1:-1], dim=-1)
-    return lp[torch.arange(len(output_ids)), torch.tensor(output_ids)], lp
-
-
-def _perturbed(model, seed):
-    """A full state dict of moved weights (through the parameters, so tied tensors stay tied)."""
-    moved = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in moved.parameters():
-            if p.dim() == 2:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.2)
-    return {k: v.clone() for k, v in moved.state_dict().items()}
-
-
-def _adapter(base, seed, rank=4):
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-
-    torch.manual_seed(seed)
-    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(r=rank, lora_alpha=8, target_modules="all-linear",
-                                                                task_type="CAUSAL_LM"))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    config = {k: (v.value if hasattr(v, "value") else sorted(v) if isinstance(v, set) else v)
-              for k, v in peft_model.peft_config["default"].to_dict().items()}
-    return AdapterWeights(config, {k: v.clone() for k, v in get_peft_model_state_dict(peft_model).items()})
-
-
-def _merged(base, adapter: AdapterWeights):
-    from peft import PeftConfig, get_peft_model, set_peft_model_state_dict
-
-    peft_model = get_peft_model(copy.deepcopy(base), PeftConfig.from_peft_type(**adapter.config))
-    set_peft_model_state_dict(peft_model, dict(adapter.tensors))
-    return peft_model.eval()
 
 
 @pytest.fixture(scope="module")
