@@ -264,3 +264,43 @@ def test_an_objective_without_a_loss_family_is_refused(tok, tmp_path):
                       SlimeTrainer)
     with pytest.raises(ConfigError, match="unknown trainer.backend 'nope'"):
         TorchTrainer.from_config(Other(), setup, TrainerConfig(backend="nope"), who="test")
+
+
+# --------------------------------------------------------------------------- over HTTP
+
+
+@pytest.mark.slow  # a server, the local tiny engine and one fake slime job in a subprocess (25-60 s)
+def test_a_slime_step_is_published_and_served_by_the_local_engine(tmp_path):
+    import httpx
+    import openai
+
+    from reef_core.loop.assemble import build_deployment
+    from reef_core.plugins import PluginManager
+    from reef_core.serve.app import create_app
+    from reef_core.testing.fake_upstream import serve_asgi
+    from reef_core.testing.fixtures import wait_until
+
+    from .test_two_recipes_http import DuoPlugin, _step
+
+    pm = PluginManager(load_entry_points=False, extra_plugins=(DuoPlugin,))
+    launch = "[" + ",".join(LAUNCH) + "]"
+    cfg = compose_config(["engine.kind=local", "engine.model=tiny", "engine.max_new_tokens=4", "engine.seed=0",
+                          f"storage.data_dir={tmp_path}", "+recipe=duo_weights", "recipe.trainer=torch",
+                          "+recipe.options.objective=reef_core.testing.fake_slime:ReinforceObjective",
+                          "trainer.backend=slime", f"trainer.slime.launch={launch}"], pm)
+    dep = build_deployment(cfg, pm)
+    with serve_asgi(create_app(dep), lifespan="on") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        commits = _step(url, client, "slimed", 2)
+        assert commits[-1]["decision"]["decision"] == "select", commits[-1]
+        assert commits[-1]["metrics"]["slime_step"] == commits[-1]["step"]
+        status = wait_until(lambda: (s := httpx.get(f"{url}/reef/scenarios/slimed/status").json())
+                            ["current_version"].endswith(":1") and s, timeout=60, what="the slime release serving")
+        releases = httpx.get(f"{url}/reef/scenarios/slimed/releases").json()["releases"]
+        trained = [r for r in releases if r["operation"] == "training"]
+        assert len(trained) == 1 and status["current_release_id"] == trained[0]["release_id"]
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "again"}], extra_headers={"x-reef-scenario": "slimed"})
+        assert raw.status_code == 200
+    (job,) = _jobs(tmp_path / "slime-jobs")
+    assert job["phase"] == m.COMPLETE and job["release_id"] == trained[0]["release_id"]
