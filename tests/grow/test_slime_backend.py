@@ -304,3 +304,24 @@ def test_a_slime_step_is_published_and_served_by_the_local_engine(tmp_path):
         assert raw.status_code == 200
     (job,) = _jobs(tmp_path / "slime-jobs")
     assert job["phase"] == m.COMPLETE and job["release_id"] == trained[0]["release_id"]
+
+
+def test_finish_merges_shards_writes_the_manifest_and_only_moves_a_running_job(tmp_path):
+    from safetensors.torch import save_file
+
+    from reef_core.grow.slime import jobs
+    from reef_core.grow.slime.finish import finish
+
+    job = tmp_path / "step-00000001-abc"
+    (job / "checkpoint").mkdir(parents=True)
+    save_file({"a": torch.ones(2)}, str(job / "checkpoint" / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.zeros(3)}, str(job / "checkpoint" / "model-00002-of-00002.safetensors"))
+    (job / "checkpoint" / "config.json").write_text("{}")
+    m.write_marker(job, m.RUNNING, job_id="abc", step=1, record_ids=[])
+    finish(job)
+    assert m.read_marker(job)["phase"] == m.CHECKPOINT
+    files = jobs.read_checkpoint(job)
+    assert sorted(files) == ["config.json", MODEL_FILE] and sorted(_weights(files)) == ["a", "b"]
+    m.write_marker(job, m.ABANDONED)
+    with pytest.raises(SystemExit, match="not RUNNING"):
+        finish(job)

@@ -74,15 +74,22 @@ def write_checkpoint(job_dir: Path, files: Mapping[str, bytes]) -> dict[str, str
     tmp = job_dir / f".{CHECKPOINT_DIR}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     write_files(tmp, files)
-    for path in tmp.rglob("*"):
-        if path.is_file():
-            with open(path, "rb+") as fh:
-                os.fsync(fh.fileno())
     final = job_dir / CHECKPOINT_DIR
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
+    return write_manifest(job_dir)
+
+
+def write_manifest(job_dir: Path) -> dict[str, str]:
+    """fsync every file of ``checkpoint/``, then write the manifest of their sha256 (what Reef checks on reading)."""
+    final = job_dir / CHECKPOINT_DIR
+    paths = sorted(p for p in final.rglob("*") if p.is_file())
+    for path in paths:
+        with open(path, "rb+") as fh:
+            os.fsync(fh.fileno())
+    fsync_dir(final)
     fsync_dir(job_dir)
-    manifest = {p.relative_to(final).as_posix(): sha256_file(p) for p in sorted(final.rglob("*")) if p.is_file()}
+    manifest = {p.relative_to(final).as_posix(): sha256_file(p) for p in paths}
     write_atomic(job_dir / MANIFEST, json.dumps(manifest, sort_keys=True).encode())
     return manifest
 
