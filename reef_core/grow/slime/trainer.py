@@ -81,12 +81,14 @@ class SlimeTrainer(Trainer):
         family_flags(objective.name)  # an objective without a loss family is refused now, not at the first step
         data_dir = Path(getattr(context, "data_dir", ".") or ".")
         jobs_dir = Path(settings.jobs_dir) if settings.jobs_dir else data_dir / "slime-jobs"
+        model_dir = getattr(getattr(context, "engine", None), "model_dir", None)
         return cls(objective, launch=list(settings.launch), flags=dict(settings.flags), jobs_dir=jobs_dir,
                    timeout_s=float(settings.timeout_s), lr=float(trainer.lr),
-                   load_base_model=getattr(context, "load_reference_model", None) or context.load_base_model)
+                   load_base_model=getattr(context, "load_reference_model", None) or context.load_base_model,
+                   base_model_dir=Path(model_dir) if model_dir else None)
 
     def __init__(self, objective: Objective, *, launch: list[str], flags: dict, jobs_dir: Path, timeout_s: float,
-                 lr: float, load_base_model: Callable[[], tuple[Any, Any]]):
+                 lr: float, load_base_model: Callable[[], tuple[Any, Any]], base_model_dir: Path | None = None):
         self.objective = objective
         self.launch = launch
         self.flags = flags
@@ -94,6 +96,8 @@ class SlimeTrainer(Trainer):
         self.timeout_s = timeout_s
         self.lr = lr
         self.load_base_model = load_base_model
+        #: The served base model's HF directory: the input of a step from the creation release (no copy made).
+        self.base_model_dir = base_model_dir if base_model_dir and (base_model_dir / "config.json").exists() else None
         #: Jobs whose driver ran in this process (tests count them: an adopted checkpoint launches nothing).
         self.launched = 0
 
@@ -156,7 +160,9 @@ class SlimeTrainer(Trainer):
             target = job_dir / jobs.INPUT
             jobs.write_files(target, files)
             return target
-        base = root / "base"
+        if self.base_model_dir is not None:
+            return self.base_model_dir
+        base = root / "base"  # no directory to point at: the base is saved once per scenario
         if not base.exists():
             tmp = root / f".base.{uuid.uuid4().hex[:8]}"
             model, tokenizer = self.load_base_model()
