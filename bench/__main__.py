@@ -17,6 +17,7 @@ BENCHMARKS = {
     "fuzz": "bench.fuzz",
     "topk": "bench.topk",
     "engine": "bench.engine",
+    "replicas": "bench.replicas",
 }
 
 

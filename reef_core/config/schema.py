@@ -142,7 +142,29 @@ class EngineConfig:
 
 
 @dataclass
+class SlimeConfig:
+    """``trainer.slime``: the slime training job of ``trainer.backend=slime`` (see ``reef_core.grow.slime``)."""
+
+    #: Command that runs one training job; Reef appends the job directory (e.g. a script submitting
+    #: ``ray job submit -- python <slime>/train.py ...`` on the GPU cluster, or the fake driver in tests).
+    launch: list[str] = field(default_factory=list)
+    #: Where job directories live (storage the slime cluster reads and writes); default ``<data_dir>/slime-jobs``.
+    jobs_dir: Optional[str] = None
+    #: slime/Megatron flags passed through (``{"--global-batch-size": 64}``); unknown and Reef-owned flags are
+    #: refused at config load.
+    flags: dict[str, Any] = field(default_factory=dict)
+    #: A job that has not reached CHECKPOINT by then fails the step (the learner retries the batch).
+    timeout_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        from ..grow.slime.flags import validate_settings
+
+        validate_settings(self)
+
+
+@dataclass
 class TrainerConfig:
+    #: ``torch`` (in-process) or ``slime`` (an external slime job, section ``slime``).
     backend: str = "torch"
     #: Device of the trained model; unset (``null``) follows ``engine.device``, so one knob places both.
     device: Optional[str] = None
@@ -156,6 +178,7 @@ class TrainerConfig:
     checkpoint_every_n_versions: int = 1
     #: Worker threads shared by every scenario's learner (an idle scenario holds none).
     learner_workers: int = 2
+    slime: SlimeConfig = field(default_factory=SlimeConfig)
 
 
 @dataclass

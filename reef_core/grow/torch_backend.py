@@ -198,8 +198,10 @@ class TorchTrainer(Trainer):
         ``lora_alpha``, ``grad_accumulation``, ``device``); ``overrides`` win. ``who`` names the recipe in errors.
         An unset ``trainer.device`` follows the engine's (``context.device``); ``context.load_reference_model`` (the
         scenario's base) is passed on when set."""
-        if trainer.backend != "torch":
-            raise ConfigError(f"{who} trains with the torch backend; trainer.backend is {trainer.backend!r}")
+        if trainer.backend != "torch":  # another backend runs the same objective (reef_core.grow.backends)
+            from reef_core.grow.backends import build_trainer
+
+            return build_trainer(objective, context, trainer, who=who, **overrides)
         if context is None or getattr(context, "load_base_model", None) is None:
             raise ConfigError(f"{who} needs a local base model to train (engine.kind=local)")
         settings = dict(lr=trainer.lr, lora=trainer.lora, lora_rank=trainer.lora_rank, lora_alpha=trainer.lora_alpha,

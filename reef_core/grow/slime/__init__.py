@@ -1,0 +1,1 @@
+"""``trainer.backend=slime``: weight steps run as slime training jobs (see :mod:`.trainer`, :mod:`.marker`)."""

@@ -1,0 +1,105 @@
+"""slime's command line as Reef builds it: loss families, the flags a deployment may pass, the flags Reef owns.
+
+Pure Python (no torch, nothing of slime): the config schema validates ``trainer.slime`` with it at load time.
+
+Flag names are slime's own (``slime/utils/arguments.py`` and the Megatron flags it passes through). A job only
+trains: Reef hands it the batch as slime's rollout dump (``--load-debug-rollout-data`` with
+``--debug-train-only``, so slime starts no SGLang engine of its own) and takes the HF checkpoint back
+(``--save-hf``). Reef keeps serving with its own engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ...errors import ConfigError
+
+#: Reef objective name -> slime loss hook. ``custom_loss`` families name the function slime loads with
+#: ``--custom-loss-function-path`` (``module.function``, slime's ``load_function``); the module ships with the
+#: job's launch script on the cluster (see the README). ``policy_loss``/``sft_loss`` are slime's built-ins.
+LOSS_FAMILIES: dict[str, dict[str, str]] = {
+    "sao": {"--loss-type": "custom_loss", "--custom-loss-function-path": "reef_slime_hooks.sao_loss"},
+    "dis": {"--loss-type": "custom_loss", "--custom-loss-function-path": "reef_slime_hooks.dis_loss"},
+    "sao-grpo-dis": {"--loss-type": "custom_loss", "--custom-loss-function-path": "reef_slime_hooks.grpo_dis_loss"},
+    "openclaw": {"--loss-type": "custom_loss", "--custom-loss-function-path": "reef_slime_hooks.openclaw_loss"},
+    "ttt": {"--loss-type": "custom_loss", "--custom-loss-function-path": "reef_slime_hooks.ttt_loss"},
+    "policy": {"--loss-type": "policy_loss"},
+    "sft": {"--loss-type": "sft_loss"},
+}
+
+#: Flags Reef sets for every job (refused in ``trainer.slime.flags``: a second value would contradict Reef's).
+REEF_OWNED = frozenset({
+    "--loss-type", "--custom-loss-function-path", "--custom-advantage-function-path", "--advantage-estimator",
+    "--load-debug-rollout-data", "--debug-train-only", "--debug-rollout-only", "--hf-checkpoint", "--save-hf",
+    "--load", "--save", "--save-interval", "--num-rollout", "--start-rollout-id", "--rollout-batch-size",
+    "--n-samples-per-prompt", "--lr",
+})
+
+#: Flags a deployment may pass through: parallelism, batch shape, optimizer and loss knobs of a train-only job.
+ALLOWED = frozenset({
+    "--actor-num-nodes", "--actor-num-gpus-per-node", "--colocate",
+    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+    "--expert-model-parallel-size", "--sequence-parallel", "--use-dynamic-batch-size", "--max-tokens-per-gpu",
+    "--global-batch-size", "--micro-batch-size", "--num-steps-per-rollout",
+    "--min-lr", "--lr-decay-style", "--weight-decay", "--adam-beta1", "--adam-beta2", "--clip-grad", "--seed",
+    "--optimizer", "--optimizer-cpu-offload", "--bf16", "--fp16",
+    "--eps-clip", "--eps-clip-high", "--eps-clip-c", "--kl-coef", "--kl-loss-coef", "--kl-loss-type",
+    "--use-kl-loss", "--entropy-coef", "--calculate-per-token-loss", "--use-tis",
+    "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--attention-backend",
+    "--megatron-to-hf-mode", "--ref-load", "--no-save-optim",
+})
+
+_SETTINGS = ("launch", "jobs_dir", "flags", "timeout_s")
+
+
+def validate_flags(flags: Mapping[str, Any]) -> None:
+    """Refuse a flag Reef owns or does not know, naming it."""
+    for name in flags:
+        key = str(name)
+        if not key.startswith("--"):
+            raise ConfigError(f"trainer.slime.flags: {key!r} is not a flag (slime flags start with '--')")
+        if key in REEF_OWNED:
+            raise ConfigError(f"trainer.slime.flags: {key} is set by Reef for every job (the loss family, the "
+                              "batch, the checkpoints, trainer.lr); remove it")
+        if key not in ALLOWED:
+            raise ConfigError(f"trainer.slime.flags: unknown flag {key} (known: {', '.join(sorted(ALLOWED))})")
+        value = flags[name]
+        if not (value is None or isinstance(value, (bool, int, float, str))):
+            raise ConfigError(f"trainer.slime.flags: {key} needs a scalar value, got {type(value).__name__}")
+
+
+def validate_settings(settings: Any) -> None:
+    """Check the ``trainer.slime`` section (its keys are typed by the schema; this checks the values)."""
+    validate_flags(settings.flags or {})
+    if not isinstance(settings.timeout_s, (int, float)) or not settings.timeout_s > 0:
+        raise ConfigError(f"trainer.slime.timeout_s must be positive, got {settings.timeout_s!r}")
+    if any(not isinstance(a, str) or not a for a in settings.launch):
+        raise ConfigError("trainer.slime.launch must be a list of non-empty strings (the job command)")
+
+
+def family_flags(objective_name: str) -> dict[str, str]:
+    """slime's loss-hook flags for a Reef objective; an objective without a family is refused."""
+    try:
+        return dict(LOSS_FAMILIES[objective_name])
+    except KeyError:
+        raise ConfigError(f"trainer.backend=slime has no loss family for objective {objective_name!r} "
+                          f"(families: {', '.join(sorted(LOSS_FAMILIES))})") from None
+
+
+def job_argv(objective_name: str, flags: Mapping[str, Any], *, lr: float, rollout: str, hf_in: str,
+             hf_out: str, samples: int) -> list[str]:
+    """The slime ``train.py`` arguments of one job: Reef's own flags, the family's hooks, then the pass-through."""
+    argv = ["--debug-train-only", "--load-debug-rollout-data", rollout, "--hf-checkpoint", hf_in,
+            "--save-hf", hf_out, "--num-rollout", "1", "--rollout-batch-size", str(samples),
+            "--n-samples-per-prompt", "1", "--lr", repr(float(lr))]
+    family = family_flags(objective_name)
+    for key, value in family.items():
+        argv += [key, value]
+    if family["--loss-type"] == "custom_loss":
+        argv.append("--disable-compute-advantages-and-returns")  # the family's hook computes its own
+    for key, value in flags.items():
+        if value is True or value is None:
+            argv.append(str(key))
+        elif value is not False:
+            argv += [str(key), str(value)]
+    return argv
