@@ -155,6 +155,9 @@ class TrainerConfig:
     checkpoint_every_n_versions: int = 1
     #: Worker threads shared by every scenario's learner (an idle scenario holds none).
     learner_workers: int = 2
+    #: Settings of the backend by name: ``options.ray`` for ``backend: ray`` (``num_workers``, ``address``, ...; see
+    #: ``reef_core.grow.ray_backend.RayOptions``).
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
