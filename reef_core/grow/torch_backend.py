@@ -195,13 +195,17 @@ class TorchTrainer(Trainer):
     def from_config(cls, objective: Objective, context: Any, trainer: TrainerConfig, *, who: str,
                     **overrides) -> "TorchTrainer":
         """Build from the deployment's ``trainer`` section (``backend``, ``lr``, ``lora``, ``lora_rank``,
-        ``lora_alpha``, ``grad_accumulation``, ``device``); ``overrides`` win. ``who`` names the recipe in errors.
+        ``lora_alpha``, ``grad_accumulation``, ``device``, ``options``); ``overrides`` win. ``backend: ray`` gives
+        this class with its policy update on Ray workers (:mod:`reef_core.grow.ray_backend`). ``who`` names the
+        recipe in errors.
         An unset ``trainer.device`` follows the engine's (``context.device``); ``context.load_reference_model`` (the
         scenario's base) is passed on when set."""
         if trainer.backend == "ray":
             # The same trainer (and recipe subclass), its policy update data-parallel on Ray workers.
+            from reef_core.extras import require
             from reef_core.grow.ray_backend import RayOptions, with_ray
 
+            require("ray", f"{who} with trainer.backend=ray")
             cls, overrides = with_ray(cls), {"ray": RayOptions.from_config(trainer.options, who=who), **overrides}
         elif trainer.backend != "torch":
             raise ConfigError(f"{who} trains with the torch or ray backend; trainer.backend is {trainer.backend!r}")

@@ -202,6 +202,19 @@ def example_client():
     return module
 
 
+def test_bad_ray_options_stop_start_up(tmp_path):
+    from reef_core.config import compose_config
+    from reef_core.loop.assemble import build_deployment
+    from reef_core.plugins import PluginManager
+
+    pm = PluginManager()
+    cfg = compose_config(["+recipe=sao", "engine.kind=upstream", "engine.upstream_url=http://127.0.0.1:9",
+                          f"storage.data_dir={tmp_path}", "trainer.backend=ray",
+                          "+trainer.options.ray.num_workers=0"], pm)
+    with pytest.raises(ConfigError, match="top-level config: trainer.options.ray.num_workers must be an integer"):
+        build_deployment(cfg, pm)
+
+
 @pytest.mark.slow
 def test_sao_learns_over_http_with_the_ray_backend(cluster, reef_server):
     """``reef serve +recipe=sao +sao_profile=tiny trainer.backend=ray`` joining the module's cluster: it learns."""
@@ -210,14 +223,26 @@ def test_sao_learns_over_http_with_the_ray_backend(cluster, reef_server):
     server = reef_server("+recipe=sao", "+sao_profile=tiny", "engine.seed=0", "seed=0", "trainer.backend=ray",
                          f"+trainer.options.ray.address={cluster}", "+trainer.options.ray.num_workers=2",
                          "+trainer.options.ray.cpus_per_worker=0.5")
+    client = example_client()
     started = time.monotonic()
-    result = example_client().run(server.url, "vowels", 480, seed=0, quiet=True)
+    # One batch first: the learner's workers start with its first step (seconds here), and a client left alone
+    # meanwhile would finish its run on the base model.
+    client.run(server.url, "vowels", 4, seed=1, quiet=True)
+    status_url = f"{server.url}/reef/scenarios/vowels/status"
+    deadline = time.monotonic() + 180
+    while httpx.get(status_url).json()["counters"]["selected"] < 1:
+        assert time.monotonic() < deadline, httpx.get(status_url).json()
+        time.sleep(0.2)
+    warm = time.monotonic() - started
+    result = client.run(server.url, "vowels", 480, seed=0, quiet=True)
     rewards = result["rewards"]
     first, last = statistics.mean(rewards[:48]), statistics.mean(rewards[-48:])
+    status = httpx.get(status_url).json()
+    assert status["last_error"] is None, status["last_error"]
     assert last >= 0.2 and last - first >= 0.1, (first, last)
-    status = httpx.get(f"{server.url}/reef/scenarios/vowels/status").json()
     assert status["last_error"] is None and status["counters"]["selected"] >= 10
     releases = httpx.get(f"{server.url}/reef/scenarios/vowels/releases").json()["releases"]
     trained = [r for r in releases if r["operation"] == "training"]
     assert trained and all(r["metrics"].get("ray/workers") == 2 for r in trained[:3])
-    print(f"sao over http with ray: {first:.3f} -> {last:.3f} in {time.monotonic() - started:.1f}s")
+    print(f"sao over http with ray: workers ready in {warm:.1f}s; {first:.3f} -> {last:.3f} in "
+          f"{time.monotonic() - started - warm:.1f}s")
