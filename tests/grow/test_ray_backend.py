@@ -23,7 +23,7 @@ from reef_core.grow.objective import Objective, Prepared, sequence_logprobs, tok
 from reef_core.grow.ray_backend import RayBackendError, RayDataParallel, RayOptions, with_ray
 from reef_core.grow.token_batch import TokenBatch, row_from_tokens
 from reef_core.grow.torch_backend import TorchTrainer
-from reef_core.grow.trainer import TrainerSetup
+from reef_core.grow.trainer import TrainContext, TrainerSetup
 
 ray = pytest.importorskip("ray")
 
@@ -143,6 +143,14 @@ def test_steps_equal_the_torch_backend_through_accept_and_reject(pair, tok):
     a2, b2 = step_both()  # the second step uses the optimizer moments the workers kept
     local.rejected(a2)
     distributed.rejected(b2)  # back to the snapshot: the workers get it with fresh moments before the next step
+    step_both()
+    # A restart or rollback onto a release the torch backend wrote (its checkpoint files): both resume from it.
+    checkpoint = dict(a2.files)
+    ctx = TrainContext(scenario="s", step=3, serving_release_id="r2", serving_version=None, algorithm_state=None,
+                       current_files=lambda: checkpoint)
+    local._sync(ctx)
+    distributed._sync(ctx)
+    assert_close(dict(distributed.policy.named_parameters()), dict(local.policy.named_parameters()), atol=0)
     step_both()
 
 
