@@ -16,6 +16,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "local": ("torch", "transformers", "tokenizers", "safetensors"),
     "train": ("torch", "transformers", "safetensors", "peft"),
     "postgres": ("psycopg",),
+    "ray": ("ray",),
     "demo": ("gguf",),
     "client": ("httpx",),
 }

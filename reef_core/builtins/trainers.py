@@ -11,7 +11,7 @@ built-in lets a deployment train with any :class:`~reef_core.grow.objective.Obje
         max_grad_norm: 1.0                              # optional (null: no clipping)
 
 The ``trainer`` section gives the backend settings (``lr``, ``lora``, ``lora_rank``, ``lora_alpha``,
-``grad_accumulation``, ``device``; ``backend`` must be ``torch``).
+``grad_accumulation``, ``device``; ``backend`` is ``torch``, or ``ray`` for data-parallel training on Ray workers).
 """
 
 from __future__ import annotations

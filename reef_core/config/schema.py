@@ -179,6 +179,9 @@ class TrainerConfig:
     #: Worker threads shared by every scenario's learner (an idle scenario holds none).
     learner_workers: int = 2
     slime: SlimeConfig = field(default_factory=SlimeConfig)
+    #: Settings of the backend by name: ``options.ray`` for ``backend: ray`` (``num_workers``, ``address``, ...; see
+    #: ``reef_core.grow.ray_backend.RayOptions``).
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -22,5 +22,5 @@ def build_trainer(objective: Any, context: Any, trainer: Any, *, who: str, **ove
     target = BACKENDS.get(trainer.backend)
     if target is None:
         raise ConfigError(f"{who}: unknown trainer.backend {trainer.backend!r} "
-                          f"(known: {', '.join(['torch', *sorted(BACKENDS)])})")
+                          f"(known: {', '.join(['torch', 'ray', *sorted(BACKENDS)])})")
     return load_callable(target, "trainer backend").from_config(objective, context, trainer, who=who, **overrides)

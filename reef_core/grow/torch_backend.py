@@ -195,10 +195,19 @@ class TorchTrainer(Trainer):
     def from_config(cls, objective: Objective, context: Any, trainer: TrainerConfig, *, who: str,
                     **overrides) -> "TorchTrainer":
         """Build from the deployment's ``trainer`` section (``backend``, ``lr``, ``lora``, ``lora_rank``,
-        ``lora_alpha``, ``grad_accumulation``, ``device``); ``overrides`` win. ``who`` names the recipe in errors.
+        ``lora_alpha``, ``grad_accumulation``, ``device``, ``options``); ``overrides`` win. ``backend: ray`` gives
+        this class with its policy update on Ray workers (:mod:`reef_core.grow.ray_backend`). ``who`` names the
+        recipe in errors.
         An unset ``trainer.device`` follows the engine's (``context.device``); ``context.load_reference_model`` (the
         scenario's base) is passed on when set."""
-        if trainer.backend != "torch":  # another backend runs the same objective (reef_core.grow.backends)
+        if trainer.backend == "ray":
+            # The same trainer (and recipe subclass), its policy update data-parallel on Ray workers.
+            from reef_core.extras import require
+            from reef_core.grow.ray_backend import RayOptions, with_ray
+
+            require("ray", f"{who} with trainer.backend=ray")
+            cls, overrides = with_ray(cls), {"ray": RayOptions.from_config(trainer.options, who=who), **overrides}
+        elif trainer.backend != "torch":  # another backend runs the same objective (reef_core.grow.backends)
             from reef_core.grow.backends import build_trainer
 
             return build_trainer(objective, context, trainer, who=who, **overrides)
@@ -591,6 +600,27 @@ class TorchTrainer(Trainer):
 
     # -- the step ----------------------------------------------------------------------------------------------
 
+    def _apply_gradients(self, prepared) -> tuple[float, dict[str, float], float]:
+        """The policy update of one step: backward over the micro-batches, clip, and step the optimizer unless the
+        gradient norm is non-finite. Returns the summed loss, the summed metric ``sums`` and the norm before
+        clipping. (Another backend, e.g. :mod:`reef_core.grow.ray_backend`, runs this part elsewhere.)"""
+        self._optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        total = 0.0
+        for micro in prepared.batch.split(self.grad_accumulation):
+            loss, parts = self.objective.loss(self._policy, micro, prepared)
+            loss.backward()
+            total += float(loss.detach())
+            for key, value in parts.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        norm = torch.nn.utils.clip_grad_norm_(
+            self._params, self.max_grad_norm if self.max_grad_norm is not None else float("inf"))
+        grad_norm = float(norm)
+        if math.isfinite(grad_norm):
+            self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        return total, sums, grad_norm
+
     def token_batch(self, samples: list) -> TokenBatch:
         """The :class:`TokenBatch` of ``samples`` on the trainer's device."""
         self.load()
@@ -630,26 +660,12 @@ class TorchTrainer(Trainer):
             self._snapshot["objective"] = self.objective.snapshot()
             log.info("step trained the objective's auxiliary models only; no candidate")
             return None
-        self._optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        total = 0.0
-        for micro in prepared.batch.split(self.grad_accumulation):
-            loss, parts = self.objective.loss(self._policy, micro, prepared)
-            loss.backward()
-            total += float(loss.detach())
-            for key, value in parts.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
-        norm = torch.nn.utils.clip_grad_norm_(
-            self._params, self.max_grad_norm if self.max_grad_norm is not None else float("inf"))
-        grad_norm = float(norm)
+        total, sums, grad_norm = self._apply_gradients(prepared)
         if not math.isfinite(grad_norm):
             # The policy was not stepped; undo what the objective's preparation changed (a critic step).
-            self._optimizer.zero_grad(set_to_none=True)
             self.objective.restore(self._snapshot["objective"])
             log.warning("non-finite gradient norm (%s); step skipped", grad_norm)
             return None
-        self._optimizer.step()
-        self._optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         metrics.update(self.objective.summarize(prepared, sums))
         metrics.update({"loss": total, "grad_norm": grad_norm, "lr": self.lr,

@@ -101,3 +101,6 @@ class Trainer(ABC):
     def initial_files(self) -> Mapping[str, Any]:
         """Files of a scenario's first release (``creation``); empty for none."""
         return {}
+
+    def close(self) -> None:
+        """The learner stops: release what the trainer holds outside this process (e.g. Ray workers)."""

@@ -123,6 +123,13 @@ class Deployment:
                     trainer_device(binding.trainer, self.cfg.engine)
                 except ConfigError as exc:
                     raise ConfigError(f"{binding.where()}: {exc.message}", **exc.details) from None
+            if binding.trainer.backend == "ray" and binding.config.trainer:
+                # Ray's extra and trainer.options.ray are checked now: the trainer itself is built on a first batch.
+                from ..extras import require
+                from ..grow.ray_backend import RayOptions
+
+                require("ray", f"{binding.where()}: trainer.backend=ray")
+                RayOptions.from_config(binding.trainer.options, who=binding.where())
         return recipes
 
     def recipe_for_new_scenario(self, name: str) -> str:

@@ -170,6 +170,11 @@ class ScenarioLearner:
         self._stopped = True
         self.ports.pool.unregister(self.name)
         self.ports.pool.wait_idle(self.name, timeout)
+        if self._trainer is not None:
+            try:
+                self._trainer.close()  # e.g. Ray workers: they outlive nothing that stopped
+            except Exception:  # noqa: BLE001 - stopping goes on
+                log.warning("scenario %s: closing the trainer failed", self.name, exc_info=True)
 
     def wake(self) -> None:
         """Ask for a turn (records arrived); returns at once."""

@@ -5,7 +5,7 @@ Registered through ``reef_register_trainers`` and built per scenario by
 ``recipe.options`` carries SAO's knobs (snake_case or kebab-case keys, see :class:`reef_sao.options.SAOOptions`)
 next to the
 processor's own (``batch_size``, ``max_staleness``...), which the trainer only checks for consistency. The
-``trainer`` section gives the backend settings (``backend`` must be ``torch``; ``lr``, ``critic_lr``, ``lora``,
+``trainer`` section gives the backend settings (``backend``: ``torch`` or ``ray``; ``lr``, ``critic_lr``, ``lora``,
 ``lora_rank``, ``lora_alpha``, ``grad_accumulation``, ``device``).
 
 Validation happens here, at construction (§3.3 of the recipe reference): ε_l ∈ [0, 1), ε_h explicit, a critic for

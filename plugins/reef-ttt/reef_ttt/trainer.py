@@ -166,6 +166,9 @@ class TTTTrainer(Trainer):
     def initial_files(self) -> Mapping[str, Any]:
         return self.inner.initial_files()
 
+    def close(self) -> None:
+        self.inner.close()
+
 
 def seeded_archive(task: Any, opts: TTTOptions) -> Archive:
     """The archive of a scenario's start: the task's seeds with their verified values."""
