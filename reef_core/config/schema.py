@@ -21,7 +21,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 #: Keys whose values are secrets: ``reef config`` prints them redacted, logs never show them.
-SECRET_KEYS = frozenset({"tokens", "admin_tokens", "upstream_api_key"})
+SECRET_KEYS = frozenset({"tokens", "admin_tokens", "upstream_api_key", "token"})
 
 
 @dataclass
@@ -32,6 +32,13 @@ class ServerConfig:
     tokens: list[str] = field(default_factory=list)
     #: Admin tokens: release operations (rollback, promote, delete). ``REEF_ADMIN_TOKEN`` adds one.
     admin_tokens: list[str] = field(default_factory=list)
+    #: Tokens confined to scenarios (fnmatch patterns) and scopes (infer, report, read, admin), with optional
+    #: limits: ``[{name, token | token_sha256 | token_env | token_file, scenarios, scopes, rpm, tpm,
+    #: budget_tokens, budget_period}]`` (see "Tenancy" in the README and reef_core.serve.tenancy).
+    scoped_tokens: list[Any] = field(default_factory=list)
+    #: Limits per scenario: ``[{scenarios, rpm, tpm, budget_tokens, budget_period}]``; the first matching entry
+    #: applies, each matching scenario counted on its own.
+    scenario_limits: list[Any] = field(default_factory=list)
     #: Request body limits per route family, in bytes: inference, ``POST /reef/report``, admin routes.
     #: A body over its limit is refused with 413 as soon as its Content-Length (or the bytes read) exceed it.
     max_body_bytes: int = 4 * 1024 * 1024

@@ -12,7 +12,8 @@ from functools import cache
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from reef_core.observe.schema import consumed_ids, idempotency_keys, record_sequences, records, scenarios
+from reef_core.observe.schema import (consumed_ids, idempotency_keys, record_sequences, records, scenarios,
+                                     usage_counters)
 
 
 def dialect_insert(dialect: str, table: sa.Table):
@@ -85,3 +86,21 @@ def mark_consumed(dialect: str) -> sa.Insert:
     """Insert consumed ids, keeping an existing row (its first step) (params as the table's columns); returns the
     ids actually inserted."""
     return dialect_insert(dialect, consumed_ids).on_conflict_do_nothing().returning(consumed_ids.c.record_id)
+
+
+USAGE_IN_PERIODS = sa.select(usage_counters.c.key, usage_counters.c.period, usage_counters.c.tokens,
+                             usage_counters.c.requests).where(
+    usage_counters.c.period.in_(sa.bindparam("periods", expanding=True)))
+
+
+@cache
+def add_usage(dialect: str) -> sa.Insert:
+    """Add a usage increment to its counter row (params as the table's columns), creating the row when new;
+    returns the row's totals. One statement, so concurrent writers (replicas) add up."""
+    insert = dialect_insert(dialect, usage_counters)
+    return insert.on_conflict_do_update(
+        index_elements=[usage_counters.c.key, usage_counters.c.period],
+        set_={"tokens": usage_counters.c.tokens + insert.excluded.tokens,
+              "requests": usage_counters.c.requests + insert.excluded.requests,
+              "updated_at": insert.excluded.updated_at},
+    ).returning(usage_counters.c.tokens, usage_counters.c.requests)

@@ -334,6 +334,28 @@ class RecordStore:
         with self._read() as conn:
             return conn.execute(q.IS_CONSUMED, {"scenario": scenario, "record_id": record_id}).first() is not None
 
+    # -- token usage (rate limits and budgets: reef_core.serve.usage) -------------------------------------------
+
+    def add_usage(self, rows: Sequence[tuple[str, str, int, int]]) -> dict[tuple[str, str], tuple[int, int]]:
+        """Add ``(key, period, tokens, requests)`` increments; returns each row's stored totals afterwards."""
+        now = time.time()
+
+        def add(conn: sa.Connection) -> dict[tuple[str, str], tuple[int, int]]:
+            out = {}
+            for key, period, tokens, requests in rows:
+                params = {"key": key, "period": period, "tokens": tokens, "requests": requests, "updated_at": now}
+                total = conn.execute(q.add_usage(self.dialect), params).one()
+                out[(key, period)] = (int(total.tokens), int(total.requests))
+            return out
+
+        return self._call(add) if rows else {}
+
+    def usage_rows(self, periods: Sequence[str]) -> list[tuple[str, str, int, int]]:
+        """Stored ``(key, period, tokens, requests)`` counters of the given periods."""
+        with self._read() as conn:
+            return [(r.key, r.period, int(r.tokens), int(r.requests))
+                    for r in conn.execute(q.USAGE_IN_PERIODS, {"periods": list(periods)})]
+
     # -- plumbing -----------------------------------------------------------------------------------------------
 
     def _check_open(self) -> None:

@@ -70,3 +70,15 @@ consumed_ids = sa.Table(
     sa.Column("step", sa.BigInteger(), nullable=False),
     sa.Column("consumed_at", sa.Double(), nullable=False),
 )
+
+# Token usage per key (``token:<name>`` or ``scenario:<name>``) and period (``2026-11-30``, ``2026-11`` or ``total``):
+# the counters behind rate limits and budgets (reef_core.serve.usage), incremented by upserts so replicas add up.
+usage_counters = sa.Table(
+    "usage_counters",
+    metadata,
+    sa.Column("key", sa.String(255), primary_key=True),
+    sa.Column("period", sa.String(16), primary_key=True),
+    sa.Column("tokens", sa.BigInteger(), nullable=False),
+    sa.Column("requests", sa.BigInteger(), nullable=False),
+    sa.Column("updated_at", sa.Double(), nullable=False),
+)

@@ -18,6 +18,7 @@ from .errors import dialect_for_path, error_body, new_error_id
 from .inference import InferenceCall
 from . import docs, harness, imports, install, metrics, reads, releases, reports, scenario_routes, skills, ui
 from .observe import ObserveMiddleware
+from .usage import Usage
 
 log = logging.getLogger("reef.serve")
 
@@ -29,10 +30,14 @@ def create_app(deployment) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await deployment.start()
+        await app.state.reef_usage.start(deployment.store)
         try:
             yield
         finally:
-            await deployment.stop()
+            try:
+                await app.state.reef_usage.stop(deployment.store)  # the last usage increments, before the store closes
+            finally:
+                await deployment.stop()
 
     app = ReefApp(title="Reef", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.reef = deployment
@@ -78,13 +83,17 @@ def create_app(deployment) -> FastAPI:
     admin_routes = [(route.path_regex, frozenset(route.methods or ()))
                     for route in iter_routes(app.routes) if getattr(route, "openapi_extra", None) == ADMIN]
     tokens = app.state.reef_tokens = TokenSet.from_config(deployment.cfg.server)
+    app.state.reef_usage = Usage(tokens)
     open_paths = OPEN_PATHS | ({"/metrics"} if deployment.cfg.server.metrics_public else set())
-    app.add_middleware(AuthMiddleware, tokens=tokens, admin_routes=admin_routes, open_paths=open_paths)
-    # Outermost, so a request refused by the token check is counted and logged too.
+    inference_paths = frozenset(INFERENCE_ROUTES)
+    app.add_middleware(AuthMiddleware, tokens=tokens, admin_routes=admin_routes, open_paths=open_paths,
+                       inference_paths=inference_paths)
+    # Outermost, so a request refused by the token check is counted and logged (and audited) too.
     app.add_middleware(ObserveMiddleware, metrics=app.state.reef_metrics, inference_routes=INFERENCE_ROUTES)
     app.reef_inference = ObserveMiddleware(
         AuthMiddleware(_inference_endpoint(app, deployment), tokens=tokens, admin_routes=admin_routes,
-                       open_paths=open_paths), app.state.reef_metrics, INFERENCE_ROUTES)
+                       open_paths=open_paths, inference_paths=inference_paths),
+        app.state.reef_metrics, INFERENCE_ROUTES)
     return app
 
 
@@ -136,7 +145,8 @@ def _inference_endpoint(app: FastAPI, deployment):
         try:
             response = await InferenceCall(deployment, request, client_dialect, route).run()
         except ReefError as exc:
-            response = _error_response(scope["path"], exc.status, exc.message, exc.code, exc.param)
+            response = _error_response(scope["path"], exc.status, exc.message, exc.code, exc.param,
+                                       exc.details.get("retry_after"))
         except Exception:  # same answer as the app-wide handler of unexpected errors
             response = _internal_error(scope["method"], scope["path"])
         await response(scope, receive, send)
@@ -145,9 +155,11 @@ def _inference_endpoint(app: FastAPI, deployment):
 
 
 def _error_response(path: str, status: int, message: str, code: str | None,
-                    param: str | None = None) -> JSONResponse:
+                    param: str | None = None, retry_after: int | None = None) -> JSONResponse:
     # A body refused as too large is left unread: close the connection rather than drain it.
-    headers = {"connection": "close"} if status == 413 else None
+    headers = {"connection": "close"} if status == 413 else {}
+    if retry_after is not None:  # a rate limit says when to come back
+        headers["retry-after"] = str(retry_after)
     return JSONResponse(error_body(dialect_for_path(path), status, message, code, param), status_code=status,
                         headers=headers)
 
@@ -172,12 +184,12 @@ def iter_routes(routes):
 
 def _install_error_handlers(app: FastAPI) -> None:
     def respond(request: Request, status: int, message: str, code: str | None,
-                param: str | None = None) -> JSONResponse:
-        return _error_response(request.url.path, status, message, code, param)
+                param: str | None = None, retry_after: int | None = None) -> JSONResponse:
+        return _error_response(request.url.path, status, message, code, param, retry_after)
 
     @app.exception_handler(ReefError)
     async def reef_error(request: Request, exc: ReefError):
-        return respond(request, exc.status, exc.message, exc.code, exc.param)
+        return respond(request, exc.status, exc.message, exc.code, exc.param, exc.details.get("retry_after"))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):

@@ -1,4 +1,4 @@
-"""Bearer-token authentication with two scopes: inference and admin.
+"""Bearer-token authentication: which principal a token is, and whether it may call this route.
 
 * ``GET /healthz`` and the dashboard's login page are open without a token (and ``GET /metrics`` with
   ``server.metrics_public=true``).
@@ -6,61 +6,39 @@
   browser without a valid one is sent to ``/ui/login``.
 * ``Authorization: Bearer <token>`` (scheme case-insensitive); when absent, ``x-api-key``
   (what Anthropic SDKs send) is accepted.
-* Tokens are compared as SHA-256 digests with ``hmac.compare_digest`` against every configured
-  token (no early exit), and never logged.
-* Admin tokens may call everything; inference tokens get 403 on routes marked admin (rollback,
-  promote, delete).
+* A token is looked up by its SHA-256 digest (:mod:`reef_core.serve.tenancy`) and never logged; its principal
+  (name, scopes, scenario patterns) goes into the request state as ``reef_principal``.
+* Each route needs a scope: ``infer`` (inference POSTs), ``report`` (``POST /reef/report``, record imports),
+  ``admin`` (routes marked admin: rollback, promote, delete, close-day) or ``read`` (everything else); a token
+  without it gets 403. A scenario named in the path (``/reef/scenarios/{s}/...``, ``/ui/scenarios/{s}/...``)
+  outside the token's patterns is 403 here too; routes naming it in ``x-reef-scenario`` check it where they read
+  the header (:func:`reef_core.serve.names.scenario_header`). ``GET /metrics`` labels every scenario, so it needs an
+  all-scenario token.
 * With no token configured at all, authentication is off; ``reef serve`` refuses to bind a
   non-loopback address in that state.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import ipaddress
-import os
 import re
 from urllib.parse import unquote
-from dataclasses import dataclass
 
 from .errors import dialect_for_path, error_bytes
+from .tenancy import OPEN, Principal, Tenancy
 
 OPEN_PATHS = frozenset({"/healthz", "/ui/login"})
 #: The dashboard's cookie: the token its login form stored, read for ``/ui`` paths only.
 UI_COOKIE = "reef_ui_token"
 
 
-def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
-
-
-@dataclass(frozen=True)
-class TokenSet:
-    inference: tuple[bytes, ...]
-    admin: tuple[bytes, ...]
-
-    @classmethod
-    def from_config(cls, server_cfg) -> "TokenSet":
-        inference = [t for t in list(server_cfg.tokens) + [os.environ.get("REEF_TOKEN", "")] if t]
-        admin = [t for t in list(server_cfg.admin_tokens) + [os.environ.get("REEF_ADMIN_TOKEN", "")] if t]
-        # Empty strings are dropped so an unset variable never becomes a credential.
-        return cls(tuple(_digest(t) for t in dict.fromkeys(inference)),
-                   tuple(_digest(t) for t in dict.fromkeys(admin)))
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.inference or self.admin)
+class TokenSet(Tenancy):
+    """The configured tokens (see :class:`~reef_core.serve.tenancy.Tenancy`) under their older name."""
 
     def scope_of(self, token: str) -> str | None:
-        digest = _digest(token)
-        is_admin = False
-        is_inference = False
-        for known in self.admin:
-            is_admin |= hmac.compare_digest(digest, known)
-        for known in self.inference:
-            is_inference |= hmac.compare_digest(digest, known)
-        return "admin" if is_admin else "inference" if is_inference else None
+        """``admin``, ``inference`` or ``None`` (unknown token): the two-level view older callers use."""
+        principal = self.principal(token) if token else None
+        return principal.legacy_scope if principal is not None else None
 
 
 def is_loopback(host: str) -> bool:
@@ -85,37 +63,78 @@ def _presented_token(headers: list[tuple[bytes, bytes]]) -> str | None:
     return api_key
 
 
-class AuthMiddleware:
-    """Pure ASGI middleware: checks the token before any routing or body parsing."""
+#: Routes needing the ``report`` scope (they store records without inference); inference paths need ``infer``.
+REPORT_PATHS = frozenset({"/reef/report", "/reef/records", "/reef/records/batch"})
+#: The scenario a path names, for every route under a scenario.
+PATH_SCENARIO = re.compile(r"^/(?:reef|ui)/scenarios/([^/]+)")
 
-    def __init__(self, app, tokens: TokenSet, admin_routes: list[tuple[re.Pattern, frozenset[str]]],
-                 open_paths: frozenset[str] = OPEN_PATHS):
+
+class AuthMiddleware:
+    """Pure ASGI middleware: checks the token, its scope and a path's scenario before any routing or body parsing."""
+
+    def __init__(self, app, tokens: Tenancy, admin_routes: list[tuple[re.Pattern, frozenset[str]]],
+                 open_paths: frozenset[str] = OPEN_PATHS, inference_paths: frozenset[str] = frozenset()):
         self.app = app
         self.open_paths = open_paths
         self.tokens = tokens
         self.admin_routes = admin_routes
+        self.inference_paths = inference_paths
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in self.open_paths or not self.tokens.enabled:
             if scope["type"] == "http":
-                scope.setdefault("state", {})["reef_scope"] = "admin"
+                state = scope.setdefault("state", {})
+                state["reef_scope"] = "admin"
+                state["reef_principal"] = OPEN
             return await self.app(scope, receive, send)
-        dashboard = scope["path"] == "/ui" or scope["path"].startswith("/ui/")
+        path = scope["path"]
+        dashboard = path == "/ui" or path.startswith("/ui/")
         token = _presented_token(scope["headers"])
         if token is None and dashboard:
             token = _cookie_token(scope["headers"])
-        granted = self.tokens.scope_of(token) if token else None
-        if granted is None:
+        principal = self.tokens.principal(token) if token else None
+        state = scope.setdefault("state", {})
+        needed = self.needed_scope(scope["method"], path)
+        state["reef_route_scope"] = needed
+        if principal is None:
             if dashboard and scope["method"] in ("GET", "HEAD"):
                 return await _redirect(send, "/ui/login")
-            return await _deny(send, scope["path"], 401, "invalid service token")
-        if granted != "admin" and self._is_admin_route(scope["method"], scope["path"]):
-            return await _deny(send, scope["path"], 403, "this route needs an admin token")
-        scope.setdefault("state", {})["reef_scope"] = granted
+            return await _deny(send, path, 401, "invalid service token")
+        state["reef_principal"] = principal
+        state["reef_scope"] = principal.legacy_scope
+        if needed is not None and needed not in principal.scopes:
+            message = ("this route needs an admin token" if needed == "admin"
+                       else f"token {principal.name!r} lacks the {needed!r} scope this route needs")
+            return await _deny(send, path, 403, message)
+        if not principal.all_scenarios:
+            refused = _outside_scope(principal, path)
+            if refused is not None:
+                return await _deny(send, path, 403, refused)
         return await self.app(scope, receive, send)
+
+    def needed_scope(self, method: str, path: str) -> str | None:
+        if method == "POST" and path in self.inference_paths:
+            return "infer"
+        if method == "POST" and path in REPORT_PATHS:
+            return "report"
+        if self._is_admin_route(method, path):
+            return "admin"
+        if path in ("/ui/logout", "/v1/models"):  # an inference-only token's SDK lists models too
+            return None
+        return "read"
 
     def _is_admin_route(self, method: str, path: str) -> bool:
         return any(methods and method in methods and regex.match(path) for regex, methods in self.admin_routes)
+
+
+def _outside_scope(principal: Principal, path: str) -> str | None:
+    """Why a scenario-confined token may not call ``path``, or None."""
+    if path == "/metrics":
+        return f"/metrics covers every scenario; token {principal.name!r} is confined to some"
+    found = PATH_SCENARIO.match(path)
+    if found is not None and not principal.allows(found.group(1)):
+        return f"token {principal.name!r} is not scoped to scenario {found.group(1)!r}"
+    return None
 
 
 async def _deny(send, path: str, status: int, message: str) -> None:

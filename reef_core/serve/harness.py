@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from ..errors import Conflict, NotFound, ValidationFailed
 from ..surfaces.harness import RELEASE_HEADER, validate_harness_path
 from .names import scenario_header
+from .tenancy import check_scenario
 
 router = APIRouter()
 _NO_STORE = {"cache-control": "no-store"}
@@ -40,6 +41,7 @@ async def harness_surface(request: Request, name: str | None = None) -> tuple[An
     """(deployment, scenario name, harness surface) for the request (or scenario ``name``), or NotFound."""
     dep = request.app.state.reef
     name = name or scenario_header(request)
+    check_scenario(request.scope, name)
     scenario = await asyncio.to_thread(dep.store.get_scenario, name)
     if scenario is None or getattr(scenario, "archived", False):
         raise NotFound(f"unknown scenario {name!r}")

@@ -49,6 +49,7 @@ from .jsonbody import parse_json_object
 from . import responses
 from .names import RECEIPT_HEADER, optional_id_header, scenario_header
 from .schema import validate_request
+from .tenancy import principal_of
 
 log = logging.getLogger("reef.serve")
 
@@ -133,6 +134,10 @@ class InferenceCall:
         self.client_record_id = optional_id_header(request, RECEIPT_HEADER)
         self.record_id = self.client_record_id or new_record_id()
         self.idempotency_key = optional_id_header(request, "idempotency-key")
+        # Rate limits and budgets (429 before any engine work, a stream included); in memory, no database trip.
+        self.usage = request.app.state.reef_usage
+        self.principal = principal_of(request.scope)
+        self.usage.admit(self.principal, name)
         self.scenario = await dep.resolve(name)  # creates nothing: the first stored record does
         # What /metrics and the request log line learn about this call (never a body or a token).
         self.facts = request.scope.setdefault("state", {})["reef_facts"] = {"scenario": self.scenario.name}
@@ -306,8 +311,9 @@ class InferenceCall:
             payload["release_id"] = self.release_id  # the harness release that shaped the request
         if self.retry_of:
             payload["retry_of"] = self.retry_of  # the incomplete attempt this request repeats
-        self.facts.update(receipt=self.record_id, engine_ms=round(engine_ms, 3), stream=stream,
-                          **_usage(response))
+        counted = _usage(response)
+        self.facts.update(receipt=self.record_id, engine_ms=round(engine_ms, 3), stream=stream, **counted)
+        self.usage.spend(self.principal, self.scenario.name, sum(counted.values()))
         if self.responses is not None:
             payload["responses"] = responses.record_entry(self.responses, self.record_id)
         top_k = tokens.packed_top_k() if tokens is not None else None

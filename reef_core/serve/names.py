@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from ..errors import NotFound, ValidationFailed
 from ..observe.model import MAX_ID_LENGTH as STORED_ID_LENGTH
+from .tenancy import check_scenario
 from ..observe.names import check_record_id, check_scenario_name, header_text, is_record_id, scenario_problem
 
 SCENARIO_HEADER = "x-reef-scenario"
@@ -19,11 +20,14 @@ RECEIPT_HEADER = "x-reef-agent-record-id"
 
 
 def scenario_header(request: Request) -> str:
-    """The ``x-reef-scenario`` header, decoded as UTF-8 and checked against the scenario-name rule (400 if not)."""
+    """The ``x-reef-scenario`` header, decoded as UTF-8 and checked against the scenario-name rule (400 if not)
+    and the token's scenario patterns (403 if outside them)."""
     raw = request.headers.get(SCENARIO_HEADER)
     if raw is None or not raw.strip():
         raise ValidationFailed(f"missing or empty {SCENARIO_HEADER}", field=SCENARIO_HEADER)
-    return check_scenario_name(header_text(raw, SCENARIO_HEADER), SCENARIO_HEADER)
+    name = check_scenario_name(header_text(raw, SCENARIO_HEADER), SCENARIO_HEADER)
+    check_scenario(request.scope, name)  # a token confined to other scenarios: 403 naming this one
+    return name
 
 
 def optional_id_header(request: Request, header: str) -> str | None:

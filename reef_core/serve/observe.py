@@ -14,9 +14,13 @@ from __future__ import annotations
 import logging
 import time
 
+from .auth import PATH_SCENARIO
 from .metrics import ServeMetrics
 
 access_log = logging.getLogger("reef.access")
+#: Admin actions and refused requests (401, 403, 429): token name (never the token), scenario, route, status.
+audit_log = logging.getLogger("reef.audit")
+AUDITED = frozenset({401, 403, 429})
 
 #: The dialect label of a non-inference route under ``/v1`` (models, for instance); Reef's own routes: ``reef``.
 _DIALECT_OF_PREFIX = (("/v1/messages", "anthropic"), ("/v1/", "openai"))
@@ -58,8 +62,11 @@ class ObserveMiddleware:
             matched = scope.get("route")
             route = getattr(matched, "path", None) or "unmatched"  # a template: ids never become labels
             dialect = next((d for prefix, d in _DIALECT_OF_PREFIX if path.startswith(prefix)), "reef")
-        facts = (scope.get("state") or {}).get("reef_facts")
+        state = scope.get("state") or {}
+        facts = state.get("reef_facts")
         self.metrics.observe(route, dialect, status, seconds, facts)
+        if status in AUDITED or state.get("reef_route_scope") == "admin":
+            _audit(scope, state, facts, route, status)
         if access_log.isEnabledFor(self.log_level):
             fields = {"method": scope["method"], "route": route, "status": status,
                       "total_ms": round(seconds * 1000, 3)}
@@ -67,6 +74,27 @@ class ObserveMiddleware:
                 fields.update({k: v for k, v in facts.items() if k in _LOGGED_FACTS})
             access_log.log(self.log_level, "%s %s %s %.1fms", scope["method"], route, status, seconds * 1000,
                            extra={"reef": fields})
+
+
+def _audit(scope, state: dict, facts: dict | None, route: str, status: int) -> None:
+    principal = state.get("reef_principal")
+    fields = {"event": "refused" if status in AUDITED else "admin", "method": scope["method"], "route": route,
+              "path": scope["path"][:512], "status": status, "token": principal.name if principal else None,
+              "scenario": (facts or {}).get("scenario") or _scenario_of(scope)}
+    audit_log.log(logging.WARNING if status in AUDITED else logging.INFO, "%s %s %s %s token=%s scenario=%s",
+                  fields["event"], scope["method"], route, status, fields["token"], fields["scenario"],
+                  extra={"reef": fields})
+
+
+def _scenario_of(scope) -> str | None:
+    """The scenario a request names: in its path, else in ``x-reef-scenario`` (as sent, cut to 255 bytes)."""
+    found = PATH_SCENARIO.match(scope["path"])
+    if found is not None:
+        return found.group(1)
+    for name, value in scope["headers"]:
+        if name == b"x-reef-scenario":
+            return value[:255].decode("utf-8", "replace")
+    return None
 
 
 #: The request facts a log line may carry (an allow-list: a new fact is not logged by accident).

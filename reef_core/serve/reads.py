@@ -9,6 +9,7 @@ from starlette.responses import JSONResponse
 
 from ..observe.model import Record
 from .names import path_record, path_scenario
+from .tenancy import visible
 
 router = APIRouter()
 #: Bound of sequence and step query parameters: the stores hold them as signed 64-bit integers.
@@ -34,7 +35,7 @@ def record_row(record: Record) -> dict:
 @router.get("/reef/scenarios")
 async def list_scenarios(request: Request):
     dep = request.app.state.reef
-    rows = await asyncio.to_thread(dep.store.scenarios)
+    rows = visible(request.scope, await asyncio.to_thread(dep.store.scenarios))
     return JSONResponse({"scenarios": [
         {"scenario": s.name, "recipe": s.recipe, "created_at": s.created_at, "archived": s.archived}
         for s in rows]}, headers=_NO_STORE)

@@ -15,6 +15,7 @@ from ..errors import ValidationFailed
 from .inference import read_json_body
 from .names import path_scenario
 from .reads import MAX_SEQUENCE
+from .tenancy import principal_of
 
 ADMIN = {"x-reef-scope": "admin"}
 router = APIRouter()
@@ -102,5 +103,15 @@ async def preview_samples(request: Request, scenario: str, limit: int = Query(20
 
 @router.get("/reef/status")
 async def deployment_status(request: Request):
+    """The deployment's status, limited to the token's scenarios; an admin token also sees per-token usage (every
+    token's for an all-scenario admin, its own for a confined one)."""
     dep = request.app.state.reef
-    return JSONResponse(await asyncio.to_thread(dep.status), headers=_NO_STORE)
+    status = await asyncio.to_thread(dep.status)
+    principal = principal_of(request.scope)
+    if not principal.all_scenarios:
+        for key in ("scenarios", "quarantined"):
+            if isinstance(status.get(key), dict):
+                status[key] = {name: value for name, value in status[key].items() if principal.allows(name)}
+    if "admin" in principal.scopes and request.app.state.reef_tokens.enabled:
+        status["usage"] = request.app.state.reef_usage.snapshot(None if principal.all_scenarios else {principal.name})
+    return JSONResponse(status, headers=_NO_STORE)

@@ -28,6 +28,7 @@ from .auth import UI_COOKIE
 from .names import path_record, path_scenario
 from .plot import line_svg
 from .reads import MAX_SEQUENCE, record_row
+from .tenancy import visible
 
 ADMIN = {"x-reef-scope": "admin"}
 router = APIRouter()
@@ -115,7 +116,7 @@ async def scenarios(request: Request):
     dep = request.app.state.reef
     status = await asyncio.to_thread(dep.status)
     rows = []
-    for s in await asyncio.to_thread(dep.store.scenarios):
+    for s in visible(request.scope, await asyncio.to_thread(dep.store.scenarios)):
         if s.archived:
             continue
         found = status.get("scenarios", {}).get(s.name) or {}
