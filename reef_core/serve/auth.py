@@ -102,14 +102,14 @@ class AuthMiddleware:
             return await _deny(send, path, 401, "invalid service token")
         state["reef_principal"] = principal
         state["reef_scope"] = principal.legacy_scope
+        if not principal.all_scenarios:
+            refused = _outside_scope(principal, path, scope["headers"])
+            if refused is not None:
+                return await _deny(send, path, 403, refused)
         if needed is not None and needed not in principal.scopes:
             message = ("this route needs an admin token" if needed == "admin"
                        else f"token {principal.name!r} lacks the {needed!r} scope this route needs")
             return await _deny(send, path, 403, message)
-        if not principal.all_scenarios:
-            refused = _outside_scope(principal, path)
-            if refused is not None:
-                return await _deny(send, path, 403, refused)
         return await self.app(scope, receive, send)
 
     def needed_scope(self, method: str, path: str) -> str | None:
@@ -127,13 +127,24 @@ class AuthMiddleware:
         return any(methods and method in methods and regex.match(path) for regex, methods in self.admin_routes)
 
 
-def _outside_scope(principal: Principal, path: str) -> str | None:
-    """Why a scenario-confined token may not call ``path``, or None."""
+def _outside_scope(principal: Principal, path: str, headers: list[tuple[bytes, bytes]]) -> str | None:
+    """Why a scenario-confined token may not call ``path``, or None. Checked before any body is read, so a request
+    naming another scenario learns nothing else (not even whether its body would pass)."""
     if path == "/metrics":
         return f"/metrics covers every scenario; token {principal.name!r} is confined to some"
+    named = []
     found = PATH_SCENARIO.match(path)
-    if found is not None and not principal.allows(found.group(1)):
-        return f"token {principal.name!r} is not scoped to scenario {found.group(1)!r}"
+    if found is not None:
+        named.append(found.group(1))
+    for key, value in headers:
+        if key == b"x-reef-scenario":
+            try:  # an undecodable or invalid name is the route's 400 to give
+                named.append(value.decode("utf-8").strip())
+            except UnicodeDecodeError:
+                pass
+    for scenario in named:
+        if scenario and not principal.allows(scenario):
+            return f"token {principal.name!r} is not scoped to scenario {scenario!r}"
     return None
 
 
