@@ -132,12 +132,26 @@ def start_stub(workdir: Path) -> Child:
                  f"http://127.0.0.1:{port}", workdir / "stub.log").start()
 
 
-def start_reef(stub_url: str, data_dir: Path, *overrides: str) -> Child:
+def scoped_token(i: int) -> str:
+    return f"{TOKEN}-scoped-{i}"
+
+
+def scoped_tokens_override(count: int) -> str:
+    """``server.scoped_tokens`` with ``count`` tokens, each confined to its own ``bench-<i>-*`` scenarios, with
+    rate limits high enough never to refuse (so the limiter runs on every request); the last one also matches
+    ``bench-latency``, the scenario the latency client uses."""
+    entries = [f"{{name:bench-{i},token:{scoped_token(i)},scenarios:['bench-{i}-*'"
+               + (",bench-latency" if i == count - 1 else "") + "],rpm:100000000,tpm:1000000000000}"
+               for i in range(count)]
+    return "server.scoped_tokens=[" + ",".join(entries) + "]"
+
+
+def start_reef(stub_url: str, data_dir: Path, *overrides: str, name: str = "reef") -> Child:
     """``reef serve`` with the upstream engine and durable SQLite records (WAL, synchronous=FULL, the default)."""
     port = free_port()
     cmd = [PYTHON, "-m", "reef_core.cli", "serve", "engine.kind=upstream", f"engine.upstream_url={stub_url}",
            f"server.port={port}", f"storage.data_dir={data_dir}", "server.log_level=warning", *overrides]
-    return Child("reef", cmd, f"http://127.0.0.1:{port}", data_dir.parent / "reef.log", env={"REEF_TOKEN": TOKEN},
+    return Child(name, cmd, f"http://127.0.0.1:{port}", data_dir.parent / f"{name}.log", env={"REEF_TOKEN": TOKEN},
                  unset=("REEF_ADMIN_TOKEN", "REEF_UPSTREAM_API_KEY", "REEF_UPSTREAM_MODEL")).start()
 
 

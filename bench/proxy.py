@@ -30,15 +30,18 @@ def add_arguments(parser) -> None:
     parser.add_argument("--connections", default="1,16,64", help="wrk concurrencies (default 1,16,64)")
     parser.add_argument("--no-throughput", action="store_true", help="latency only")
     parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM proxy")
+    parser.add_argument("--scoped-tokens", type=int, default=0, metavar="N",
+                        help="also measure a second Reef ('reef-scoped') with N scoped tokens (rate limits on), "
+                             "called with the last of them, interleaved with the plain one")
 
 
 class Client:
     """One kept-alive HTTP/1.1 connection, the cheapest and steadiest client the stdlib offers."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, token: str = common.TOKEN):
         parts = urlsplit(url)
         self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
-        self.headers = {"content-type": "application/json", "authorization": f"Bearer {common.TOKEN}",
+        self.headers = {"content-type": "application/json", "authorization": f"Bearer {token}",
                         "x-reef-scenario": "bench-latency"}
         self.body = common.chat_body()
 
@@ -56,8 +59,9 @@ class Client:
         self.conn.close()
 
 
-def latency(targets: dict[str, common.Child], rounds: int, per_round: int, warmup: int) -> dict:
-    clients = {name: Client(child.url) for name, child in targets.items()}
+def latency(targets: dict[str, common.Child], rounds: int, per_round: int, warmup: int,
+            tokens: dict[str, str] | None = None) -> dict:
+    clients = {name: Client(child.url, (tokens or {}).get(name, common.TOKEN)) for name, child in targets.items()}
     samples: dict[str, list[float]] = {name: [] for name in targets}
     round_medians: dict[str, list[float]] = {name: [] for name in targets}
     overhead_header: list[float] = []
@@ -75,7 +79,7 @@ def latency(targets: dict[str, common.Child], rounds: int, per_round: int, warmu
                 for _ in range(per_round):
                     ms, headers = clients[name].call()
                     times.append(ms)
-                    if name == "reef":
+                    if name.startswith("reef"):
                         receipts += "x-reef-agent-record-id" in headers
                         overhead_header.append(float(headers.get("x-reef-overhead-ms", "nan")))
                 samples[name].extend(times)
@@ -98,8 +102,12 @@ def latency(targets: dict[str, common.Child], rounds: int, per_round: int, warmu
               "server_cpu_ms_per_request": cpu_ms}
     if "reef" in targets:
         result["reef_receipts"] = receipts
-        result["reef_requests"] = len(samples["reef"])
+        result["reef_requests"] = sum(len(samples[n]) for n in targets if n.startswith("reef"))
         result["reef_overhead_header_ms"] = common.percentiles(overhead_header)
+    if "reef" in added and "reef-scoped" in added:
+        result["ratio_scoped_over_plain"] = {
+            p: round(added["reef-scoped"][p] / added["reef"][p], 3) if added["reef"][p] > 0 else None
+            for p in ("p50", "p95", "p99", "median_of_round_medians")}
     if "reef" in added and "litellm" in added:
         result["ratio_reef_over_litellm"] = {
             p: round(added["reef"][p] / added["litellm"][p], 3) if added["litellm"][p] > 0 else None
@@ -115,7 +123,14 @@ def run(args) -> dict:
     try:
         started, targets = common.start_systems(workdir, not args.no_litellm)
         children.extend(started)
-        lat = latency(targets, args.rounds, args.per_round, args.warmup)
+        tokens = {}
+        if args.scoped_tokens > 0:
+            scoped = common.start_reef(targets["stub"].url, workdir / "data-scoped",
+                                       common.scoped_tokens_override(args.scoped_tokens), name="reef-scoped")
+            children.append(scoped)
+            targets["reef-scoped"] = scoped
+            tokens["reef-scoped"] = common.scoped_token(args.scoped_tokens - 1)
+        lat = latency(targets, args.rounds, args.per_round, args.warmup, tokens)
         rss_after_latency = {c.name: c.peak_rss_mib() for c in children}
         runs: list[dict] = []
         if not args.no_throughput:
@@ -137,6 +152,10 @@ def run(args) -> dict:
     if "ratio_reef_over_litellm" in lat:
         ratio = lat["ratio_reef_over_litellm"]
         print(f"Reef/LiteLLM added latency: p50 x{ratio['p50']}, p95 x{ratio['p95']}, p99 x{ratio['p99']}")
+    if "ratio_scoped_over_plain" in lat:
+        ratio = lat["ratio_scoped_over_plain"]
+        print(f"Reef with {args.scoped_tokens} scoped tokens / without, added latency: p50 x{ratio['p50']}, "
+              f"p95 x{ratio['p95']}, p99 x{ratio['p99']}, round medians x{ratio['median_of_round_medians']}")
     if "reef" in lat["added_ms"]:
         print(f"Reef receipts: {lat['reef_receipts']} of {lat['reef_requests']} responses; "
               f"x-reef-overhead-ms p50 {lat['reef_overhead_header_ms']['p50']} "

@@ -23,7 +23,7 @@ import importlib
 _LAZY = {
     "Receipt": "capture", "ReceiptLog": "capture",
     "AsyncReefClient": "core", "ReefClient": "core",
-    **{name: "errors" for name in ("BadRequest", "Conflict", "NotFound", "RateLimited", "ReefClientError",
+    **{name: "errors" for name in ("BadRequest", "Conflict", "Forbidden", "NotFound", "RateLimited", "ReefClientError",
                                    "ServerError", "Unauthorized", "Unreachable")},
 }
 

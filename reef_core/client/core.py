@@ -21,7 +21,7 @@ from urllib.parse import quote
 import httpx
 
 from .capture import Receipt, ReceiptLog, SCENARIO_HEADER, TAG_PREFIX, capture_client
-from .errors import Unreachable, error_for
+from .errors import RateLimited, Unreachable, error_for
 from .imports import DEFAULT_BATCH, batches, line_envelopes
 from .tree import write_tree
 
@@ -131,11 +131,36 @@ class _Base:
         except ValueError:
             body = None
         if response.status_code >= 400:
-            raise error_for(response.status_code, body, response.text[:500] or response.reason_phrase)
+            error = error_for(response.status_code, body, response.text[:500] or response.reason_phrase)
+            if isinstance(error, RateLimited):
+                error.retry_after = _seconds(response.headers.get("retry-after"))
+            raise error
         return body
 
     def _request_kwargs(self, call: _Call) -> dict:
         return {"params": call.params, "json": call.json, "headers": self.headers(scenario=call.scenario_header)}
+
+
+#: A 429 that asks for a longer wait than this (a spent token budget: until the period ends, or never) is raised at
+#: once as :class:`RateLimited` with its ``retry_after``, not slept on.
+MAX_RETRY_AFTER_S = 30.0
+
+
+def _worth_retrying(response: httpx.Response) -> bool:
+    if response.status_code != 429:
+        return True
+    retry_after = response.headers.get("retry-after")
+    try:
+        return retry_after is not None and float(retry_after) <= MAX_RETRY_AFTER_S
+    except ValueError:
+        return False
+
+
+def _seconds(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 class ReefClient(_Base):
@@ -165,7 +190,7 @@ class ReefClient(_Base):
                     raise Unreachable(f"{self.url}: {exc}") from exc
                 time.sleep(self._delay(attempt, None))
                 continue
-            if response.status_code in RETRY_STATUSES and not last:
+            if response.status_code in RETRY_STATUSES and not last and _worth_retrying(response):
                 time.sleep(self._delay(attempt, response))
                 continue
             return self._outcome(response)
@@ -308,7 +333,7 @@ class AsyncReefClient(_Base):
                     raise Unreachable(f"{self.url}: {exc}") from exc
                 await asyncio.sleep(self._delay(attempt, None))
                 continue
-            if response.status_code in RETRY_STATUSES and not last:
+            if response.status_code in RETRY_STATUSES and not last and _worth_retrying(response):
                 await asyncio.sleep(self._delay(attempt, response))
                 continue
             return self._outcome(response)

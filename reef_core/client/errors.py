@@ -23,6 +23,10 @@ class Unauthorized(ReefClientError):
     """401 or 403: the token is missing, wrong, or lacks the scope the route needs."""
 
 
+class Forbidden(Unauthorized):
+    """403: the token lacks the scope the route needs, or is confined to other scenarios (``server.scoped_tokens``)."""
+
+
 class NotFound(ReefClientError):
     """404: an unknown scenario, record or release."""
 
@@ -32,7 +36,10 @@ class Conflict(ReefClientError):
 
 
 class RateLimited(ReefClientError):
-    """429 after every retry."""
+    """429 after every retry, or at once when the server asks for a long wait (a spent token budget):
+    ``retry_after`` is its ``Retry-After`` in seconds (None when it gave none: a ``total`` budget is spent)."""
+
+    retry_after: float | None = None
 
 
 class ServerError(ReefClientError):
@@ -43,7 +50,7 @@ class Unreachable(ReefClientError):
     """No answer: the connection failed or timed out after every retry."""
 
 
-_BY_STATUS = {400: BadRequest, 401: Unauthorized, 403: Unauthorized, 404: NotFound, 409: Conflict, 429: RateLimited}
+_BY_STATUS = {400: BadRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict, 429: RateLimited}
 
 
 def error_for(status: int, body: object, fallback: str) -> ReefClientError:

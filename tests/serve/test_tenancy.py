@@ -220,3 +220,23 @@ def test_refusals_and_admin_actions_are_audited_without_the_token(served, caplog
     assert any(f["event"] == "admin" and f["token"] == "team-a-admin" and f["scenario"] == "team-a-x"
                for _, f in lines)
     assert not any(TEAM_A in json.dumps(f) or "wrong-token" in json.dumps(f) for _, f in lines)
+
+
+def test_the_client_sees_only_its_scenarios(served):
+    from reef_core.client import Forbidden, ReefClient
+
+    import httpx
+
+    def via_app(request: httpx.Request) -> httpx.Response:  # the in-process app behind the client's HTTP stack
+        answer = served.request(request.method, str(request.url), headers=dict(request.headers),
+                                content=request.content)
+        return httpx.Response(answer.status_code, headers=answer.headers, content=answer.content)
+
+    transport = httpx.MockTransport(via_app)
+    with ReefClient("http://testserver", scenario="team-b-x", token=TEAM_A, transport=transport, retries=0) as other:
+        with pytest.raises(Forbidden) as info:
+            other.records()
+        assert info.value.status == 403 and "team-b-x" in info.value.message
+    with ReefClient("http://testserver", scenario="team-a-x", token=TEAM_A, transport=transport, retries=0) as own:
+        assert own.records()
+        assert "team-b-x" not in json.dumps(own.status())

@@ -36,6 +36,8 @@ class Pools:
     skills: list[str] = field(default_factory=list)
     #: scenarios that exist only to be deleted by the admin DELETE strategy
     deletable: list[str] = field(default_factory=list)
+    #: a token confined to some scenarios (``server.scoped_tokens``, with limits), or None
+    scoped_token: str | None = None
     receipts: dict[str, list[str]] = field(default_factory=dict)  # scenario -> receipts
     releases: dict[str, list[str]] = field(default_factory=dict)  # scenario -> release ids
 
@@ -167,8 +169,10 @@ def scenario_names(pools: Pools, harness: bool = False, pool: list[str] | None =
 def auth_header(draw, pools: Pools, admin: bool = False):
     """The right token for the route, or (rarely) a wrong, missing or mis-scoped one."""
     token = pools.admin_token if admin else pools.inference_token
-    mode = draw(st.sampled_from(["ok"] * 12 + ["x-api-key", "none", "wrong", "swap", "odd"]))
-    if mode == "ok":
+    mode = draw(st.sampled_from(["ok"] * 12 + ["x-api-key", "none", "wrong", "swap", "odd", "scoped"]))
+    if mode == "scoped" and pools.scoped_token:  # confined to some scenarios: others are 403
+        return [(b"authorization", b"Bearer " + pools.scoped_token.encode())], "scoped token"
+    if mode in ("ok", "scoped"):
         return [(b"authorization", b"Bearer " + token.encode())], "valid"
     if mode == "x-api-key":
         return [(b"x-api-key", token.encode())], "valid"

@@ -12,6 +12,8 @@ from .run import Target
 
 INFERENCE_TOKEN = "fuzz-inference-token"
 ADMIN_TOKEN = "fuzz-admin-token"
+#: Confined to the ``fz-a`` scenario and ``h-*``, with limits high enough never to refuse (the limiter still runs).
+SCOPED_TOKEN = "fuzz-scoped-token"
 #: Scenarios named ``h-*`` are bound to the harness recipe (gepa), ``k-*`` to the skill-pool recipe (skillclaw,
 #: seeded with the demo's pool); the rest to the default recipe (none).
 HARNESS_PREFIX = "h-"
@@ -22,6 +24,8 @@ def server_overrides() -> list[str]:
     """``reef serve`` overrides of a fuzz target (besides the engine): both tokens, a harness and a skills route."""
     seed = "recipe.options.initial_skills=reef_skillclaw.examples:seed_skills"
     return [f"server.tokens=[{INFERENCE_TOKEN}]", f"server.admin_tokens=[{ADMIN_TOKEN}]",
+            f"server.scoped_tokens=[{{name:fuzz-scoped,token:{SCOPED_TOKEN},scenarios:[fz-a,'{HARNESS_PREFIX}*'],"
+            "rpm:1000000,tpm:100000000,budget_tokens:1000000000}]",
             f"routes=[{{pattern:'{HARNESS_PREFIX}*',recipe:gepa}},"
             f"{{pattern:'{SKILLS_PREFIX}*',recipe:skillclaw,overrides:['{seed}']}}]", "server.log_level=warning"]
 
@@ -29,7 +33,8 @@ def server_overrides() -> list[str]:
 def prepare(host: str, port: int, pid: int, log_path: Path, deletable: int = 6) -> Target:
     """Create the pool scenarios with one valid chat each (their receipts seed the report strategy)."""
     pools = Pools(INFERENCE_TOKEN, ADMIN_TOKEN, plain=["fz-a", "fz-b"], harness=[f"{HARNESS_PREFIX}fz"],
-                  skills=[f"{SKILLS_PREFIX}fz"], deletable=[f"fz-del{i}" for i in range(deletable)])
+                  skills=[f"{SKILLS_PREFIX}fz"], deletable=[f"fz-del{i}" for i in range(deletable)],
+                  scoped_token=SCOPED_TOKEN)
     wire = Wire(host, port)
     auth = [(b"authorization", f"Bearer {INFERENCE_TOKEN}".encode()), (b"content-type", b"application/json")]
     body = json.dumps({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}).encode()
