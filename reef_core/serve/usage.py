@@ -16,7 +16,9 @@ loaded at start-up and flushed by a background task every ``FLUSH_S`` seconds an
 (an upsert adding the delta), so replicas on one PostgreSQL store add up. In a process the in-memory counters are
 authoritative; what other replicas spent arrives with each flush's read-back, so across replicas a budget can be
 overrun by what they spend within one flush interval. The request path never waits for the database. The
-per-minute windows are per process and start empty after a restart.
+per-minute windows are per process and start empty after a restart. Each flush also reads the current periods' rows back (one small
+query every ``FLUSH_S`` seconds, off the request path), which is how a replica that spent nothing lately learns
+what the others did.
 """
 
 from __future__ import annotations
@@ -209,8 +211,7 @@ class Usage:
         """Read the stored counters of the current periods (start-up)."""
         self._known_buckets()
         now = self.clock()
-        periods = sorted({period_key(p, now) for p in ("day", "month", "total")})
-        for key, period, tokens, requests in store.usage_rows(periods):
+        for key, period, tokens, requests in store.usage_rows(self._current_periods()):
             if key.startswith("scenario:"):
                 rule = self.tenancy.scenario_limit(key.partition(":")[2])
                 if rule is None:
@@ -236,19 +237,33 @@ class Usage:
         return rows
 
     def apply_totals(self, totals: dict[tuple[str, str], tuple[int, int]]) -> None:
-        """Set the bases to the stored totals read back after a flush (other replicas' spending included)."""
+        """Set the bases to the stored totals read back after a flush (other replicas' spending included). A
+        limited scenario only another replica has served gets its bucket here."""
         now = self.clock()
         for (key, pk), (tokens, requests) in totals.items():
             bucket = self.buckets.get(key)
+            if bucket is None and key.startswith("scenario:"):
+                rule = self.tenancy.scenario_limit(key.partition(":")[2])
+                bucket = self._bucket(key, rule[1]) if rule is not None else None
             if bucket is not None and pk == period_key(bucket.period, now):
                 bucket.base = {pk: [tokens, requests]}
 
+    def _current_periods(self) -> list[str]:
+        now = self.clock()
+        return sorted({period_key(p, now) for p in ("day", "month", "total")})
+
+    def _sync(self, store, rows) -> list[tuple[str, str, int, int]]:
+        """Add the increments, then read every counter of the current periods back (a worker thread's part)."""
+        if rows:
+            store.add_usage(rows)
+        return store.usage_rows(self._current_periods())
+
     async def flush(self, store) -> None:
+        """Store the increments and take in the totals, other replicas' spending included (every ``FLUSH_S``:
+        one small write when something was spent, one read of the current periods' rows)."""
         rows = self.take_pending()
-        if not rows:
-            return
-        totals = await asyncio.to_thread(store.add_usage, rows)
-        self.apply_totals(totals)
+        stored = await asyncio.to_thread(self._sync, store, rows)
+        self.apply_totals({(key, period): (tokens, requests) for key, period, tokens, requests in stored})
 
     async def start(self, store) -> None:
         await asyncio.to_thread(self.load, store)

@@ -18,6 +18,7 @@ from reef_core.errors import ConfigError
 from reef_core.loop.assemble import build_deployment
 from reef_core.serve.app import create_app, iter_routes
 from reef_core.serve.auth import TokenSet
+from reef_core.serve.tenancy import RateLimited
 
 ADMIN, TEAM_A, TEAM_A_ADMIN, LIMITED, BUDGET = "admin-tok", "team-a-tok", "team-a-admin-tok", "limited-tok", "budget-tok"
 SCOPED = ("server.scoped_tokens=["
@@ -40,9 +41,9 @@ class Clock:
         return self.now
 
 
-def _app(data_dir, upstream_url):
+def _app(data_dir, upstream_url, *overrides: str):
     cfg = compose_config(["engine.kind=upstream", f"engine.upstream_url={upstream_url}", f"storage.data_dir={data_dir}",
-                          f"server.admin_tokens=[{ADMIN}]", SCOPED])
+                          f"server.admin_tokens=[{ADMIN}]", SCOPED, *overrides])
     return create_app(build_deployment(cfg))
 
 
@@ -167,9 +168,9 @@ def test_request_61_within_the_minute_is_429_in_both_dialects_and_on_streams(ser
     assert usage["limited"]["requests"] == 61 and usage["limited"]["limits"]["rpm"] == 60
 
 
-def test_a_spent_budget_stops_inference_and_survives_a_restart(tmp_path, fake_upstream_url):
+def test_a_spent_budget_stops_inference_and_survives_a_restart(tmp_path, fake_upstream_url, store_overrides):
     headers = _auth(BUDGET, "budget-a")
-    with TestClient(_app(tmp_path, fake_upstream_url)) as client:
+    with TestClient(_app(tmp_path, fake_upstream_url, *store_overrides)) as client:
         answered = 0
         while True:
             response = client.post("/v1/chat/completions", json=CHAT, headers=headers)
@@ -181,7 +182,7 @@ def test_a_spent_budget_stops_inference_and_survives_a_restart(tmp_path, fake_up
         assert answered >= 1 and "budget" in response.json()["error"]["message"]
         assert "retry-after" not in response.headers  # a total budget does not come back by itself
     # A restart on the same store: the counters were flushed at shutdown and are loaded at start-up.
-    with TestClient(_app(tmp_path, fake_upstream_url)) as client:
+    with TestClient(_app(tmp_path, fake_upstream_url, *store_overrides)) as client:
         again = client.post("/v1/messages", json=MESSAGES, headers=headers)
         assert again.status_code == 429 and again.json()["error"]["type"] == "rate_limit_error"
         usage = client.get("/reef/status", headers=_auth(ADMIN)).json()["usage"]["budget"]
@@ -240,3 +241,34 @@ def test_the_client_sees_only_its_scenarios(served):
     with ReefClient("http://testserver", scenario="team-a-x", token=TEAM_A, transport=transport, retries=0) as own:
         assert own.records()
         assert "team-b-x" not in json.dumps(own.status())
+
+
+def test_replicas_add_up_their_spending_at_each_flush(tmp_path):
+    """Two processes' counters over one store (here two Usage objects on one SQLite store): each flush adds its
+    increments and reads the totals back, so a budget both spent halves of is spent for both."""
+    import asyncio
+
+    from reef_core.observe.records import RecordStore
+    from reef_core.serve.usage import Usage
+
+    tenancy = TokenSet.from_config(compose_config([
+        "server.scoped_tokens=[{name:shared,token:t,scenarios:['s-*'],budget_tokens:50,budget_period:day}]"]).server)
+    principal = tenancy.principal("t")
+    store = RecordStore.open(None, tmp_path)
+    try:
+        replicas = [Usage(tenancy, clock=Clock()), Usage(tenancy, clock=Clock())]
+        for usage in replicas:
+            usage.load(store)
+            usage.admit(principal, "s-1")
+            usage.spend(principal, "s-1", 30)
+        for usage in replicas:
+            asyncio.run(usage.flush(store))
+        assert replicas[0].snapshot()["shared"]["tokens"] == 30  # flushed first: the other's spending came later
+        asyncio.run(replicas[0].flush(store))  # nothing to add; the read-back brings the other's 30 tokens
+        for usage in replicas:
+            with pytest.raises(RateLimited) as info:
+                usage.admit(principal, "s-1")
+            assert 1 <= info.value.details["retry_after"] <= 86400  # until the next UTC day
+            assert usage.snapshot()["shared"]["tokens"] == 60
+    finally:
+        store.close()
