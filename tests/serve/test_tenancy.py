@@ -43,7 +43,8 @@ class Clock:
 
 def _app(data_dir, upstream_url, *overrides: str):
     cfg = compose_config(["engine.kind=upstream", f"engine.upstream_url={upstream_url}", f"storage.data_dir={data_dir}",
-                          f"server.admin_tokens=[{ADMIN}]", SCOPED, *overrides])
+                          f"server.admin_tokens=[{ADMIN}]", SCOPED,
+                          "server.scenario_limits=[{scenarios:['slow-*'],rpm:2}]", *overrides])
     return create_app(build_deployment(cfg))
 
 
@@ -166,6 +167,32 @@ def test_request_61_within_the_minute_is_429_in_both_dialects_and_on_streams(ser
     # Admins see per-token usage; the limited token's own requests are counted (refused ones are not).
     usage = served.get("/reef/status", headers=_auth(ADMIN)).json()["usage"]
     assert usage["limited"]["requests"] == 61 and usage["limited"]["limits"]["rpm"] == 60
+
+
+def test_a_scenario_limit_applies_to_every_token(served):
+    for token in (ADMIN, ADMIN):
+        assert served.post("/v1/chat/completions", json=CHAT, headers=_auth(token, "slow-x")).status_code == 200
+    refused = served.post("/v1/messages", json=MESSAGES, headers=_auth(ADMIN, "slow-x"))
+    assert refused.status_code == 429 and "scenario 'slow-x'" in refused.json()["error"]["message"]
+    assert served.post("/v1/chat/completions", json=CHAT, headers=_auth(ADMIN, "slow-y")).status_code == 200
+
+
+def test_tokens_per_minute_count_the_engines_usage():
+    from reef_core.serve.usage import Usage
+
+    tenancy = TokenSet.from_config(compose_config(["server.scoped_tokens=[{name:t,token:t,scenarios:['*'],tpm:100}]"]).server)
+    principal, clock = tenancy.principal("t"), Clock()
+    usage = Usage(tenancy, clock=clock)
+    usage.admit(principal, "s")
+    usage.spend(principal, "s", 60)
+    clock.now += 20
+    usage.admit(principal, "s")  # 60 of 100: the pre-check uses what is already spent
+    usage.spend(principal, "s", 60)
+    with pytest.raises(RateLimited) as info:
+        usage.admit(principal, "s")
+    assert info.value.details["retry_after"] == 40  # the first 60 tokens leave the window 60 s after they came
+    clock.now += 40
+    usage.admit(principal, "s")
 
 
 def test_a_spent_budget_stops_inference_and_survives_a_restart(tmp_path, fake_upstream_url, store_overrides):
