@@ -56,6 +56,7 @@ class SlidingWindow:
 
     def add(self, now: float, amount: int) -> None:
         if amount:
+            self.used(now)  # trims: a window nobody checks (a token without limits) stays a minute long
             self.events.append((now, amount))
             self.total += amount
 

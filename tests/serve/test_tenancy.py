@@ -299,3 +299,12 @@ def test_replicas_add_up_their_spending_at_each_flush(tmp_path):
             assert usage.snapshot()["shared"]["tokens"] == 60
     finally:
         store.close()
+
+
+def test_windows_keep_only_the_last_minute():
+    from reef_core.serve.usage import SlidingWindow
+
+    window = SlidingWindow()
+    for second in range(600):
+        window.add(float(second), 1)
+    assert len(window.events) == 60 and window.used(600.0) == 59
