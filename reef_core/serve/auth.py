@@ -10,10 +10,10 @@
   (name, scopes, scenario patterns) goes into the request state as ``reef_principal``.
 * Each route needs a scope: ``infer`` (inference POSTs), ``report`` (``POST /reef/report``, record imports),
   ``admin`` (routes marked admin: rollback, promote, delete, close-day) or ``read`` (everything else); a token
-  without it gets 403. A scenario named in the path (``/reef/scenarios/{s}/...``, ``/ui/scenarios/{s}/...``)
-  outside the token's patterns is 403 here too; routes naming it in ``x-reef-scenario`` check it where they read
-  the header (:func:`reef_core.serve.names.scenario_header`). ``GET /metrics`` labels every scenario, so it needs an
-  all-scenario token.
+  without it gets 403. A scenario named in the path (``/reef/scenarios/{s}/...``, ``/ui/scenarios/{s}/...``) or
+  in ``x-reef-scenario`` outside the token's patterns is a 403 naming it, here, before any body is read (and again
+  where a route reads the header: :func:`reef_core.serve.names.scenario_header`). ``GET /metrics`` labels every
+  scenario, so it needs an all-scenario token.
 * With no token configured at all, authentication is off; ``reef serve`` refuses to bind a
   non-loopback address in that state.
 """
