@@ -227,7 +227,7 @@ def validate_references(scenario: str, ids: Any, lookup: Callable[[str], RefInfo
         ref_scenario, ref_kind = info
         if ref_scenario != scenario:
             raise ValidationFailed(f"reference {ref!r} belongs to another scenario", field="references",
-                                   reference=ref)
+                                   reference=ref, reference_scenario=ref_scenario)
         if ref_kind != "inference":
             raise ValidationFailed(f"reference {ref!r} is a {ref_kind} record, not an inference record",
                                    field="references", reference=ref)

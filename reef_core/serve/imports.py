@@ -30,6 +30,7 @@ from ..observe.names import check_record_id
 from ..observe.processors.conversation import UnusableRecord, request_messages, response_message
 from .inference import read_json_body
 from .names import RECEIPT_HEADER, scenario_header
+from .tenancy import confined_reference
 from .reports import validate_report
 
 router = APIRouter()
@@ -135,14 +136,15 @@ def _receipt(record: Record) -> dict:
     return {"agent_record_id": record.record_id, "scenario": record.scenario, "request_type": record.kind}
 
 
-async def _store(dep, records: list[Record]) -> list[Record]:
+async def _store(dep, records: list[Record], scope: dict) -> list[Record]:
     """Store ``records`` in one transaction; a refusal names the envelope it is about (``records[i]``)."""
     try:
         return await dep.records_stored(records, check_references=True)
     except (Conflict, ValidationFailed) as exc:
+        exc = confined_reference(scope, exc)  # a reference into a scenario the token may not see: 403
         index = _culprit(records, exc)
         if index is None or len(records) == 1:
-            raise
+            raise exc from None
         raise type(exc)(f"records[{index}]: {exc.message}", param=f"records[{index}]", **{
             k: v for k, v in exc.details.items() if k != "param"}) from None
 
@@ -165,7 +167,7 @@ async def post_record(request: Request):
     name = scenario_header(request)
     record = envelope_record(body, name)
     await dep.resolve(name)  # refuses an archived or unknown (implicit scenarios off) one; creates nothing
-    stored = (await _store(dep, [record]))[0]
+    stored = (await _store(dep, [record], request.scope))[0]
     return JSONResponse(_receipt(stored), headers={RECEIPT_HEADER: stored.record_id})
 
 
@@ -188,5 +190,5 @@ async def post_records_batch(request: Request):
             raise Conflict(f"records[{i}]: agent_record_id {record.record_id!r} is used by records[{first}] with "
                            "different content", param=f"records[{i}].agent_record_id")
     await dep.resolve(name)
-    stored = await _store(dep, records)
+    stored = await _store(dep, records, request.scope)
     return JSONResponse({"records": [_receipt(r) for r in stored]})

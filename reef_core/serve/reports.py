@@ -27,6 +27,7 @@ from ..observe.model import Record, canonical_json
 from ..observe.names import check_record_id
 from .inference import read_json_body
 from .names import RECEIPT_HEADER, scenario_header
+from .tenancy import confined_reference
 
 router = APIRouter()
 
@@ -121,6 +122,8 @@ async def post_report(request: Request):
     )
     try:
         stored = await dep.record_stored(record, key, check_references=True)
+    except ValidationFailed as exc:
+        raise confined_reference(request.scope, exc) from None
     except Conflict as exc:
         if key is None or exc.details.get("idempotency_key") != key:
             raise

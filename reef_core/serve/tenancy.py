@@ -290,3 +290,14 @@ def visible(scope: dict, items: list, name=lambda item: item.name) -> list:
     """The entries of a scenario listing the request's token may see."""
     principal = principal_of(scope)
     return items if principal.all_scenarios else [item for item in items if principal.allows(name(item))]
+
+
+def confined_reference(scope: dict, exc: ReefError) -> ReefError:
+    """A store's refusal of a reference to another scenario, as a 403 when that scenario is outside the request
+    token's patterns (the record is none of its business); any other refusal unchanged."""
+    other = exc.details.get("reference_scenario")
+    principal = principal_of(scope)
+    if other is None or principal.allows(other):
+        return exc
+    return Forbidden(f"reference {exc.details.get('reference')!r} belongs to a scenario token {principal.name!r} is "
+                     "not scoped to", param="references")

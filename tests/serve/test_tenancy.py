@@ -122,7 +122,10 @@ def test_scoped_tokens_work_on_their_own_scenarios(served):
     before = served.get("/reef/scenarios/team-a-x/records", headers=_auth(ADMIN)).json()["records"]
     refused = served.post("/reef/report", json={"score": 1, "references": [served.reef_receipt_b]},
                           headers=_auth(TEAM_A, "team-a-x"))
-    assert 400 <= refused.status_code < 500
+    assert refused.status_code == 403 and "team-a" in refused.json()["error"]["message"]
+    envelope = {"agent_record_id": "rpt-cross", "request_type": "report",
+                "payload": {"score": 1, "references": [served.reef_receipt_b]}}
+    assert served.post("/reef/records", json=envelope, headers=_auth(TEAM_A, "team-a-x")).status_code == 403
     assert served.get("/reef/scenarios/team-a-x/records", headers=_auth(ADMIN)).json()["records"] == before
     assert served.post("/reef/report", json={"score": 1, "references": [receipt]},
                        headers=_auth(TEAM_A, "team-a-x")).status_code == 200
