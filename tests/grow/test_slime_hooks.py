@@ -249,3 +249,38 @@ def test_an_sao_step_through_the_fake_job_equals_the_torch_backends(tok, tmp_pat
     t.accepted(update, log.commit(update, batch))
     rollout_gone = not any(tmp_path.rglob("rollout.pt"))
     assert rollout_gone
+
+
+def test_an_adopted_sao_job_brings_the_critic_its_step_trained(tok, tmp_path, monkeypatch):
+    """Reef dies after the job's checkpoint: a restarted trainer adopts it without training or preparing again, and
+    the candidate carries the critic and counters of the step that produced it."""
+    from reef_core.grow.slime import trainer as slime_trainer
+
+    from .test_slime_backend import Crash, _crash_at
+
+    def make():
+        t = SlimeTrainer(SAOObjective(eps_clip=0.99, eps_clip_high=50.0, critic_steps_per_actor=1,
+                                      num_critic_only_steps=0),
+                         launch=LAUNCH, flags={"--seed": 3}, jobs_dir=tmp_path, timeout_s=120, lr=1e-2,
+                         load_base_model=lambda: build_tiny_model(seed=0, tokenizer=tok), device="cpu")
+        t.run_driver = fake_slime.run_job
+        return t
+
+    log, batch = CommitLog(), _batch(2)
+    first = make()
+    _crash_at(monkeypatch, "slime_ready_to_commit")
+    with pytest.raises(Crash):
+        first.train(batch, log.ctx())
+    monkeypatch.setattr(slime_trainer, "crash_point", lambda at: None)
+    critic_then = {k: v.clone() for k, v in first.objective.state_dict().items()}
+    assert float(critic_then["head.weight"].abs().sum()) > 0  # the step's critic update, not the fresh critic
+    again = make()
+    update = again.train(batch, log.ctx())
+    assert again.launched == 0 and update.algorithm_state["objective_state"]["actor_steps"] == 1
+    from safetensors.torch import load as load_st
+
+    carried = load_st(bytes(update.files["algorithm/sao.safetensors"]))
+    for k, v in critic_then.items():
+        torch.testing.assert_close(carried[k], v, rtol=0, atol=0)
+        torch.testing.assert_close(again.objective.state_dict()[k], v, rtol=0, atol=0)
+    assert again.objective.actor_steps == 1
