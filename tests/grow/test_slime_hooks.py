@@ -203,6 +203,15 @@ def test_trainer_build_refuses_a_global_batch_size_other_than_the_recipes(tok, t
                                  TrainerConfig(backend="slime", slime=SlimeConfig(launch=LAUNCH)), who="test")
 
 
+def test_a_batch_of_another_size_than_the_global_batch_size_launches_no_job(tok, tmp_path):
+    t = SlimeTrainer(GRPODISObjective(eps_clip=0.2, eps_clip_high=0.3, group_size=2), launch=LAUNCH,
+                     flags={"--global-batch-size": 8}, jobs_dir=tmp_path, timeout_s=120, lr=1e-2,
+                     load_base_model=lambda: build_tiny_model(seed=0, tokenizer=tok), device="cpu")
+    with pytest.raises(ConfigError, match="--global-batch-size 8 differs from this batch's 4 samples"):
+        t.train(_batch(4), CommitLog().ctx())
+    assert t.launched == 0 and not list(tmp_path.rglob("job.json"))
+
+
 def test_the_learners_batch_size_comes_from_the_processor_options():
     from types import SimpleNamespace
 

@@ -123,6 +123,10 @@ class SlimeTrainer(Trainer):
         started = time.monotonic()
         if job_dir is None:
             tb = TokenBatch.from_samples(list(batch.samples))
+            gbs = self.flags.get("--global-batch-size")
+            if gbs is not None and int(gbs) != tb.size:  # (a recipe without a fixed batch size, unchecked at build)
+                raise ConfigError(f"trainer.slime.flags: --global-batch-size {gbs} differs from this batch's "
+                                  f"{tb.size} samples; Reef trains one optimizer step per batch")
             prepared = self.learner.prepare(tb) if self.learner is not None else None
             if prepared is not None and not prepared.update_policy:
                 self.learner.kept()  # the objective's own models trained (a critic warm-up): no candidate
@@ -138,10 +142,6 @@ class SlimeTrainer(Trainer):
         return self.jobs_dir / key
 
     def _run_job(self, root: Path, tb: TokenBatch, prepared, ctx: TrainContext, record_ids: list[str]) -> Path:
-        gbs = self.flags.get("--global-batch-size")
-        if gbs is not None and int(gbs) != tb.size:
-            raise ConfigError(f"trainer.slime.flags: --global-batch-size {gbs} differs from this batch's "
-                              f"{tb.size} samples (the recipe's batch size); Reef trains one step per batch")
         job_id = uuid.uuid4().hex[:12]
         job_dir = root / f"step-{ctx.step:08d}-{job_id}"
         job_dir.mkdir(parents=True)
