@@ -3,7 +3,9 @@
 # Reef appends the job directory, which must be on storage the Ray cluster shares (trainer.slime.jobs_dir).
 # Needs: RAY_ADDRESS (the cluster's dashboard, e.g. http://head:8265), SLIME_DIR (a slime checkout in the
 # slimerl/slime image), MODEL_ARGS_SCRIPT (slime's scripts/models/<model>.sh, which defines the MODEL_ARGS array of
-# Megatron architecture flags), and reef-core importable on the cluster (reef_core.grow.slime.finish, loss hooks).
+# Megatron architecture flags), and reef-core installed on every node (`pip install reef-core`, no extras): slime's
+# processes import reef_slime_hooks (the custom-loss families and their advantage loader; torch only), and this
+# script runs reef_core.grow.slime.finish.
 set -euo pipefail
 JOB="$1"
 : "${RAY_ADDRESS:?}" "${SLIME_DIR:?}" "${MODEL_ARGS_SCRIPT:?}"

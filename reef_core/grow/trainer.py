@@ -41,6 +41,9 @@ class TrainerSetup:
     device: str | None = None
     #: The deployment's ``evaluation`` section (a weights trainer reads ``options.generation`` for gate replies).
     evaluation: Any = None
+    #: The recipe's batch size (``recipe.processor_options.batch_size``) when it sets one: a backend that runs one
+    #: step per batch elsewhere checks its own batch setting against it (slime's ``--global-batch-size``).
+    batch_size: int | None = None
 
 
 @dataclass

@@ -152,7 +152,7 @@ class ScenarioLearner:
                                  load_base_model=self._load_start_model,
                                  load_reference_model=serving.load_base_model, seed=self.settings.seed,
                                  run_async=serving.run_async, device=_device_of(serving.engine),
-                                 evaluation=self.settings.evaluation)
+                                 evaluation=self.settings.evaluation, batch_size=_batch_size(self.recipe))
             self._trainer = self.ports.create("trainer", self.recipe.trainer, scenario=self.name,
                                               recipe=self.recipe, trainer=self.settings.trainer, context=setup)
         return self._trainer
@@ -623,3 +623,20 @@ def _device_of(engine) -> str | None:
     """The device of the local engine (a trainer with ``trainer.device`` unset follows it); None for others."""
     device = getattr(engine, "device", None)
     return str(device) if device is not None else None
+
+
+def _batch_size(recipe) -> int | None:
+    """The recipe's batch size from its processor options (``batch_size``, else the grouped or grid product); None
+    when the processor decides alone."""
+    opts = getattr(recipe, "processor_options", None) or {}
+
+    def number(key: str) -> int | None:
+        value = opts.get(key)
+        return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+    if number("batch_size") is not None:
+        return number("batch_size")
+    for a, b in (("group_size", "groups_per_batch"), ("groups", "rollouts_per_group")):
+        if number(a) is not None and number(b) is not None:
+            return number(a) * number(b)
+    return None

@@ -8,9 +8,13 @@ real job does with the same files (:mod:`reef_core.grow.slime.jobs`):
   dump, ``--hf-checkpoint``, ``--save-hf``, ``--loss-type`` with ``--custom-loss-function-path``, ``--lr``) and
   refuses a flag it does not know;
 * checks the marker is ``RUNNING`` for this job, loads the rollout dump and the input HF checkpoint;
-* trains ONE step with Reef's torch backend (the pickled objective in ``objective.pt`` stands in for the loss
-  family's hook) and writes the HF checkpoint, its manifest and ``metrics.json``, then moves the marker to
-  ``CHECKPOINT``.
+* trains ONE step with Reef's torch backend and writes the HF checkpoint, its manifest and ``metrics.json``, then
+  moves the marker to ``CHECKPOINT``. A custom-loss family trains as slime would: the function named by
+  ``--custom-advantage-function-path`` fills the advantages from the rollout file and the one named by
+  ``--custom-loss-function-path`` (``reef_slime_hooks``) computes the loss on slime-format micro-batches
+  (:mod:`reef_core.testing.slime_batch`), divided by the step's token count as ``--calculate-per-token-loss`` does.
+  slime's built-in ``policy_loss``/``sft_loss`` are not re-implemented: the pickled objective in ``objective.pt``
+  stands in for them.
 
 Crash injection: ``REEF_FAKE_SLIME_CRASH=RUNNING`` kills the job (status 137, no clean-up) after it loaded its
 inputs and before any checkpoint; ``REEF_FAKE_SLIME_CRASH=CHECKPOINT`` kills it right after the marker reached
@@ -45,6 +49,45 @@ class ReinforceObjective(Objective):
         return loss, {"tokens": float(mask.sum())}
 
 
+class HookObjective(Objective):
+    """slime's custom-loss step around Reef's hooks, as an objective of the torch backend (FAKE: one rank, one
+    micro-batch)."""
+
+    name = "slime-custom-loss"
+
+    def __init__(self, args, samples: list[dict]):
+        self.args, self.samples = args, samples
+        self.advantage_fn = _load_function(args.custom_advantage_function_path)
+        self.loss_fn = _load_function(args.custom_loss_function_path)
+
+    def prepare(self, policy, batch):
+        from reef_core.testing import slime_batch
+
+        data = slime_batch.rollout_data(self.samples)
+        if self.advantage_fn is not None:
+            self.advantage_fn(self.args, data)
+        return Prepared(batch=batch, data={"rollout": data})
+
+    def loss(self, policy, batch, prepared):
+        from reef_core.testing import slime_batch
+
+        data = prepared.data["rollout"]
+        micro = slime_batch.micro_batch(data)
+        logits = slime_batch.packed_logits(policy, micro)
+        loss, log = self.loss_fn(self.args, micro, logits, slime_batch.sum_of_sample_mean(micro))
+        return loss / slime_batch.step_tokens(data), {k: float(v) for k, v in log.items()}
+
+
+def _load_function(path: str | None):
+    """slime's ``load_function``: ``module.attribute``."""
+    if not path:
+        return None
+    import importlib
+
+    module, _, attr = path.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
 def _parser() -> argparse.ArgumentParser:
     from reef_core.grow.slime.flags import ALLOWED
 
@@ -59,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, required=True)
     p.add_argument("--loss-type", choices=["policy_loss", "sft_loss", "custom_loss"], required=True)
     p.add_argument("--custom-loss-function-path")
-    p.add_argument("--disable-compute-advantages-and-returns", action="store_true")
+    p.add_argument("--custom-advantage-function-path")
+    p.add_argument("--use-rollout-logprobs", action="store_true")
     for flag in sorted(ALLOWED - {"--seed"}):
         p.add_argument(flag, nargs="?", const=True)
     p.add_argument("--seed", type=int, default=1234)
@@ -105,7 +149,12 @@ def run_job(job_dir: str | Path) -> None:
     if marker is None or marker["phase"] != RUNNING or marker["job_id"] != job["job_id"]:
         raise SystemExit(f"fake-slime: job {job['job_id']} is not RUNNING ({marker and marker['phase']})")
     samples = torch.load(args.load_debug_rollout_data, weights_only=False)["samples"]
-    objective = torch.load(job_dir / jobs.OBJECTIVE, weights_only=False)
+    if args.loss_type == "custom_loss":
+        if not (args.use_rollout_logprobs and args.calculate_per_token_loss):
+            raise SystemExit("fake-slime: Reef's custom losses need --use-rollout-logprobs --calculate-per-token-loss")
+        objective = HookObjective(args, samples)
+    else:
+        objective = torch.load(job_dir / jobs.OBJECTIVE, weights_only=False)
     hf_in = args.hf_checkpoint
 
     def load():

@@ -15,24 +15,37 @@ from typing import Any, Mapping
 from ...errors import ConfigError
 
 #: Reef objective name -> slime loss hook. ``custom_loss`` families name the function slime loads with
-#: ``--custom-loss-function-path`` (``module.function``, slime's ``load_function``); the module ships with the
-#: job's launch script on the cluster (see the README). ``policy_loss``/``sft_loss`` are slime's built-ins.
+#: ``--custom-loss-function-path`` (``module.function``, slime's ``load_function``) from ``reef_slime_hooks``, the
+#: torch-only module shipped in reef-core's wheel (see the README). ``policy_loss``/``sft_loss`` are slime's built-ins.
+HOOKS = "reef_slime_hooks"
 LOSS_FAMILIES: dict[str, dict[str, str]] = {
-    "sao": {"--loss-type": "custom_loss", "--custom-loss-function-path": "reef_slime_hooks.sao_loss"},
-    "dis": {"--loss-type": "custom_loss", "--custom-loss-function-path": "reef_slime_hooks.dis_loss"},
-    "sao-grpo-dis": {"--loss-type": "custom_loss", "--custom-loss-function-path": "reef_slime_hooks.grpo_dis_loss"},
-    "openclaw": {"--loss-type": "custom_loss", "--custom-loss-function-path": "reef_slime_hooks.openclaw_loss"},
-    "ttt": {"--loss-type": "custom_loss", "--custom-loss-function-path": "reef_slime_hooks.ttt_loss"},
+    "sao": {"--loss-type": "custom_loss", "--custom-loss-function-path": f"{HOOKS}.sao_loss"},
+    "dis": {"--loss-type": "custom_loss", "--custom-loss-function-path": f"{HOOKS}.dis_loss"},
+    "sao-grpo-dis": {"--loss-type": "custom_loss", "--custom-loss-function-path": f"{HOOKS}.grpo_dis_loss"},
+    "openclaw": {"--loss-type": "custom_loss", "--custom-loss-function-path": f"{HOOKS}.openclaw_loss"},
+    "ttt": {"--loss-type": "custom_loss", "--custom-loss-function-path": f"{HOOKS}.ttt_loss"},
     "policy": {"--loss-type": "policy_loss"},
     "sft": {"--loss-type": "sft_loss"},
 }
+
+#: What a custom-loss job adds: slime's advantage step runs Reef's loader (the recipe's advantages from the rollout
+#: file) instead of an estimator, the old policy is the engine's (no extra forward), and the loss is summed per token
+#: (the hooks scale it to the objective's own normaliser).
+CUSTOM_LOSS_ARGS = ("--custom-advantage-function-path", f"{HOOKS}.reef_advantages", "--use-rollout-logprobs",
+                    "--calculate-per-token-loss")
+
+#: Pass-through flags a custom-loss family refuses: the objective fixes its clip band, KL and normalisation.
+CUSTOM_LOSS_REFUSED = frozenset({
+    "--eps-clip", "--eps-clip-high", "--eps-clip-c", "--kl-coef", "--kl-loss-coef", "--kl-loss-type", "--use-kl-loss",
+    "--entropy-coef", "--use-tis", "--calculate-per-token-loss", "--ref-load",
+})
 
 #: Flags Reef sets for every job (refused in ``trainer.slime.flags``: a second value would contradict Reef's).
 REEF_OWNED = frozenset({
     "--loss-type", "--custom-loss-function-path", "--custom-advantage-function-path", "--advantage-estimator",
     "--load-debug-rollout-data", "--debug-train-only", "--debug-rollout-only", "--hf-checkpoint", "--save-hf",
     "--load", "--save", "--save-interval", "--num-rollout", "--start-rollout-id", "--rollout-batch-size",
-    "--n-samples-per-prompt", "--lr",
+    "--n-samples-per-prompt", "--lr", "--use-rollout-logprobs", "--disable-compute-advantages-and-returns",
 })
 
 #: Flags a deployment may pass through: parallelism, batch shape, optimizer and loss knobs of a train-only job.
@@ -86,17 +99,41 @@ def family_flags(objective_name: str) -> dict[str, str]:
                           f"(families: {', '.join(sorted(LOSS_FAMILIES))})") from None
 
 
+def is_custom(objective_name: str) -> bool:
+    return family_flags(objective_name)["--loss-type"] == "custom_loss"
+
+
+def check_job_flags(objective_name: str, flags: Mapping[str, Any], batch_size: int | None) -> None:
+    """What can only be checked knowing the recipe: flags its loss family fixes, and the batch size (Reef trains
+    one optimizer step per batch, so slime's ``--global-batch-size`` must be the recipe's batch size)."""
+    if is_custom(objective_name):
+        fixed = sorted(CUSTOM_LOSS_REFUSED.intersection(str(k) for k in flags))
+        if fixed:
+            raise ConfigError(f"trainer.slime.flags: {', '.join(fixed)} cannot be set for the loss family "
+                              f"{objective_name!r}: its hook takes the clip band, KL and normalisation from the "
+                              "recipe's objective")
+    gbs = flags.get("--global-batch-size")
+    if gbs is not None and batch_size is not None:
+        try:
+            gbs_value = int(gbs)
+        except (TypeError, ValueError):
+            raise ConfigError(f"trainer.slime.flags: --global-batch-size must be an integer, got {gbs!r}") from None
+        if gbs_value != int(batch_size):
+            raise ConfigError(f"trainer.slime.flags: --global-batch-size {gbs_value} differs from the recipe's batch "
+                              f"size {batch_size} (recipe.processor_options.batch_size); Reef trains one optimizer "
+                              "step per batch, so they must be equal")
+
+
 def job_argv(objective_name: str, flags: Mapping[str, Any], *, lr: float, rollout: str, hf_in: str,
              hf_out: str, samples: int) -> list[str]:
     """The slime ``train.py`` arguments of one job: Reef's own flags, the family's hooks, then the pass-through."""
     argv = ["--debug-train-only", "--load-debug-rollout-data", rollout, "--hf-checkpoint", hf_in,
             "--save-hf", hf_out, "--num-rollout", "1", "--rollout-batch-size", str(samples),
             "--n-samples-per-prompt", "1", "--lr", repr(float(lr))]
-    family = family_flags(objective_name)
-    for key, value in family.items():
+    for key, value in family_flags(objective_name).items():
         argv += [key, value]
-    if family["--loss-type"] == "custom_loss":
-        argv.append("--disable-compute-advantages-and-returns")  # the family's hook computes its own
+    if is_custom(objective_name):
+        argv += list(CUSTOM_LOSS_ARGS)
     for key, value in flags.items():
         if value is True or value is None:
             argv.append(str(key))

@@ -5,11 +5,17 @@ Layout of ``<jobs_dir>/<scenario key>/step-<step>-<job id>/``:
 * ``job.json``: job id, scenario, step, the batch's record ids, the objective (loss family), the slime arguments.
 * ``rollout.pt``: the batch in slime's rollout-dump format (``torch.save({"rollout_id", "samples"})`` of
   ``Sample.to_dict()`` fields: ``tokens``, ``response_length``, ``loss_mask`` and ``rollout_log_probs`` over the
-  response, ``reward``, ``index``), which ``--load-debug-rollout-data`` reads.
+  response, ``reward``, ``index``, ``status``), which ``--load-debug-rollout-data`` reads. For a custom-loss family
+  every sample also holds ``advantages`` (the recipe's, over the response; slime keeps unknown keys as attributes
+  and ``reef_slime_hooks.reef_advantages`` reads them back) and the file a ``reef`` header (the family, its
+  constants, the loss scale: see ``reef_slime_hooks``).
 * ``input/``: the HF checkpoint the step starts from (the serving release), ``--hf-checkpoint``.
 * ``checkpoint/`` + ``checkpoint.json``: written by the job (``--save-hf``), then the sha256 of every file.
 * ``metrics.json`` (optional, by the job) and ``marker.json`` (:mod:`reef_core.grow.slime.marker`).
-* ``objective.pt``: the pickled objective, read only by the fake driver (a real job runs the family's hook).
+* ``objective_state.safetensors`` (custom-loss families with tensor state, e.g. SAO's critic after this step's
+  preparation): becomes the candidate's ``algorithm/<objective>.safetensors``, so an adopted job carries it too.
+* ``objective.pt``: slime's built-in families only (``policy``, ``sft``): the pickled objective, read only by the
+  fake driver, standing in for slime's built-in loss (a custom-loss family runs its ``reef_slime_hooks`` function).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ CHECKPOINT_DIR = "checkpoint"
 MANIFEST = "checkpoint.json"
 METRICS = "metrics.json"
 OBJECTIVE = "objective.pt"
+OBJECTIVE_STATE = "objective_state.safetensors"
 
 
 def sha256_file(path: Path) -> str:
@@ -40,13 +47,16 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def slime_samples(token_batch: Any) -> list[dict]:
-    """The rows of a :class:`~reef_core.grow.token_batch.TokenBatch` as slime ``Sample`` dicts (unpadded)."""
+def slime_samples(token_batch: Any, advantages: Any = None) -> list[dict]:
+    """The rows of a :class:`~reef_core.grow.token_batch.TokenBatch` as slime ``Sample`` dicts (unpadded);
+    ``advantages`` ``[B, L]`` (per token, aligned to the batch) adds each row's response part."""
     out = []
     for i in range(token_batch.size):
         n = int(token_batch.attention_mask[i].sum())
         start = int(token_batch.response_starts[i])
+        extra = {} if advantages is None else {"advantages": [float(x) for x in advantages[i, start:n].tolist()]}
         out.append({
+            "status": "completed",
             "index": i,
             "group_index": i,
             "tokens": token_batch.input_ids[i, :n].tolist(),
@@ -57,6 +67,7 @@ def slime_samples(token_batch: Any) -> list[dict]:
             "metadata": {"reef_sample_id": token_batch.sample_ids[i] if token_batch.sample_ids else None,
                          "reef_group": token_batch.group_keys[i] if token_batch.group_keys else None},
             "weight_versions": [v for v in (token_batch.versions[i] if token_batch.versions else []) if v],
+            **extra,
         })
     return out
 
@@ -110,7 +121,7 @@ def read_checkpoint(job_dir: Path) -> dict[str, bytes]:
 
 def cleanup(job_dir: Path) -> None:
     """Drop what a finished job no longer needs (inputs, batch, checkpoint); the job and marker files stay."""
-    for name in (ROLLOUT, OBJECTIVE, INPUT, CHECKPOINT_DIR, f".{CHECKPOINT_DIR}.tmp"):
+    for name in (ROLLOUT, OBJECTIVE, OBJECTIVE_STATE, INPUT, CHECKPOINT_DIR, f".{CHECKPOINT_DIR}.tmp"):
         path = job_dir / name
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)

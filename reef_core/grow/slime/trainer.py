@@ -28,6 +28,10 @@ phase found               recovery
 ``COMPLETE``, ``REJECTED``, ``ABANDONED``  nothing.
 ========================  ==================================================================================
 
+Custom-loss families: before writing the job, the objective's ``prepare`` runs here (:mod:`.learner_side`) and its
+per-token advantages go into the rollout file with the hook's header; the objective's state after it travels with
+the job, so an adopted checkpoint carries the state its step produced.
+
 Nothing of slime is imported here; the job's command line is built by :mod:`reef_core.grow.slime.flags`.
 """
 
@@ -52,7 +56,8 @@ from ..objective import Objective
 from ..token_batch import TokenBatch
 from ..trainer import CandidateUpdate, TrainContext, Trainer
 from . import jobs
-from .flags import family_flags, job_argv
+from .flags import check_job_flags, family_flags, is_custom, job_argv
+from .learner_side import LearnerSide, check_supported, loss_header, state_file, token_advantages
 from .marker import (ABANDONED, CHECKPOINT, COMPLETE, FINAL, HEAD_COMMITTED, READY_TO_COMMIT, REJECTED, RUNNING,
                      UPDATING_WEIGHTS, read_marker, write_marker)
 
@@ -79,17 +84,23 @@ class SlimeTrainer(Trainer):
         if trainer.lora:
             raise ConfigError(f"{who}: trainer.backend=slime trains full weights; unset trainer.lora")
         family_flags(objective.name)  # an objective without a loss family is refused now, not at the first step
+        check_supported(objective)
+        check_job_flags(objective.name, settings.flags or {}, getattr(context, "batch_size", None))
         data_dir = Path(getattr(context, "data_dir", ".") or ".")
         jobs_dir = Path(settings.jobs_dir) if settings.jobs_dir else data_dir / "slime-jobs"
         model_dir = getattr(getattr(context, "engine", None), "model_dir", None)
         return cls(objective, launch=list(settings.launch), flags=dict(settings.flags), jobs_dir=jobs_dir,
                    timeout_s=float(settings.timeout_s), lr=float(trainer.lr),
                    load_base_model=getattr(context, "load_reference_model", None) or context.load_base_model,
-                   base_model_dir=Path(model_dir) if model_dir else None)
+                   base_model_dir=Path(model_dir) if model_dir else None,
+                   device=trainer.device if trainer.device is not None else getattr(context, "device", None))
 
     def __init__(self, objective: Objective, *, launch: list[str], flags: dict, jobs_dir: Path, timeout_s: float,
-                 lr: float, load_base_model: Callable[[], tuple[Any, Any]], base_model_dir: Path | None = None):
+                 lr: float, load_base_model: Callable[[], tuple[Any, Any]], base_model_dir: Path | None = None,
+                 device: str | None = None):
         self.objective = objective
+        #: Custom-loss families: the objective's preparation and state, in this process.
+        self.learner = LearnerSide(objective, load_base_model, device=device) if is_custom(objective.name) else None
         self.launch = launch
         self.flags = flags
         self.jobs_dir = Path(jobs_dir)
@@ -106,10 +117,22 @@ class SlimeTrainer(Trainer):
     def train(self, batch, ctx: TrainContext) -> CandidateUpdate | None:
         root = self._scenario_dir(ctx.scenario)
         record_ids = sorted(batch.record_ids)
+        if self.learner is not None:
+            self.learner.sync(ctx)
         job_dir = self.recover(root, ctx, record_ids)
         started = time.monotonic()
         if job_dir is None:
-            job_dir = self._run_job(root, batch, ctx, record_ids)
+            tb = TokenBatch.from_samples(list(batch.samples))
+            gbs = self.flags.get("--global-batch-size")
+            if gbs is not None and int(gbs) != tb.size:  # (a recipe without a fixed batch size, unchecked at build)
+                raise ConfigError(f"trainer.slime.flags: --global-batch-size {gbs} differs from this batch's "
+                                  f"{tb.size} samples; Reef trains one optimizer step per batch")
+            prepared = self.learner.prepare(tb) if self.learner is not None else None
+            if prepared is not None and not prepared.update_policy:
+                self.learner.kept()  # the objective's own models trained (a critic warm-up): no candidate
+                log.info("slime: the step trained the objective's auxiliary models only; no job")
+                return None
+            job_dir = self._run_job(root, tb, prepared, ctx, record_ids)
         update = self._candidate(job_dir)
         update.metrics["seconds"] = time.monotonic() - started
         return update
@@ -118,20 +141,34 @@ class SlimeTrainer(Trainer):
         key = hashlib.sha256(scenario.encode()).hexdigest()[:12]
         return self.jobs_dir / key
 
-    def _run_job(self, root: Path, batch, ctx: TrainContext, record_ids: list[str]) -> Path:
-        tb = TokenBatch.from_samples(list(batch.samples))
+    def _run_job(self, root: Path, tb: TokenBatch, prepared, ctx: TrainContext, record_ids: list[str]) -> Path:
         job_id = uuid.uuid4().hex[:12]
         job_dir = root / f"step-{ctx.step:08d}-{job_id}"
         job_dir.mkdir(parents=True)
         hf_in = self._write_input(root, job_dir, ctx)
-        samples = jobs.slime_samples(tb)
-        torch.save({"rollout_id": 0, "samples": samples}, job_dir / jobs.ROLLOUT)
-        torch.save(self.objective, job_dir / jobs.OBJECTIVE)
+        rollout: dict[str, Any] = {"rollout_id": 0}
+        extra: dict[str, Any] = {}
+        if prepared is not None:  # a custom-loss family: the recipe's advantages and the hook's header
+            rollout["samples"] = jobs.slime_samples(tb, token_advantages(self.objective, prepared))
+            rollout["reef"] = loss_header(self.objective, prepared.batch)
+            tensors = self.learner.tensors()
+            if tensors is not None:
+                (job_dir / jobs.OBJECTIVE_STATE).write_bytes(tensors)
+                extra["objective_state_sha256"] = hashlib.sha256(tensors).hexdigest()
+            extra["objective_json_state"] = self.objective.json_state()
+            extra["prepare_metrics"] = {k: v for k, v in prepared.metrics.items()
+                                        if isinstance(v, (int, float, str, bool)) or v is None}
+        else:  # slime's built-in loss; the pickled objective is what the fake driver runs in its place
+            rollout["samples"] = jobs.slime_samples(tb)
+            torch.save(self.objective, job_dir / jobs.OBJECTIVE)
+        samples = rollout["samples"]
+        torch.save(rollout, job_dir / jobs.ROLLOUT)
         argv = job_argv(self.objective.name, self.flags, lr=self.lr, rollout=str(job_dir / jobs.ROLLOUT),
                         hf_in=str(hf_in), hf_out=str(job_dir / jobs.CHECKPOINT_DIR), samples=len(samples))
         (job_dir / jobs.JOB).write_text(json.dumps({
             "job_id": job_id, "scenario": ctx.scenario, "step": ctx.step, "record_ids": record_ids,
             "objective": self.objective.name, "serving_release_id": ctx.serving_release_id, "slime_args": argv,
+            **extra,
         }, indent=1))
         write_marker(job_dir, RUNNING, job_id=job_id, step=ctx.step, record_ids=record_ids)
         self.launched += 1
@@ -182,10 +219,22 @@ class SlimeTrainer(Trainer):
         payload = load_safetensors(files[MODEL_FILE])
         metrics_path = job_dir / jobs.METRICS
         metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
+        algorithm_state = None
+        if self.learner is not None:
+            job = json.loads((job_dir / jobs.JOB).read_text())
+            metrics = {**job.get("prepare_metrics", {}), **metrics}
+            if job.get("objective_state_sha256"):
+                tensors = (job_dir / jobs.OBJECTIVE_STATE).read_bytes()
+                if hashlib.sha256(tensors).hexdigest() != job["objective_state_sha256"]:
+                    raise SlimeJobFailed(f"slime job {marker['job_id']}: {jobs.OBJECTIVE_STATE} differs from job.json")
+                files[state_file(self.objective)] = tensors
+                self.learner.load_tensors(tensors)  # an adopted job's state is the one its step produced
+            self.objective.load_json_state(job.get("objective_json_state"))
+            algorithm_state = {"objective": self.objective.name, "objective_state": job.get("objective_json_state")}
         write_marker(job_dir, READY_TO_COMMIT)
         crash_point("slime_ready_to_commit")
         metrics.update({"slime_job": marker["job_id"], "slime_step": marker["step"]})
-        update = CandidateUpdate(files=files, payload=payload, metrics=metrics,
+        update = CandidateUpdate(files=files, payload=payload, metrics=metrics, algorithm_state=algorithm_state,
                                  source={"kind": "training", "backend": "slime", "job": marker["job_id"]})
         update.slime_job_dir = job_dir  # accepted()/rejected() close the job's marker
         return update
@@ -193,6 +242,8 @@ class SlimeTrainer(Trainer):
     # -- the learner's answer ----------------------------------------------------------------------------------
 
     def accepted(self, update: CandidateUpdate, release_id: str | None) -> None:
+        if self.learner is not None:
+            self.learner.accepted(release_id)
         job_dir = getattr(update, "slime_job_dir", None)
         if job_dir is None:
             return
@@ -202,6 +253,8 @@ class SlimeTrainer(Trainer):
         write_marker(job_dir, COMPLETE)
 
     def rejected(self, update: CandidateUpdate) -> None:
+        if self.learner is not None:
+            self.learner.rejected()
         job_dir = getattr(update, "slime_job_dir", None)
         if job_dir is None:
             return
