@@ -32,6 +32,10 @@ def test_reloaded_program_scores_higher_than_the_seed(selected):
     assert selected["release_id"] != selected["first_release"]
     assert selected["score"] > selected["seed_score"], selected["instructions"]
     assert any(fact in selected["instructions"] for fact in FACTS.values())
+    # The served program's answers were scored by their reports; the candidates' by the checker.
+    metrics = selected["commit"]["metrics"]
+    assert metrics["metric_calls_reported"] > 0 and metrics["metric_calls_checked"] > 0, metrics
+    assert metrics["train_examples"] + metrics["heldout_examples"] == 16 and metrics["heldout_examples"] >= 1
     # The creation release (the seed program) and the one selected release.
     assert sorted(r["release_id"] for r in selected["releases"]) == sorted([selected["first_release"],
                                                                             selected["release_id"]])

@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-_SECTION = re.compile(r"\[\[ ## (\w+) ## \]\]\n")
+_SECTION = re.compile(r"\[\[ ## (\w+) ## \]\]")
 _RESPOND = "\n\nRespond with the corresponding output field"
 
 

@@ -162,6 +162,7 @@ class DspyGepaTrainer(Trainer):
         self.directory = scenario_path(Path(setup.data_dir) / "dspy_gepa", scenario)
         self.examples: dict[str, dict] = self._load()
         self._trees: dict[str | None, dict[str, str]] = {}
+        self._calls = {"reported": 0, "checked": 0}
         self._lock = threading.RLock()
 
     # -- Trainer API ---------------------------------------------------------------------------------
@@ -180,6 +181,7 @@ class DspyGepaTrainer(Trainer):
                          len(train), len(heldout))
                 return None
             student = load_program(tree)
+            self._calls = {"reported": 0, "checked": 0}
             optimizer = dspy.GEPA(
                 metric=self._gepa_metric, max_metric_calls=int(self.options.max_metric_calls),
                 reflection_lm=self.reflection_lm, reflection_minibatch_size=int(self.options.reflection_minibatch_size),
@@ -194,7 +196,8 @@ class DspyGepaTrainer(Trainer):
             log.info("dspy_gepa %s: GEPA kept the served program", self.scenario)
             return None
         metrics = {"examples_added": added, "train_examples": len(train), "heldout_examples": len(heldout),
-                   "max_metric_calls": int(self.options.max_metric_calls)}
+                   "max_metric_calls": int(self.options.max_metric_calls),
+                   "metric_calls_reported": self._calls["reported"], "metric_calls_checked": self._calls["checked"]}
         return CandidateUpdate(
             files=encode_tree(candidate), payload=candidate, metrics=metrics,
             eval_tasks=[{"id": e["key"], "inputs": e["inputs"], "labels": e["labels"]} for e in heldout],
@@ -262,8 +265,10 @@ class DspyGepaTrainer(Trainer):
         outputs = self._outputs(pred)
         if recorded and recorded.get("outputs") is not None and recorded["outputs"] == outputs:
             score, feedback = recorded["score"], recorded.get("feedback")
+            self._calls["reported"] += 1
         else:
             score, feedback = self._score(gold, pred, trace, pred_name, pred_trace)
+            self._calls["checked"] += 1
         return self.dspy.Prediction(score=score, feedback=feedback or f"This answer scored {score:.3f}.")
 
     # -- trees -----------------------------------------------------------------------------------------
