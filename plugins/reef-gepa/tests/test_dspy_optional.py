@@ -43,7 +43,7 @@ _WITHOUT_DSPY = textwrap.dedent("""
 
 
 def _run(block: bool) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "REEF_LOAD_PLUGINS": "gepa"}
     return subprocess.run([sys.executable, "-c", f"BLOCK = {block}\n" + _WITHOUT_DSPY], capture_output=True,
                           text=True, env=env, timeout=120)
 
