@@ -33,5 +33,5 @@ def _make_dspy_trainer(**kwargs):
 def reef_register_trainers(register):
     register("gepa", _make_trainer,
              description="GEPA: reflective prompt evolution with a per-task Pareto front (harness text)")
-    register("dspy_gepa", _make_dspy_trainer,
+    register("dspy_gepa", _make_dspy_trainer, requires={"dspy": "reef-gepa[dspy]"},
              description="dspy.GEPA: compile a DSPy program on reported records (needs reef-gepa[dspy])")

@@ -1,4 +1,5 @@
-"""reef-gepa without its ``dspy`` extra: importing it, its GEPA trainer and its recipes never imports dspy."""
+"""reef-gepa without its ``dspy`` extra: importing it, its GEPA trainer and its recipes never imports dspy, and a
+config naming the ``dspy_gepa`` trainer fails at start-up naming the extra."""
 
 from __future__ import annotations
 
@@ -29,6 +30,17 @@ _WITHOUT_DSPY = textwrap.dedent("""
     cfg = compose_config(["+recipe=gepa_dspy"], pm)
     GepaOptions.from_config(compose_config(["+recipe=gepa"], pm).recipe.options)
     if BLOCK:
+        from reef_core.config.recipes import check_components, recipe_bindings
+
+        for binding in recipe_bindings(compose_config(["+recipe=gepa"], pm), pm).values():
+            check_components(binding, pm)  # the plain recipe needs no dspy
+        try:  # what `reef serve +recipe=gepa_dspy` checks at start-up (exit 2)
+            for binding in recipe_bindings(cfg, pm).values():
+                check_components(binding, pm)
+        except ConfigError as exc:
+            assert "trainer 'dspy_gepa' needs reef-gepa[dspy]" in str(exc), exc
+        else:
+            raise AssertionError("start-up accepted +recipe=gepa_dspy without dspy")
         from reef_gepa.dspy.trainer import make_trainer
         try:
             make_trainer(scenario="s", recipe=cfg.recipe, context=None)
