@@ -33,6 +33,16 @@ def missing(extra: str) -> list[str]:
     return [name for name in EXTRAS[extra] if not _installed(name)]
 
 
+def require_modules(requires: dict[str, str], what: str) -> None:
+    """Raise ConfigError ``"<what> needs <requirement>"`` when a module a plugin component declared
+    (``register(..., requires={module: requirement})``) is not installed."""
+    absent = {module: req for module, req in requires.items() if not _installed(module)}
+    if absent:
+        reqs = sorted(set(absent.values()))
+        raise ConfigError(f"{what} needs {', '.join(reqs)}: pip install {' '.join(repr(r) for r in reqs)} "
+                          f"(not installed: {', '.join(sorted(absent))})")
+
+
 def require(extra: str, what: str) -> None:
     """Raise ConfigError ``"<what> needs reef-core[<extra>]"`` when a module of ``extra`` is not installed."""
     absent = missing(extra)

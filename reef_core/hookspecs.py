@@ -18,8 +18,9 @@ callable; call it once per component::
     def reef_register_processors(register):
         register("per_report", PerReportProcessor, description="one sample per report")
 
-``register(name, factory, *, description="")`` records ``factory`` under ``name`` for that
-component kind. Names are global per kind: two plugins registering the same name is an error
+``register(name, factory, *, description="", requires=None)`` records ``factory`` under ``name`` for that
+component kind; ``requires`` (``{module: pip requirement}``) names optional dependencies the component
+imports when built: a config naming it fails at start-up, naming the requirement, when one is missing. Names are global per kind: two plugins registering the same name is an error
 reported at start-up, naming both plugins. Config sections refer to components by these names.
 """
 

@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -67,6 +68,9 @@ class Component:
     factory: Callable[..., Any]
     plugin: str
     description: str = ""
+    #: module -> the pip requirement installing it (e.g. ``{"dspy": "reef-gepa[dspy]"}``): checked at start-up
+    #: for the components a config names, so a missing optional dependency is a config error, not a late ImportError.
+    requires: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -168,7 +172,7 @@ class PluginManager:
                 plugin_name = impl.plugin_name
 
                 def register(name: str, factory: Callable[..., Any], *, description: str = "",
-                             _kind=kind, _plugin=plugin_name) -> None:
+                             requires: Mapping[str, str] | None = None, _kind=kind, _plugin=plugin_name) -> None:
                     if not isinstance(name, str) or not name:
                         raise PluginError(f"plugin {_plugin!r} registered a {_kind} with an invalid name {name!r}")
                     previous = found[_kind].get(name)
@@ -177,7 +181,7 @@ class PluginManager:
                             f"{_kind} {name!r} is registered by both plugin {previous.plugin!r} and plugin "
                             f"{_plugin!r}; uninstall or disable one (REEF_DISABLE_PLUGINS={_plugin})"
                         )
-                    found[_kind][name] = Component(_kind, name, factory, _plugin, description)
+                    found[_kind][name] = Component(_kind, name, factory, _plugin, description, dict(requires or {}))
 
                 try:
                     self._call_one(hook_name, impl, register=register)

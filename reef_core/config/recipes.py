@@ -171,7 +171,11 @@ def check_components(binding: RecipeBinding, plugin_manager: PluginManager) -> d
             if ":" in name:
                 load_object(name)
             else:
-                plugin_manager.get(kind, name)
+                component = plugin_manager.get(kind, name)
+                if component.requires:
+                    from ..extras import require_modules
+
+                    require_modules(dict(component.requires), f"{kind.replace('_', ' ')} {name!r}")
         except ReefError as exc:
             if binding.default:
                 raise

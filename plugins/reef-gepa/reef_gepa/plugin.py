@@ -2,7 +2,9 @@
 
 The recipe (``+recipe=gepa``, ``conf/recipe/gepa.yaml``) combines Reef's built-in ``per_report``
 processor (``processor_options.batch_size`` = the GEPA minibatch), the ``gepa`` trainer registered
-here and Reef's built-in ``harness`` surface.
+here and Reef's built-in ``harness`` surface. ``+recipe=gepa_dspy`` (``conf/recipe/gepa_dspy.yaml``) compiles
+a DSPy program with the ``dspy_gepa`` trainer instead; it needs ``reef-gepa[dspy]``, imported only when such a
+trainer is built.
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ def _make_trainer(**kwargs):
     return make_trainer(**kwargs)
 
 
+def _make_dspy_trainer(**kwargs):
+    from .dspy.trainer import make_trainer
+
+    return make_trainer(**kwargs)
+
+
 @hookimpl
 def reef_register_trainers(register):
     register("gepa", _make_trainer,
              description="GEPA: reflective prompt evolution with a per-task Pareto front (harness text)")
+    register("dspy_gepa", _make_dspy_trainer, requires={"dspy": "reef-gepa[dspy]"},
+             description="dspy.GEPA: compile a DSPy program on reported records (needs reef-gepa[dspy])")
