@@ -54,6 +54,7 @@ def make_local_engine(config, data_dir: Path):
         seed=config.seed,
         device=device,
         top_k_logprobs=int(config.top_k_logprobs),
+        tool_call_parser=str(config.tool_call_parser),
     )
 
 

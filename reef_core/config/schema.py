@@ -132,8 +132,9 @@ class EngineConfig:
     drain_timeout_s: float = 30.0
     #: LoRA adapters Reef keeps loaded on the server at most (least recently used idle ones are unloaded).
     max_loaded_loras: int = 8
-    #: How tool calls are parsed from text the engine generated from token ids: ``none`` or ``hermes``.
-    tool_call_parser: str = "none"
+    #: Local, SGLang and vLLM engines: how tool calls are parsed from the text the model generated: ``auto``
+    #: (``hermes`` when the model's chat template writes ``<tool_call>`` blocks, else ``none``), ``none`` or ``hermes``.
+    tool_call_parser: str = "auto"
     #: Managed start (optional): ``{"python": <interpreter of the server's venv>, "args": [extra server flags],
     #: "port": 0, "env": {...}}`` starts ``python -m sglang.launch_server`` (``vllm serve`` for ``engine.kind=vllm``)
     #: on a loopback port and stops it on shutdown (see ``reef_core.engines.launch``). Empty: connect to
