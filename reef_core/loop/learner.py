@@ -29,6 +29,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from ..commit.commitlog import CommitLog
 from ..commit.committer import Committer
@@ -37,6 +38,7 @@ from ..commit.gate import Candidate, Decision, EvaluationResult, run_gate
 from ..commit.release import Release
 from ..errors import ActivationFailed, ConfigError, Conflict, NotFound, ReefError, ValidationFailed
 from ..grow.trainer import CandidateUpdate, TrainContext, Trainer, TrainerSetup
+from ..observe.instructions import pending_entry
 from .ports import LearnerPorts, LearnerSettings
 from .taskfile import load_tasks
 
@@ -102,6 +104,9 @@ class ScenarioLearner:
         self._pending_latency: dict[str, float] = {}
         self._batch_failures: dict[str, int] = {}
         self._stopped = False
+        #: Pending instructions (``train`` records not consumed by a commit), oldest first.
+        self.instructions: dict[str, Any] = {}
+        self._consumed_at_start: set[str] = set()
         self._running = False  # a turn runs now (status only; the pool keeps one turn per scenario)
 
     # -- start-up and recovery -------------------------------------------------------------------
@@ -112,6 +117,7 @@ class ScenarioLearner:
             log.warning("scenario %s recovered: %s", self.name, "; ".join(recovered.actions))
         self.head = self.artifacts.head(self.name)
         consumed = set(recovered.consumed_ids) | self.ports.records.consumed_ids(self.name)
+        self._consumed_at_start = consumed  # instructions a commit already consumed are not pending
         if self.processor is not None:
             self.processor.restore(consumed)
         if self.head is None:
@@ -234,7 +240,11 @@ class ScenarioLearner:
         if self.processor is None:
             return
         for record in self.ports.records.replay(self.name, self.last_sequence):
-            self.processor.ingest(record)
+            if record.kind == "train":  # a person's instruction: kept for the trainer, never a processor's input
+                if record.record_id not in self._consumed_at_start:
+                    self.instructions[record.record_id] = record
+            else:
+                self.processor.ingest(record)
             self.last_sequence = max(self.last_sequence, record.sequence or 0)
 
     def _step(self) -> None:
@@ -589,6 +599,8 @@ class ScenarioLearner:
             "versions_since_checkpoint": self.versions_since_checkpoint,
             "records_seen": self.last_sequence,
             "processor": self.processor.status() if self.processor is not None else None,
+            "instructions": {"training_mode": self.recipe.training_mode,
+                             "pending": [pending_entry(r) for r in list(self.instructions.values())]},
             "trainer": self.recipe.trainer,
             # The recipe's own gate (a routed recipe's evaluation section, not the top level's).
             "gate": {"policy": self.settings.evaluation.policy, "evaluator": self.settings.evaluation.evaluator,

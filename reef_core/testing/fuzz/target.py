@@ -22,7 +22,8 @@ def server_overrides() -> list[str]:
     """``reef serve`` overrides of a fuzz target (besides the engine): both tokens, a harness and a skills route."""
     seed = "recipe.options.initial_skills=reef_skillclaw.examples:seed_skills"
     return [f"server.tokens=[{INFERENCE_TOKEN}]", f"server.admin_tokens=[{ADMIN_TOKEN}]",
-            f"routes=[{{pattern:'{HARNESS_PREFIX}*',recipe:gepa}},"
+            # The harness scenarios take instructions (POST /reef/train), the others refuse them (auto mode).
+            f"routes=[{{pattern:'{HARNESS_PREFIX}*',recipe:gepa,overrides:['recipe.training_mode=hybrid']}},"
             f"{{pattern:'{SKILLS_PREFIX}*',recipe:skillclaw,overrides:['{seed}']}}]", "server.log_level=warning"]
 
 
