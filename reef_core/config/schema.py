@@ -206,8 +206,9 @@ class RecipeConfig:
     trainer: Optional[str] = None
     surface: Optional[str] = None
     report_schema: Optional[str] = None
-    #: ``auto`` (batches form from traffic; ``POST /reef/train`` refused), ``manual`` or ``hybrid`` (a person's
-    #: instructions are accepted and kept pending for the trainer; see ``reef_core.observe.instructions``).
+    #: ``auto`` (batches form from traffic; ``POST /reef/train`` refused), ``hybrid`` (each instruction gets a step
+    #: first, traffic trains as in auto) or ``manual`` (only instructions start steps; traffic trains with them). See
+    #: ``reef_core.observe.instructions``.
     training_mode: str = "auto"
     #: The next-state judge (``reef_register_judges``) a judging processor asks, or ``"package.module:function"``
     #: (a callable judge of that function); recipes without one leave it unset.

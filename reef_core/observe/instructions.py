@@ -4,7 +4,10 @@ An instruction is stored as a ``train`` record (``payload``: ``text``, ``session
 ``client``) in the scenario's record stream, so it is as durable as traffic. It is accepted only by a scenario whose
 recipe trains in ``manual`` or ``hybrid`` mode (``recipe.training_mode``); ``auto`` scenarios form batches from
 traffic alone. The learner never hands a ``train`` record to the processor: it keeps the instructions not yet
-consumed by a commit as *pending* (listed by the scenario's status) for the trainer to act on.
+consumed by a commit as *pending* (listed by the scenario's status) and trains each, oldest first, as one step: a
+:class:`~reef_core.observe.processor.Batch` with ``instructions`` set, holding the traffic batch that is ready, if any
+(``hybrid``: traffic also trains on its own; ``manual``: only this way). An instruction is consumed whatever its step's
+outcome (a failed step is committed as skipped with its error, never retried).
 
 :func:`validate_instruction` is the door: every rule below raises ``ValidationFailed`` naming the field, before
 anything is stored. The text screens refuse what must never become training input: credentials (keys, tokens,

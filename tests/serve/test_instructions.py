@@ -1,6 +1,7 @@
 """``POST /reef/train``: a person's instruction for a ``manual`` or ``hybrid`` scenario is checked at the door, stored
 as a ``train`` record (nothing stored on refusal), kept out of the processor, listed as pending by the scenario's
-status, and still pending after a restart."""
+status until a step consumes it (still pending after a restart), and trained on by the recipe's trainer: in
+``manual`` mode reported traffic waits for an instruction and trains with it."""
 
 from __future__ import annotations
 
@@ -9,13 +10,19 @@ import pytest
 
 from reef_core.testing.fixtures import wait_until
 
-ROUTES = "routes=[{pattern:'h-*',recipe:gepa,overrides:['recipe.training_mode=manual']}]"
+# h-*: manual, with a processor but no trainer, so instructions stay pending; auto-*: a recipe in auto mode; anything
+# else: the default recipe, manual, whose test trainer turns an instruction into the next harness release.
+SEED_SKILLS = "recipe.options.initial_skills=reef_skillclaw.examples:seed_skills"
+ROUTES = ("routes=[{pattern:'h-*',recipe:gepa,overrides:['recipe.training_mode=manual','recipe.trainer=null']},"
+          f"{{pattern:'auto-*',recipe:skillclaw,overrides:['{SEED_SKILLS}']}}]")
+MANUAL = ("recipe.surface=harness", "recipe.processor=per_report", "+recipe.processor_options.batch_size=1",
+          "recipe.trainer=reef_core.testing.trainers:FeedbackTreeTrainer", "recipe.training_mode=manual")
 
 
 @pytest.fixture(scope="module")
 def server(module_reef_server, fake_upstream_url):
-    server = module_reef_server("engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}", ROUTES)
-    for name in ("h-one", "plain"):
+    server = module_reef_server("engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}", ROUTES, *MANUAL)
+    for name in ("h-one", "auto-plain", "t-one"):
         chat = httpx.post(f"{server.url}/v1/chat/completions", headers={"x-reef-scenario": name},
                           json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
         assert chat.status_code == 200, chat.text
@@ -64,9 +71,9 @@ def test_unknown_scenario_is_404_and_created_by_nothing(server):
 
 
 def test_auto_mode_scenario_refuses_instructions(server):
-    answer = train(server, "plain", {"text": "add tests"})
+    answer = train(server, "auto-plain", {"text": "add tests"})
     assert answer.status_code == 400 and "training_mode" in answer.json()["error"]["message"]
-    assert [r["request_type"] for r in records(server, "plain")] == ["inference"]
+    assert [r["request_type"] for r in records(server, "auto-plain")] == ["inference"]
 
 
 def test_instruction_is_stored_pending_and_retry_safe(server):
@@ -90,8 +97,31 @@ def test_instruction_is_stored_pending_and_retry_safe(server):
     assert "instr-1" not in str(processor)  # never a processor's input
 
 
+def test_manual_mode_trains_reported_traffic_only_with_an_instruction(server):
+    receipt = records(server, "t-one")[0]["agent_record_id"]
+    report = httpx.post(f"{server.url}/reef/report", headers={"x-reef-scenario": "t-one"},
+                        json={"references": [receipt], "score": 1.0, "feedback": {"tree": {"a.md": "A"}}})
+    assert report.status_code == 200, report.text
+    report_id = report.json()["agent_record_id"]
+    answer = train(server, "t-one", {"text": "Keep answers short."})
+    assert answer.status_code == 200, answer.text
+    instruction = answer.json()["agent_record_id"]
+
+    def committed():
+        rows = httpx.get(f"{server.url}/reef/scenarios/t-one/commits").json()["commits"]
+        return [r for r in rows if instruction in r["consumed_ids"]]
+
+    rows = wait_until(committed, timeout=60, what="the instruction step committed")
+    # The report waited for the instruction (manual mode) and trained in its step, never in a step of its own.
+    assert report_id in rows[0]["consumed_ids"] and receipt in rows[0]["consumed_ids"]
+    assert len(httpx.get(f"{server.url}/reef/scenarios/t-one/commits").json()["commits"]) == 1
+    tree = httpx.get(f"{server.url}/reef/harness", headers={"x-reef-scenario": "t-one"}).json()["files"]
+    assert tree == {"INSTRUCTIONS.md": "Keep answers short."}
+    assert pending(server, "t-one")["pending"] == []
+
+
 def test_pending_instructions_survive_a_restart(reef_server, fake_upstream_url):
-    server = reef_server("engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}", ROUTES)
+    server = reef_server("engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}", ROUTES, *MANUAL)
     assert httpx.post(f"{server.url}/v1/chat/completions", headers={"x-reef-scenario": "h-two"}, timeout=60,
                       json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
     assert train(server, "h-two", {"text": "Prefer short answers."}).status_code == 200
