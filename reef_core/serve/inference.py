@@ -177,8 +177,7 @@ class InferenceCall:
         # From here on the client may leave; the watch notices (and owns the receive channel).
         self.watch = ClientWatch(request.receive)
         try:
-            # A Responses stream is built from the finished answer (see reef_core.serve.responses).
-            response = await (self._stream() if body.get("stream") and self.responses is None else self._complete())
+            response = await (self._stream() if body.get("stream") else self._complete())
         except BaseException:
             self.watch.close()
             raise
@@ -341,6 +340,8 @@ class InferenceCall:
                                   stream=True)
             stored = await self.dep.record_stored(record, self.idempotency_key)
             body = translate_response(result.body, self.engine_dialect, self.client_dialect)
+            if self.responses is not None:
+                return responses.answer(self.responses, body, stored.record_id, self.created_at, {})
             return StreamingResponse(synthetic_stream(self.client_dialect, body, stored.record_id),
                                      media_type="text/event-stream")
         # Errors before the first event propagate as ordinary error responses.
@@ -357,6 +358,11 @@ class InferenceCall:
         accumulator = self.accumulator
         terminal_seen = False
         error: str | None = None
+        # A Responses stream: the chat chunks become typed events as they arrive.
+        live = responses.LiveStream(self.responses, self.record_id, self.created_at) if self.responses else None
+        if live is not None:
+            for frame in live.start(self.engine_request.body.get("model")):
+                yield frame
 
         async def source():
             if first is not None:
@@ -376,13 +382,15 @@ class InferenceCall:
                         continue  # held until the record is durable
                     if out.is_reef:
                         continue
-                    yield encode_event(out)
+                    for frame in (live.feed(out.data) if live is not None else [encode_event(out)]):
+                        yield frame
             if translator is not None and not terminal_seen:
                 for out in translator.finish():
                     if _is_terminal(self.client_dialect, out):
                         terminal_seen = True
                     elif not out.is_reef:
-                        yield encode_event(out)
+                        for frame in (live.feed(out.data) if live is not None else [encode_event(out)]):
+                            yield frame
             if not terminal_seen or not accumulator.complete:
                 error = "stream ended before its terminal event"
         except ReefError as exc:
@@ -393,6 +401,16 @@ class InferenceCall:
             error = f"internal error (id {error_id})"
         # A cancellation (client gone, server stopping) ends the relay here: _RecordedStream stores the record.
         stored = await self._store_stream(error)
+        if live is not None:
+            if error is not None or stored is None:
+                for frame in live.error(error or "the answer could not be stored", stored and stored.record_id):
+                    yield frame
+                return
+            completion = translate_response(accumulator.body(), self.engine_dialect, "openai")
+            for frame in live.finish(responses.response_object(self.responses, completion, stored.record_id,
+                                                               self.created_at)):
+                yield frame
+            return
         if error is not None:
             yield encode_event(_error_event(self.client_dialect, error, stored.record_id if stored else None))
             return

@@ -62,8 +62,10 @@ def test_streamed_response_typed_events(engine):
     assert "response.output_text.delta" in kinds and "response.output_item.done" in kinds
     assert [e.sequence_number for e in events] == list(range(len(events)))
     final = events[-1].response
-    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    assert deltas == final.output_text
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == final.output_text
+    assert len(deltas) > 1  # relayed as generated, not one block built from the finished answer
+    assert final.usage.output_tokens >= 1
     receipt = final.id[len("resp_"):]
     assert payload(server, "responses", receipt)["responses"]["response_id"] == final.id
 
@@ -95,6 +97,22 @@ def test_function_tool_round_trip(engine):
     follow = api.responses.create(model="m", previous_response_id=response.id, tools=[TOOL], input=[
         {"type": "function_call_output", "call_id": calls[0].call_id, "output": "echoed"}])
     assert follow.status == "completed" and follow.output_text
+
+
+def test_streamed_function_call(engine):
+    _, server = engine
+    events = list(client(server, "responses-tools").responses.create(
+        model="m", input="use the tool", tools=[TOOL], tool_choice="required", stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[-1] == "response.completed" and [e.sequence_number for e in events] == list(range(len(events)))
+    added = [e.item for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    assert added and added[0].name == "echo"
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta"
+                        and e.item_id == added[0].id)
+    final = [item for item in events[-1].response.output if item.type == "function_call"]
+    assert final[0].id == added[0].id and final[0].arguments == arguments and final[0].call_id == added[0].call_id
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done and done[0].arguments == arguments
 
 
 @pytest.mark.parametrize("body, param", [
