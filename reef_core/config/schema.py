@@ -99,6 +99,9 @@ class EngineConfig:
     upstream_api_key: Optional[str] = None
     upstream_dialect: str = "openai"
     upstream_model: Optional[str] = None
+    #: ``engine.kind=upstream`` with ``upstream_dialect=openai``: the provider serves ``POST /v1/responses`` itself,
+    #: so Responses requests are passed through unchanged (false: they are served as the chat request they stand for).
+    upstream_responses: bool = False
     #: Where built and converted models are cached; default ``<data_dir>/models``
     #: (``REEF_MODEL_CACHE`` when unset), so several deployments can share one conversion.
     model_cache_dir: Optional[str] = None

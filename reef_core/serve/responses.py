@@ -402,3 +402,43 @@ def _whole_item(event, item: dict, index: int) -> list[bytes]:
                          arguments=item["arguments"], name=item["name"]))
     out.append(event("response.output_item.done", output_index=index, item=item))
     return out
+
+
+# -- passthrough (engine.upstream_responses) ----------------------------------------------------------------------
+
+#: The events that end a Responses stream.
+TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+
+
+class ResponsesAccumulator:
+    """What a passed-through Responses stream carried: the response of its terminal event (the record's answer)."""
+
+    def __init__(self):
+        self.complete = False
+        self.response: dict | None = None
+
+    def feed(self, event) -> None:
+        data = event.data
+        if isinstance(data, dict) and isinstance(data.get("response"), dict):
+            self.response = data["response"]
+            self.complete = self.complete or data.get("type") in TERMINAL_EVENTS
+
+    def body(self) -> dict | None:
+        return self.response
+
+
+def is_terminal(data: Any) -> bool:
+    return isinstance(data, dict) and data.get("type") in TERMINAL_EVENTS
+
+
+def frame(data: dict) -> bytes:
+    return f"event: {data.get('type')}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def passthrough_answer(response: dict, record_id: str, stream: bool, headers: dict) -> JSONResponse | StreamingResponse:
+    """A passed-through response answered from what is stored (a replayed retry, or a provider that did not stream):
+    the object itself, or its typed event sequence."""
+    if stream:
+        return StreamingResponse(_event_stream(response, record_id), media_type="text/event-stream",
+                                 headers={"cache-control": "no-store"})
+    return JSONResponse(response, headers=headers)
