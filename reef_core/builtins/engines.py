@@ -54,6 +54,7 @@ def make_local_engine(config, data_dir: Path):
         seed=config.seed,
         device=device,
         top_k_logprobs=int(config.top_k_logprobs),
+        tool_call_parser=str(config.tool_call_parser),
     )
 
 
@@ -65,12 +66,16 @@ def make_upstream_engine(config, data_dir: Path):
         raise ConfigError("engine.kind=upstream needs engine.upstream_url (or REEF_UPSTREAM_URL)")
     if config.upstream_dialect not in ("openai", "anthropic"):
         raise ConfigError(f"engine.upstream_dialect must be 'openai' or 'anthropic', not {config.upstream_dialect!r}")
+    if config.upstream_responses and config.upstream_dialect != "openai":
+        raise ConfigError("engine.upstream_responses needs engine.upstream_dialect=openai (an Anthropic provider does "
+                          "not serve /v1/responses)")
     return UpstreamEngine(
         url,
         api_key=config.upstream_api_key or os.environ.get("REEF_UPSTREAM_API_KEY"),
         dialect=config.upstream_dialect,
         timeout_s=float(config.timeout_s),
         model=config.upstream_model or os.environ.get("REEF_UPSTREAM_MODEL"),
+        responses=bool(config.upstream_responses),
     )
 
 

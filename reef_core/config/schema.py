@@ -106,6 +106,9 @@ class EngineConfig:
     upstream_api_key: Optional[str] = None
     upstream_dialect: str = "openai"
     upstream_model: Optional[str] = None
+    #: ``engine.kind=upstream`` with ``upstream_dialect=openai``: the provider serves ``POST /v1/responses`` itself,
+    #: so Responses requests are passed through unchanged (false: they are served as the chat request they stand for).
+    upstream_responses: bool = False
     #: Where built and converted models are cached; default ``<data_dir>/models``
     #: (``REEF_MODEL_CACHE`` when unset), so several deployments can share one conversion.
     model_cache_dir: Optional[str] = None
@@ -139,8 +142,9 @@ class EngineConfig:
     drain_timeout_s: float = 30.0
     #: LoRA adapters Reef keeps loaded on the server at most (least recently used idle ones are unloaded).
     max_loaded_loras: int = 8
-    #: How tool calls are parsed from text the engine generated from token ids: ``none`` or ``hermes``.
-    tool_call_parser: str = "none"
+    #: Local, SGLang and vLLM engines: how tool calls are parsed from the text the model generated: ``auto``
+    #: (``hermes`` when the model's chat template writes ``<tool_call>`` blocks, else ``none``), ``none`` or ``hermes``.
+    tool_call_parser: str = "auto"
     #: Managed start (optional): ``{"python": <interpreter of the server's venv>, "args": [extra server flags],
     #: "port": 0, "env": {...}}`` starts ``python -m sglang.launch_server`` (``vllm serve`` for ``engine.kind=vllm``)
     #: on a loopback port and stops it on shutdown (see ``reef_core.engines.launch``). Empty: connect to
@@ -212,6 +216,10 @@ class RecipeConfig:
     trainer: Optional[str] = None
     surface: Optional[str] = None
     report_schema: Optional[str] = None
+    #: ``auto`` (batches form from traffic; ``POST /reef/train`` refused), ``hybrid`` (each instruction gets a step
+    #: first, traffic trains as in auto) or ``manual`` (only instructions start steps; traffic trains with them). See
+    #: ``reef_core.observe.instructions``.
+    training_mode: str = "auto"
     #: The next-state judge (``reef_register_judges``) a judging processor asks, or ``"package.module:function"``
     #: (a callable judge of that function); recipes without one leave it unset.
     judge: Optional[str] = None

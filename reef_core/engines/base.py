@@ -49,6 +49,7 @@ ROUTE_PATHS: dict[str, str] = {
     "chat": "/v1/chat/completions",
     "messages": "/v1/messages",
     "count_tokens": "/v1/messages/count_tokens",
+    "responses": "/v1/responses",  # OpenAI Responses, passed through to an upstream that serves it
 }
 
 #: The route a dialect uses for generation.

@@ -7,6 +7,7 @@ route) read a client body the same way: :func:`chat_messages` and :func:`samplin
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from ..content import content_text
@@ -83,8 +84,31 @@ def chat_messages(body: dict, *, where: str) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ValidationFailed(f"messages[{i}] needs a role", param=f"messages[{i}].role")
         msg = {"role": m["role"], "content": content_text(m.get("content"), non_text="raise", where=where)}
-        for key in ("tool_calls", "tool_call_id", "name"):
+        for key in ("tool_call_id", "name"):
             if m.get(key) is not None:
                 msg[key] = m[key]
+        if m.get("tool_calls") is not None:
+            msg["tool_calls"] = _template_calls(m["tool_calls"], f"messages[{i}].tool_calls")
         out.append(msg)
+    return out
+
+
+def _template_calls(calls, where: str) -> list[dict]:
+    """An assistant turn's tool calls as chat templates read them: ``function.arguments`` an object, not the JSON
+    text OpenAI sends (templates write it with ``tojson``; a string would be quoted twice). Arguments that are not JSON
+    stay the text they are."""
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise ValidationFailed(f"{where} must be a list of tool call objects", param=where)
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValidationFailed(f"{where}[{j}].function needs a name", param=f"{where}[{j}].function")
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                pass  # not JSON: the text as the model wrote it
+        out.append({**call, "function": {**fn, "arguments": args if args is not None else {}}})
     return out

@@ -39,6 +39,11 @@ worker thread, right before the request's generation, so log-probs and top-K com
 distribution. While any adapter exists a full-weight :meth:`swap_weights` is refused: it would move the base
 every adapter sits on.
 
+Tool calls: a request's tools are rendered through the model's chat template, and the calls the model writes are
+parsed by ``engine.tool_call_parser`` (:mod:`reef_core.engines.toolcalls`) into ``message.tool_calls`` (finish reason
+``tool_calls``); a stream relays text as it is generated and each call as one ``delta.tool_calls`` chunk once its
+block closes.
+
 Streams: ``chat.completion.chunk`` events (role chunk, content chunks, finish chunk, an optional usage
 chunk), then ``StreamEvent(TOKENS_EVENT, TokenData.to_event())``, then ``"[DONE]"``.
 """
@@ -73,6 +78,7 @@ from reef_core.engines.chat_body import SamplingParams, chat_messages, sampling_
 from reef_core.engines.decode import FastDecoder, Packed, supports
 from reef_core.engines.gemv import kernel as gemv_kernel
 from reef_core.engines.gemv import set_threads as set_gemv_threads
+from reef_core.engines.toolcalls import ToolCallStream, finish_reason, request_tools, resolve_parser, tool_parser
 from reef_core.engines.topk import MAX_K, TopK
 from reef_core.engines.translate import anthropic_count_tokens_to_openai
 from reef_core.errors import ConfigError, Conflict, ReefError, UpstreamError, ValidationFailed
@@ -207,6 +213,8 @@ class LocalEngine(Engine):
             busy CPUs, where intra-op threads mostly wait on each other).
         top_k_logprobs: ``engine.top_k_logprobs``: K > 0 captures the top-K ids and log-probs of every output
             token in ``TokenData.top_k`` (0: off).
+        tool_call_parser: ``engine.tool_call_parser``: how tool calls are read from the generated text
+            (:mod:`reef_core.engines.toolcalls`; ``auto`` follows the model's chat template).
     """
 
     dialects = ("openai",)
@@ -224,10 +232,14 @@ class LocalEngine(Engine):
         version: str = "base",
         num_threads: int | None = None,
         top_k_logprobs: int = EngineConfig.top_k_logprobs,
+        tool_call_parser: str = EngineConfig.tool_call_parser,
     ):
         if isinstance(top_k_logprobs, bool) or not isinstance(top_k_logprobs, int) or not 0 <= top_k_logprobs <= MAX_K:
             raise ConfigError(f"engine.top_k_logprobs must be an integer from 0 to {MAX_K}, got {top_k_logprobs!r}")
         self.top_k_logprobs = top_k_logprobs
+        self.tool_call_parser = tool_parser(tool_call_parser)
+        #: The parser in use once loaded (None: tool calls are not parsed).
+        self.tool_parser: str | None = None
         self.model_dir = Path(model_dir)
         self.name = name or self.model_dir.name
         self.max_new_tokens = int(max_new_tokens)
@@ -280,6 +292,7 @@ class LocalEngine(Engine):
         model.to(self.device)
         model.eval()
         self._model, self._tok = model, tok
+        self.tool_parser = resolve_parser(self.tool_call_parser, tok.chat_template)
         eos: set[int] = set()
         for source in (getattr(model.generation_config, "eos_token_id", None), tok.eos_token_id):
             if isinstance(source, int):
@@ -599,16 +612,26 @@ class LocalEngine(Engine):
 
     def _job(self, body: dict, emit, cancel: threading.Event, started=None, frozen: str | None = None) -> _Result:
         p = self._params(body)
-        return self._generate(_chat_messages(body), body.get("tools"), p, emit, cancel, started, frozen)
+        return self._generate(_chat_messages(body), request_tools(body)[0], p, emit, cancel, started, frozen)
 
-    def _completion_body(self, res: _Result, p: SamplingParams, rid: str, created: int) -> dict:
+    def _calls(self, body: dict) -> ToolCallStream:
+        """The splitter of this request's generated text into content and tool calls (a pass-through when the
+        request offers no tools or the model's calls are not parsed)."""
+        return ToolCallStream(self.tool_parser if request_tools(body)[1] else None)
+
+    def _completion_body(self, res: _Result, p: SamplingParams, calls: ToolCallStream, rid: str,
+                         created: int) -> dict:
         logprobs = {"content": res.lp_entries, "refusal": None} if p.logprobs else None
+        events = calls.feed(res.text) + calls.finish()
+        message = {"role": "assistant", "content": res.text, "refusal": None, "annotations": []}
+        if calls.calls:
+            message["content"] = "".join(value for kind, value in events if kind == "text") or None
+            message["tool_calls"] = calls.calls
         return {
             "id": rid, "object": "chat.completion", "created": created, "model": p.model,
             "system_fingerprint": f"reef-{res.version}",
-            "choices": [{"index": 0,
-                         "message": {"role": "assistant", "content": res.text, "refusal": None, "annotations": []},
-                         "logprobs": logprobs, "finish_reason": res.finish_reason}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs,
+                         "finish_reason": finish_reason(res.finish_reason, calls.calls)}],
             "usage": _usage(res),
         }
 
@@ -617,7 +640,8 @@ class LocalEngine(Engine):
         if req.route == "count_tokens":
             return await self.count_tokens(req)
         p = self._params(req.body)
-        self._check_prompt_size(_chat_messages(req.body), req.body.get("tools"))  # on the loop, before queueing
+        calls = self._calls(req.body)
+        self._check_prompt_size(_chat_messages(req.body), request_tools(req.body)[0])  # on the loop, before queueing
         cancel = threading.Event()
         self._active.add(cancel)
         try:
@@ -627,7 +651,7 @@ class LocalEngine(Engine):
             raise
         finally:
             self._active.discard(cancel)
-        body = self._completion_body(res, p, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
+        body = self._completion_body(res, p, calls, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
         tokens = res.tokens()
         return EngineResponse(200, body, {}, tokens=tokens, version=res.version)
 
@@ -644,7 +668,8 @@ class LocalEngine(Engine):
     async def stream(self, req: EngineRequest) -> AsyncIterator[StreamEvent]:
         self.check_dialect(req)
         p = self._params(req.body)
-        self._check_prompt_size(_chat_messages(req.body), req.body.get("tools"))
+        calls = self._calls(req.body)
+        self._check_prompt_size(_chat_messages(req.body), request_tools(req.body)[0])
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
@@ -679,6 +704,21 @@ class LocalEngine(Engine):
                 raise UpstreamError(f"engine {self.name} is not started")
             self._executor.submit(job)
             fp = None
+            held: list[dict] = []  # log-prob entries of text the tool-call splitter still holds
+            sent_calls = 0
+
+            def deltas(events: list) -> list[StreamEvent]:
+                nonlocal held, sent_calls
+                out = []
+                for kind, value in events:
+                    if kind == "text":
+                        out.append(chunk({"content": value}, lps=held, fp=fp))
+                        held = []
+                    else:  # a whole call as soon as its block closed: id, name and arguments in one delta
+                        out.append(chunk({"tool_calls": [{"index": sent_calls, **value}]}, fp=fp))
+                        sent_calls += 1
+                return out
+
             while True:
                 kind, payload = await queue.get()
                 if kind == "start":
@@ -686,13 +726,19 @@ class LocalEngine(Engine):
                     yield chunk({"role": "assistant", "content": ""}, fp=fp)
                 elif kind == "text":
                     text, lps = payload
-                    yield chunk({"content": text}, lps=lps, fp=fp)
+                    held += lps
+                    for event in deltas(calls.feed(text)):
+                        yield event
                 elif kind == "error":
                     raise payload
                 else:
                     res: _Result = payload
                     fp = f"reef-{res.version}"
-                    yield chunk({}, res.finish_reason, fp=fp)
+                    for event in deltas(calls.finish()):
+                        yield event
+                    if held and p.logprobs:  # entries of text that ended up inside a call
+                        yield chunk({"content": ""}, lps=held, fp=fp)
+                    yield chunk({}, finish_reason(res.finish_reason, calls.calls), fp=fp)
                     if p.include_usage:
                         yield StreamEvent(None, dict(base, system_fingerprint=fp, choices=[], usage=_usage(res)))
                     yield StreamEvent(TOKENS_EVENT, res.tokens().to_event())
@@ -707,8 +753,9 @@ class LocalEngine(Engine):
         if req.dialect == "anthropic":
             body = anthropic_count_tokens_to_openai(body)
         messages = _chat_messages(body)
-        self._check_prompt_size(messages, body.get("tools"))
-        n = await self._run(self._guard, lambda: len(self._prompt_ids(messages, body.get("tools"))))
+        tools = request_tools(body)[0]
+        self._check_prompt_size(messages, tools)
+        n = await self._run(self._guard, lambda: len(self._prompt_ids(messages, tools)))
         return EngineResponse(200, {"input_tokens": n}, {}, version=self.version)
 
 

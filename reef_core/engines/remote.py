@@ -60,7 +60,7 @@ from reef_core.engines.base import (
 )
 from reef_core.engines.chat_body import SamplingParams, chat_messages, sampling_params
 from reef_core.engines.sse import SSEDecoder
-from reef_core.engines.toolcalls import parse_tool_calls, tool_parser
+from reef_core.engines.toolcalls import finish_reason, parse_tool_calls, resolve_parser, tool_parser
 from reef_core.engines.topk import MAX_K, TopK
 from reef_core.engines.translate import anthropic_count_tokens_to_openai, error_body
 from reef_core.errors import ConfigError, Conflict, ReefError, UpstreamError, UpstreamTimeout, ValidationFailed
@@ -131,7 +131,8 @@ class RemoteEngine(Engine):
                            ("drain_timeout_s", drain_timeout_s)):
             if not value > 0:
                 raise ConfigError(f"engine.{key} must be positive, got {value}")
-        self.tool_parser = tool_parser(tool_call_parser)
+        self.tool_call_parser = tool_parser(tool_call_parser)
+        self.tool_parser: str | None = None  # resolved against the tokenizer's chat template at start
         self.url = url.rstrip("/").removesuffix("/v1")
         self.model_dir = Path(model_dir)
         self.name = name or self.model_dir.name
@@ -230,6 +231,7 @@ class RemoteEngine(Engine):
             await self._wait_ready()
             await self._after_ready()
             self._tok = await asyncio.to_thread(_load_tokenizer, self.model_dir)
+            self.tool_parser = resolve_parser(self.tool_call_parser, self._tok.chat_template)
             if self.check_logprobs:
                 await self._check_original_logprobs()
             await self._label_base()
@@ -482,7 +484,7 @@ class RemoteEngine(Engine):
             if calls:
                 message["content"] = content or None
                 message["tool_calls"] = calls
-                reason = "tool_calls"
+                reason = finish_reason(reason, calls)
         return message, reason
 
     def _logprob_entries(self, gen: Generation, s: SamplingParams) -> dict | None:

@@ -97,12 +97,16 @@ class UpstreamEngine(Engine):
         anthropic_version: str = _ANTHROPIC_VERSION,
         trust_env: bool = True,
         count_tokens_mode: str = "estimate",
+        responses: bool = False,
     ):
         if dialect not in ("openai", "anthropic"):
             raise ValidationFailed(f"unknown provider dialect {dialect!r}")
         if count_tokens_mode not in ("estimate", "probe"):
             raise ValidationFailed(f"count_tokens_mode must be 'estimate' or 'probe', not {count_tokens_mode!r}")
         self.count_tokens_mode = count_tokens_mode
+        #: ``engine.upstream_responses``: the provider serves ``/v1/responses`` itself (an OpenAI dialect one), so
+        #: Responses requests are passed through instead of translated to chat.
+        self.serves_responses = bool(responses) and dialect == "openai"
         base = url.rstrip("/")
         if base.endswith("/v1"):
             base = base[:-3]
@@ -296,7 +300,8 @@ class UpstreamEngine(Engine):
                             if isinstance(ev.data, dict) and "error" in ev.data and not ev.data.get("choices"):
                                 raise UpstreamError(f"provider stream error: {error_message(ev.data)}")
                             yield ev
-                            if ev.data == "[DONE]":
+                            if ev.data == "[DONE]" or (req.route == "responses" and isinstance(ev.data, dict)
+                                                       and ev.data.get("type") in RESPONSES_TERMINAL):
                                 return
                     if decoder.buffered > self.max_response_bytes:
                         raise UpstreamError("provider stream event too large")
@@ -305,6 +310,10 @@ class UpstreamEngine(Engine):
             raise UpstreamTimeout(f"provider stream stalled for {self.timeout_s:g} s") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"provider connection failed: {exc.__class__.__name__}: {exc}") from exc
+
+
+#: The events that end a Responses stream (it has no ``[DONE]``).
+RESPONSES_TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
 
 def estimate_tokens(body: dict) -> int:

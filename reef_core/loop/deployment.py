@@ -38,6 +38,7 @@ from ..config.recipes import RecipeBinding, check_components, recipe_bindings
 from ..config.schema import ReefConfig
 from ..errors import ConfigError, NotFound, ReefError, ScenarioQuarantined
 from ..grow.eval_engine import EvalGeneration
+from ..observe.instructions import TRAINING_MODES
 from ..observe.records import RecordStore, Scenario
 from .follower import HeadWatcher, ScenarioFollower, head_channel, notify_head_moved
 from .lease import LeaseHolder, psycopg_dsn
@@ -118,6 +119,9 @@ class Deployment:
         for binding in recipes.values():
             # Fail at start-up, naming the available components, rather than on first use.
             check_components(binding, self.pm)
+            if binding.config.training_mode not in TRAINING_MODES:
+                raise ConfigError(f"{binding.where()}: recipe.training_mode must be one of "
+                                  f"{', '.join(TRAINING_MODES)}, not {binding.config.training_mode!r}")
             if not binding.default and binding.trainer.device is not None:
                 try:  # the default recipe's device was checked with the engine's (assemble.check_devices)
                     trainer_device(binding.trainer, self.cfg.engine)

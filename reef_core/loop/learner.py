@@ -29,6 +29,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from ..commit.commitlog import CommitLog
 from ..commit.committer import Committer
@@ -37,6 +38,8 @@ from ..commit.gate import Candidate, Decision, EvaluationResult, run_gate
 from ..commit.release import Release
 from ..errors import ActivationFailed, ConfigError, Conflict, NotFound, ReefError, ValidationFailed
 from ..grow.trainer import CandidateUpdate, TrainContext, Trainer, TrainerSetup
+from ..observe.instructions import pending_entry
+from ..observe.processor import Batch
 from .ports import LearnerPorts, LearnerSettings
 from .taskfile import load_tasks
 
@@ -102,6 +105,9 @@ class ScenarioLearner:
         self._pending_latency: dict[str, float] = {}
         self._batch_failures: dict[str, int] = {}
         self._stopped = False
+        #: Pending instructions (``train`` records not consumed by a commit), oldest first.
+        self.instructions: dict[str, Any] = {}
+        self._consumed_at_start: set[str] = set()
         self._running = False  # a turn runs now (status only; the pool keeps one turn per scenario)
 
     # -- start-up and recovery -------------------------------------------------------------------
@@ -112,6 +118,7 @@ class ScenarioLearner:
             log.warning("scenario %s recovered: %s", self.name, "; ".join(recovered.actions))
         self.head = self.artifacts.head(self.name)
         consumed = set(recovered.consumed_ids) | self.ports.records.consumed_ids(self.name)
+        self._consumed_at_start = consumed  # instructions a commit already consumed are not pending
         if self.processor is not None:
             self.processor.restore(consumed)
         if self.head is None:
@@ -210,10 +217,13 @@ class ScenarioLearner:
         self._running = True
         try:
             self._ingest()
-            if self._trains() and self.processor.ready():
-                self._step()
+            if self._trains() and self._has_work():
+                if self._instruction_due():
+                    self._instruction_step()
+                else:
+                    self._step()
                 self._ingest()
-                if not self._stopped and self.processor.ready():
+                if not self._stopped and self._has_work():
                     self.ports.pool.schedule(self.name)  # more to do: again, behind the scenarios waiting
                     return
             later = self.processor.recheck_after() if self.processor is not None else None
@@ -227,6 +237,26 @@ class ScenarioLearner:
         finally:
             self._running = False
 
+    def _instruction_due(self) -> bool:
+        return self.recipe.training_mode != "auto" and bool(self.instructions)
+
+    def _has_work(self) -> bool:
+        """An instruction waits (manual, hybrid), or a batch of traffic is ready (auto, hybrid: ``manual`` trains on
+        traffic only together with an instruction)."""
+        return self._instruction_due() or (self.recipe.training_mode != "manual" and self.processor.ready())
+
+    def _instruction_step(self) -> None:
+        """One step on the oldest pending instruction (batch ``<scenario>:instruction:<id>``), with the units of the
+        traffic batch that is ready, if any. The instruction is consumed whatever the step's outcome: a failed
+        instruction step is committed as skipped with its error, never retried."""
+        record = next(iter(self.instructions.values()))
+        traffic = self.processor.pending_batch() if self.processor.ready() else None
+        batch = Batch(batch_id=f"{self.name}:instruction:{record.record_id}",
+                      samples=list(traffic.samples) if traffic else [],
+                      record_ids=[record.record_id, *(traffic.record_ids if traffic else [])], scenario=self.name,
+                      instructions=[{"agent_record_id": record.record_id, **record.payload}])
+        self._step(batch, _InstructionSettle(self, record.record_id, traffic.batch_id if traffic else None))
+
     def _trains(self) -> bool:
         return self.processor is not None and self.has_trainer and not self._stopped
 
@@ -234,11 +264,19 @@ class ScenarioLearner:
         if self.processor is None:
             return
         for record in self.ports.records.replay(self.name, self.last_sequence):
-            self.processor.ingest(record)
+            if record.kind == "train":  # a person's instruction: kept for the trainer, never a processor's input
+                if record.record_id not in self._consumed_at_start:
+                    self.instructions[record.record_id] = record
+            else:
+                self.processor.ingest(record)
             self.last_sequence = max(self.last_sequence, record.sequence or 0)
 
-    def _step(self) -> None:
-        batch = self.processor.pending_batch()
+    def _step(self, batch=None, settle=None) -> None:
+        """Train one batch (the processor's pending one unless given); ``settle`` acknowledges or drops it (the
+        processor, unless an instruction step settles its own way)."""
+        retry = settle is None
+        settle = settle or self.processor
+        batch = batch or self.processor.pending_batch()
         if batch is None:
             return
         with self.lock:
@@ -253,7 +291,7 @@ class ScenarioLearner:
             update = self.trainer.train(batch, ctx)
         except ReefError as exc:
             # A batch the trainer refuses (e.g. missing log-probs) is dropped with its reason, once.
-            consumed = self.processor.drop(batch.batch_id, f"trainer_refused: {exc.message}")
+            consumed = settle.drop(batch.batch_id, f"trainer_refused: {exc.message}")
             self._commit_rejection(consumed, {"train_error": exc.message}, None, None)
             self.counters["skipped"] += 1
             return
@@ -262,15 +300,15 @@ class ScenarioLearner:
             # (and its records consumed) so one poisoned batch cannot stall the scenario for good.
             failures = self._batch_failures.get(batch.batch_id, 0) + 1
             self._batch_failures = {batch.batch_id: failures}
-            if failures < MAX_BATCH_FAILURES:
+            if retry and failures < MAX_BATCH_FAILURES:
                 raise
-            consumed = self.processor.drop(batch.batch_id, "trainer_failed")
+            consumed = settle.drop(batch.batch_id, "trainer_failed")
             self._commit_rejection(consumed, {"train_error": f"{type(exc).__name__}: {exc}"}, None, None)
             self.counters["skipped"] += 1
             raise
         train_s = time.perf_counter() - started
         if update is None:
-            consumed = self.processor.drop(batch.batch_id, "trainer_skipped")
+            consumed = settle.drop(batch.batch_id, "trainer_skipped")
             self._commit_rejection(consumed, {"skipped": True}, None, None)
             self.counters["skipped"] += 1
             return
@@ -282,10 +320,10 @@ class ScenarioLearner:
         self.counters["steps"] += 1
         self.last_metrics = metrics
         if decision.selected:
-            self._accept(batch, update, metrics, decision)
+            self._accept(batch, update, metrics, decision, settle)
         else:
             self.trainer.rejected(update)
-            consumed = self.processor.acknowledge(batch.batch_id)
+            consumed = settle.acknowledge(batch.batch_id)
             self._commit_rejection(consumed, metrics, decision.evaluation, decision)
             self.counters["rejected"] += 1
             log.info("scenario %s: candidate %s rejected: %s", self.name, candidate.candidate_id, decision.reason)
@@ -328,7 +366,8 @@ class ScenarioLearner:
             return replay_tasks() if replay_tasks is not None else []
         return list(self.eval_tasks) if self.eval_tasks is not None else update.eval_tasks
 
-    def _accept(self, batch, update: CandidateUpdate, metrics: dict, decision: Decision) -> None:
+    def _accept(self, batch, update: CandidateUpdate, metrics: dict, decision: Decision, settle=None) -> None:
+        settle = settle or self.processor
         accepted_at = time.perf_counter()
         with self.lock:
             consumed = list(batch.record_ids)
@@ -344,7 +383,7 @@ class ScenarioLearner:
                     evaluation=evaluation, decision=decision.to_dict(), source=update.source or {"kind": "training"},
                     hold=hold)
                 if hold:
-                    self.processor.acknowledge(batch.batch_id)
+                    settle.acknowledge(batch.batch_id)
                     self.ports.records.mark_consumed(self.name, consumed, _row["step"])
                     self.trainer.rejected(update)  # the policy keeps serving what it served
                     self.counters["selected"] += 1
@@ -371,7 +410,7 @@ class ScenarioLearner:
                 self.trainer.accepted(update, release_id)
             else:
                 self.trainer.rejected(update)  # the trainer resyncs to the version that still serves
-            self.processor.acknowledge(batch.batch_id)
+            settle.acknowledge(batch.batch_id)
             crash_point("before_mark_consumed")
             self.ports.records.mark_consumed(self.name, consumed, step)
             self.counters["selected"] += 1
@@ -589,6 +628,8 @@ class ScenarioLearner:
             "versions_since_checkpoint": self.versions_since_checkpoint,
             "records_seen": self.last_sequence,
             "processor": self.processor.status() if self.processor is not None else None,
+            "instructions": {"training_mode": self.recipe.training_mode,
+                             "pending": [pending_entry(r) for r in list(self.instructions.values())]},
             "trainer": self.recipe.trainer,
             # The recipe's own gate (a routed recipe's evaluation section, not the top level's).
             "gate": {"policy": self.settings.evaluation.policy, "evaluator": self.settings.evaluation.evaluator,
@@ -601,6 +642,29 @@ class ScenarioLearner:
             "last_publish": next((dict(m, release_id=rid) for rid, m in reversed(list(self.release_metrics.items()))
                                   if "publish_latency_ms" in m), None),
         }
+
+
+class _InstructionSettle:
+    """Settles an instruction step in place of the processor: the instruction is consumed either way; the traffic
+    batch it took along is acknowledged with it when the step counts (committed, selected or not), and released (its
+    units train later) when the step is dropped."""
+
+    def __init__(self, learner: ScenarioLearner, record_id: str, traffic_batch_id: str | None):
+        self.learner, self.record_id, self.traffic = learner, record_id, traffic_batch_id
+
+    def acknowledge(self, _batch_id: str) -> list[str]:
+        consumed = [self.record_id]
+        if self.traffic is not None:
+            consumed += self.learner.processor.acknowledge(self.traffic)
+        self.learner.instructions.pop(self.record_id, None)
+        return consumed
+
+    def drop(self, _batch_id: str, reason: str) -> list[str]:
+        if self.traffic is not None:
+            self.learner.processor.release(self.traffic)
+        self.learner.instructions.pop(self.record_id, None)
+        log.warning("scenario %s: instruction %s not trained (%s)", self.learner.name, self.record_id, reason)
+        return [self.record_id]
 
 
 def _activation_error_of(head: Release | None) -> dict | None:

@@ -17,8 +17,9 @@ from typing import Any
 
 from reef_core.errors import ValidationFailed
 
-#: Record kinds the store accepts. Upstream also has TRAIN records; they are not stored here (yet).
-KINDS = ("inference", "report")
+#: Record kinds the store accepts: served (or imported) exchanges, client reports, and a person's instructions
+#: (``POST /reef/train``; never handed to a processor, see :mod:`reef_core.observe.instructions`).
+KINDS = ("inference", "report", "train")
 
 #: Longest record id, scenario name or idempotency key the store accepts (matches the column width).
 MAX_ID_LENGTH = 255
@@ -49,7 +50,7 @@ def check_identifier(what: str, value: Any) -> str:
 
 @dataclass(frozen=True)
 class Record:
-    """One stored interaction (``inference``) or client report (``report``).
+    """One stored interaction (``inference``), client report (``report``) or instruction (``train``).
 
     ``record_id`` is the receipt: clients see it as ``agent_record_id`` (header
     ``x-reef-agent-record-id``, report references). ``version`` is what the engine served the

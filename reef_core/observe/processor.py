@@ -115,19 +115,27 @@ class Sample:
 
 @dataclass(frozen=True)
 class Batch:
-    """A reserved set of samples; ``record_ids`` are the ids acknowledging it consumes."""
+    """A reserved set of samples; ``record_ids`` are the ids acknowledging it consumes.
+
+    ``instructions`` holds the person's instruction a ``manual`` / ``hybrid`` scenario trains on in this step
+    (``{"agent_record_id", "text", "session", "release_id", "requires", "client"}``, see
+    :mod:`reef_core.observe.instructions`); empty for a batch formed from traffic alone."""
 
     batch_id: str
     samples: list[Sample]
     record_ids: list[str]
     scenario: str = ""
+    instructions: list[dict] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def to_dict(self) -> dict:
-        return {"batch_id": self.batch_id, "scenario": self.scenario, "record_ids": self.record_ids,
-                "samples": [s.to_dict() for s in self.samples]}
+        out = {"batch_id": self.batch_id, "scenario": self.scenario, "record_ids": self.record_ids,
+               "samples": [s.to_dict() for s in self.samples]}
+        if self.instructions:
+            out["instructions"] = self.instructions
+        return out
 
 
 class Processor(ABC):

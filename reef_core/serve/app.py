@@ -16,7 +16,8 @@ from ..errors import ReefError
 from .auth import OPEN_PATHS, AuthMiddleware, TokenSet
 from .errors import dialect_for_path, error_body, new_error_id
 from .inference import InferenceCall
-from . import docs, harness, imports, install, metrics, reads, releases, reports, scenario_routes, skills, ui
+from . import (docs, harness, imports, install, instructions, metrics, reads, releases, reports, scenario_routes,
+               skills, ui)
 from .observe import ObserveMiddleware
 from .usage import Usage
 
@@ -74,8 +75,8 @@ def create_app(deployment) -> FastAPI:
     async def count_tokens(request: Request):
         return await InferenceCall(deployment, request, *INFERENCE_ROUTES["/v1/messages/count_tokens"]).run()
 
-    for router in (reads.router, reports.router, imports.router, releases.router, harness.router, install.router,
-                   skills.router, metrics.router, ui.router, docs.router):
+    for router in (reads.router, reports.router, instructions.router, imports.router, releases.router, harness.router,
+                   install.router, skills.router, metrics.router, ui.router, docs.router):
         app.include_router(router)
     scenario_routes.mount(app, getattr(deployment, "pm", None))
 

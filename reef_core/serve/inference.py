@@ -143,7 +143,13 @@ class InferenceCall:
         self.facts = request.scope.setdefault("state", {})["reef_facts"] = {"scenario": self.scenario.name}
         self.request_hash = hashlib.sha256(
             canonical_json({"route": self.route, "body": body}).encode()).hexdigest()
-        if self.responses is not None:
+        # An upstream that serves Responses itself gets the request unchanged (a scenario whose surface shapes chat
+        # requests is still served through chat); otherwise it runs as the chat request it stands for.
+        self.passthrough = (self.responses is not None and getattr(dep.engine, "serves_responses", False)
+                            and dep.surface_for(self.scenario) is None)
+        if self.passthrough:
+            self.client_dialect, self.route = "openai", "responses"
+        elif self.responses is not None:
             body = await responses.chat_body(dep.store, self.scenario.name, body)
             validate_request("openai", "chat", body)
             self.client_dialect, self.route = "openai", "chat"
@@ -182,8 +188,7 @@ class InferenceCall:
         # From here on the client may leave; the watch notices (and owns the receive channel).
         self.watch = ClientWatch(request.receive)
         try:
-            # A Responses stream is built from the finished answer (see reef_core.serve.responses).
-            response = await (self._stream() if body.get("stream") and self.responses is None else self._complete())
+            response = await (self._stream() if body.get("stream") else self._complete())
         except BaseException:
             self.watch.close()
             raise
@@ -242,6 +247,8 @@ class InferenceCall:
         body = payload["response"] if self.route == "count_tokens" else translate_response(
             payload["response"], payload["dialect"], self.client_dialect)
         headers = {RECEIPT_HEADER: record.record_id, "x-reef-replayed": "true"}
+        if self.passthrough:
+            return responses.passthrough_answer(body, record.record_id, stream, headers)
         if self.responses is not None:
             return responses.answer(self.responses, body, record.record_id, record.created_at, headers)
         if stream:
@@ -279,7 +286,7 @@ class InferenceCall:
             result.body, self.engine_dialect, self.client_dialect)
         overhead = (time.perf_counter() - self.started) * 1000 - engine_ms
         headers = {RECEIPT_HEADER: stored.record_id, **self.extra_headers, "x-reef-overhead-ms": f"{overhead:.2f}"}
-        if self.responses is not None:
+        if self.responses is not None and not self.passthrough:
             return responses.answer(self.responses, body, stored.record_id, self.created_at, headers)
         return JSONResponse(body, headers=headers)
 
@@ -327,7 +334,8 @@ class InferenceCall:
         engine = self.dep.engine
         events = engine.stream(self.engine_request)
         # What the stream has carried so far: whoever ends it (the relay, a client gone, a failure) stores it.
-        self.accumulator = accumulator_for(self.engine_dialect)
+        self.accumulator = responses.ResponsesAccumulator() if self.passthrough else accumulator_for(
+            self.engine_dialect)
         self.tokens: TokenData | None = None
         self.stream_started = time.perf_counter()
         self.stream_stored = False
@@ -347,6 +355,10 @@ class InferenceCall:
                                   stream=True)
             stored = await self.dep.record_stored(record, self.idempotency_key)
             body = translate_response(result.body, self.engine_dialect, self.client_dialect)
+            if self.passthrough:
+                return responses.passthrough_answer(body, stored.record_id, True, {})
+            if self.responses is not None:
+                return responses.answer(self.responses, body, stored.record_id, self.created_at, {})
             return StreamingResponse(synthetic_stream(self.client_dialect, body, stored.record_id),
                                      media_type="text/event-stream")
         # Errors before the first event propagate as ordinary error responses.
@@ -363,6 +375,13 @@ class InferenceCall:
         accumulator = self.accumulator
         terminal_seen = False
         error: str | None = None
+        # A Responses stream: the chat chunks become typed events as they arrive.
+        live = (responses.LiveStream(self.responses, self.record_id, self.created_at)
+                if self.responses is not None and not self.passthrough else None)
+        held: StreamEvent | None = None  # a passed-through Responses stream's terminal event, sent with the receipt
+        if live is not None:
+            for frame in live.start(self.engine_request.body.get("model")):
+                yield frame
 
         async def source():
             if first is not None:
@@ -376,19 +395,29 @@ class InferenceCall:
                     self.tokens = TokenData.from_dict(event.data)
                     continue
                 accumulator.feed(event)
+                if self.passthrough:
+                    if event.is_reef:
+                        continue
+                    if responses.is_terminal(event.data):
+                        terminal_seen, held = True, event
+                    elif isinstance(event.data, dict):
+                        yield responses.frame(event.data)
+                    continue
                 for out in (translator.feed(event) if translator else [event]):
                     if _is_terminal(self.client_dialect, out):
                         terminal_seen = True
                         continue  # held until the record is durable
                     if out.is_reef:
                         continue
-                    yield encode_event(out)
+                    for frame in (live.feed(out.data) if live is not None else [encode_event(out)]):
+                        yield frame
             if translator is not None and not terminal_seen:
                 for out in translator.finish():
                     if _is_terminal(self.client_dialect, out):
                         terminal_seen = True
                     elif not out.is_reef:
-                        yield encode_event(out)
+                        for frame in (live.feed(out.data) if live is not None else [encode_event(out)]):
+                            yield frame
             if not terminal_seen or not accumulator.complete:
                 error = "stream ended before its terminal event"
         except ReefError as exc:
@@ -399,6 +428,26 @@ class InferenceCall:
             error = f"internal error (id {error_id})"
         # A cancellation (client gone, server stopping) ends the relay here: _RecordedStream stores the record.
         stored = await self._store_stream(error)
+        if self.passthrough:
+            if error is not None or stored is None or held is None:
+                fields = {"type": "error", "code": "upstream_error", "message": error or "the answer was not stored",
+                          "param": None}
+                if stored is not None:
+                    fields["reef"] = {"agent_record_id": stored.record_id, "complete": False}
+                yield responses.frame(fields)
+                return
+            yield responses.frame({**held.data, "reef": {"agent_record_id": stored.record_id}})
+            return
+        if live is not None:
+            if error is not None or stored is None:
+                for frame in live.error(error or "the answer could not be stored", stored and stored.record_id):
+                    yield frame
+                return
+            completion = translate_response(accumulator.body(), self.engine_dialect, "openai")
+            for frame in live.finish(responses.response_object(self.responses, completion, stored.record_id,
+                                                               self.created_at)):
+                yield frame
+            return
         if error is not None:
             yield encode_event(_error_event(self.client_dialect, error, stored.record_id if stored else None))
             return

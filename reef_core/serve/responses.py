@@ -10,8 +10,9 @@ processor reads it as any served exchange) plus a ``responses`` entry: the respo
 ``previous_response_id`` names an earlier stored response of the same scenario: its conversation (without its
 ``instructions``, which do not carry over) and its reply come before the new input. A response made with
 ``store: false`` cannot be chained (404, as OpenAI answers). ``stream: true`` answers the typed event sequence
-(``response.created`` ... ``response.completed``, the receipt on the terminal event's ``reef`` field), built once the
-engine's answer is complete: this increment does not relay tokens as they are generated.
+(``response.created`` ... ``response.completed``, the receipt on the terminal event's ``reef`` field), relayed live
+from the engine's chat stream by :class:`LiveStream` (text deltas and function-call arguments as they are generated);
+a replayed retry answers the same sequence built from the stored answer.
 """
 
 from __future__ import annotations
@@ -150,6 +151,8 @@ async def chat_body(store, scenario: str, body: dict) -> dict:
         turns += await previous_turns(store, scenario, body["previous_response_id"])
     turns += _chat_turns(body["input"])
     chat: dict[str, Any] = {"model": body["model"], "messages": turns}
+    if body.get("stream"):  # relayed live: the usage arrives as the chat stream's last chunk
+        chat.update(stream=True, stream_options={"include_usage": True})
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     for key in ("temperature", "top_p", "parallel_tool_calls"):
@@ -210,7 +213,7 @@ def response_object(body: dict, completion: dict, record_id: str, created_at: fl
 
 
 def _event_stream(response: dict, record_id: str):
-    """The typed Responses events of a finished response, the receipt on ``response.completed``."""
+    """The typed Responses events of a finished response (a replayed retry), the receipt on the terminal event."""
     sequence = 0
 
     def event(kind: str, **fields) -> bytes:
@@ -224,28 +227,8 @@ def _event_stream(response: dict, record_id: str):
         yield event("response.created", response=start)
         yield event("response.in_progress", response=start)
         for index, item in enumerate(response["output"]):
-            if item["type"] == "message":
-                text = item["content"][0]["text"]
-                yield event("response.output_item.added", output_index=index,
-                            item={**item, "status": "in_progress", "content": []})
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                yield event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
-                            part=part)
-                if text:
-                    yield event("response.output_text.delta", item_id=item["id"], output_index=index,
-                                content_index=0, delta=text, logprobs=[])
-                yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                            text=text, logprobs=[])
-                yield event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                            part={**part, "text": text})
-            else:
-                yield event("response.output_item.added", output_index=index,
-                            item={**item, "status": "in_progress", "arguments": ""})
-                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                            delta=item["arguments"])
-                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                            arguments=item["arguments"], name=item["name"])
-            yield event("response.output_item.done", output_index=index, item=item)
+            for frame in _whole_item(event, item, index):
+                yield frame
         terminal = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         yield event(terminal, response=response, reef={"agent_record_id": record_id})
 
@@ -262,3 +245,200 @@ def answer(body: dict, completion: dict, record_id: str, created_at: float,
                                                                           if k.startswith("x-reef-")}})
     return JSONResponse(response, headers=headers)
 
+
+
+class LiveStream:
+    """The typed Responses events of a chat stream, written as its OpenAI chunks arrive.
+
+    Item ids are those :func:`response_object` gives the finished answer (``msg_<receipt>``, ``fc_<receipt>_<i>``),
+    so the terminal event's response names the items the deltas built. Items open in the order the answer produces
+    them; an item the chunks never opened (an empty answer's message) is emitted whole at the end."""
+
+    def __init__(self, body: dict, record_id: str, created_at: float):
+        self.body, self.record_id, self.created_at = body, record_id, created_at
+        self.sequence = 0
+        self.order: list[str] = []  # item ids, in output order
+        self.text: str | None = None  # the open message's text so far (None: no message open)
+        self.calls: dict[int, dict] = {}  # chat tool-call index -> the function_call item being built
+        self.closed: set[str] = set()
+
+    def _event(self, kind: str, **fields) -> bytes:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
+
+    def start(self, model: str | None) -> list[bytes]:
+        shell = response_object(self.body, {"model": model, "choices": [{"message": {"content": None}}]},
+                                self.record_id, self.created_at)
+        shell.update(status="in_progress", output=[], usage=None, incomplete_details=None)
+        return [self._event("response.created", response=shell), self._event("response.in_progress", response=shell)]
+
+    def feed(self, chunk: Any) -> list[bytes]:
+        """Events for one chat chunk (the usage chunk and Reef's receipt chunk carry none)."""
+        out: list[bytes] = []
+        if not isinstance(chunk, dict):
+            return out
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if isinstance(delta.get("content"), str) and delta["content"]:
+                out += self._text_delta(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                out += self._call_delta(call)
+        return out
+
+    def _message_id(self) -> str:
+        return f"msg_{self.record_id}"
+
+    def _text_delta(self, text: str) -> list[bytes]:
+        out, item_id = [], self._message_id()
+        if item_id in self.closed:
+            return out  # text after the calls: kept in the final response only
+        if self.text is None:
+            self.text = ""
+            self.order.append(item_id)
+            index = len(self.order) - 1
+            out.append(self._event("response.output_item.added", output_index=index, item={
+                "type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}))
+            out.append(self._event("response.content_part.added", item_id=item_id, output_index=index,
+                                   content_index=0, part=_text_part("")))
+        self.text += text
+        out.append(self._event("response.output_text.delta", item_id=item_id, output_index=self._index(item_id),
+                               content_index=0, delta=text, logprobs=[]))
+        return out
+
+    def _close_message(self) -> list[bytes]:
+        item_id = self._message_id()
+        if self.text is None or item_id in self.closed:
+            return []
+        self.closed.add(item_id)
+        index, text = self._index(item_id), self.text
+        item = {"type": "message", "id": item_id, "status": "completed", "role": "assistant",
+                "content": [_text_part(text)]}
+        return [self._event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
+                            text=text, logprobs=[]),
+                self._event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
+                            part=_text_part(text)),
+                self._event("response.output_item.done", output_index=index, item=item)]
+
+    def _call_delta(self, call: dict) -> list[bytes]:
+        out: list[bytes] = []
+        position = call.get("index", 0)
+        fn = call.get("function") or {}
+        item = self.calls.get(position)
+        if item is None:
+            out += self._close_message()  # Responses items follow one another
+            item = {"type": "function_call", "id": f"fc_{self.record_id}_{len(self.calls)}",
+                    "call_id": call.get("id") or f"call_{len(self.calls)}", "name": fn.get("name") or "",
+                    "arguments": "", "status": "in_progress"}
+            self.calls[position] = item
+            self.order.append(item["id"])
+            out.append(self._event("response.output_item.added", output_index=self._index(item["id"]),
+                                   item=dict(item)))
+        if fn.get("arguments"):
+            item["arguments"] += fn["arguments"]
+            out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                   output_index=self._index(item["id"]), delta=fn["arguments"]))
+        return out
+
+    def _index(self, item_id: str) -> int:
+        return self.order.index(item_id)
+
+    def finish(self, response: dict) -> list[bytes]:
+        """Close what is open, add what never opened, and end with the finished response and the receipt."""
+        out = self._close_message()
+        final = {item["id"]: item for item in response["output"]}
+        for item in self.calls.values():
+            if item["id"] in self.closed:
+                continue
+            self.closed.add(item["id"])
+            done = final.get(item["id"], {**item, "status": "completed"})
+            index = self._index(item["id"])
+            out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                   arguments=done["arguments"], name=done["name"]))
+            out.append(self._event("response.output_item.done", output_index=index, item=done))
+        for item_id, item in final.items():
+            if item_id not in self.order:
+                self.order.append(item_id)
+                out += _whole_item(self._event, item, self._index(item_id))
+        response = {**response, "output": [final[i] for i in self.order if i in final]}
+        terminal = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        out.append(self._event(terminal, response=response, reef={"agent_record_id": self.record_id}))
+        return out
+
+    def error(self, message: str, record_id: str | None) -> list[bytes]:
+        """The stream failed after its headers left: Responses' ``error`` event (the receipt of what was kept)."""
+        fields = {"code": "upstream_error", "message": message, "param": None}
+        if record_id:
+            fields["reef"] = {"agent_record_id": record_id, "complete": False}
+        return [self._event("error", **fields)]
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _whole_item(event, item: dict, index: int) -> list[bytes]:
+    """Every event of one finished output item, from added to done."""
+    out = []
+    if item["type"] == "message":
+        text = item["content"][0]["text"]
+        out.append(event("response.output_item.added", output_index=index,
+                         item={**item, "status": "in_progress", "content": []}))
+        out.append(event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
+                         part=_text_part("")))
+        if text:
+            out.append(event("response.output_text.delta", item_id=item["id"], output_index=index,
+                             content_index=0, delta=text, logprobs=[]))
+        out.append(event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                         text=text, logprobs=[]))
+        out.append(event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                         part=_text_part(text)))
+    else:
+        out.append(event("response.output_item.added", output_index=index,
+                         item={**item, "status": "in_progress", "arguments": ""}))
+        out.append(event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                         delta=item["arguments"]))
+        out.append(event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                         arguments=item["arguments"], name=item["name"]))
+    out.append(event("response.output_item.done", output_index=index, item=item))
+    return out
+
+
+# -- passthrough (engine.upstream_responses) ----------------------------------------------------------------------
+
+#: The events that end a Responses stream.
+TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+
+
+class ResponsesAccumulator:
+    """What a passed-through Responses stream carried: the response of its terminal event (the record's answer)."""
+
+    def __init__(self):
+        self.complete = False
+        self.response: dict | None = None
+
+    def feed(self, event) -> None:
+        data = event.data
+        if isinstance(data, dict) and isinstance(data.get("response"), dict):
+            self.response = data["response"]
+            self.complete = self.complete or data.get("type") in TERMINAL_EVENTS
+
+    def body(self) -> dict | None:
+        return self.response
+
+
+def is_terminal(data: Any) -> bool:
+    return isinstance(data, dict) and data.get("type") in TERMINAL_EVENTS
+
+
+def frame(data: dict) -> bytes:
+    return f"event: {data.get('type')}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def passthrough_answer(response: dict, record_id: str, stream: bool, headers: dict) -> JSONResponse | StreamingResponse:
+    """A passed-through response answered from what is stored (a replayed retry, or a provider that did not stream):
+    the object itself, or its typed event sequence."""
+    if stream:
+        return StreamingResponse(_event_stream(response, record_id), media_type="text/event-stream",
+                                 headers={"cache-control": "no-store"})
+    return JSONResponse(response, headers=headers)

@@ -1,7 +1,8 @@
 """FakeUpstream: a protocol-faithful FAKE model provider, for CPU tests and benchmarks only.
 
-It speaks OpenAI Chat Completions (``POST /v1/chat/completions``) and Anthropic Messages
-(``POST /v1/messages``, ``POST /v1/messages/count_tokens``), non-streamed and streamed (SSE), with the
+It speaks OpenAI Chat Completions (``POST /v1/chat/completions``), OpenAI Responses (``POST /v1/responses``: text
+and message input, function tools; the same reply as a response object or the typed event sequence) and Anthropic
+Messages (``POST /v1/messages``, ``POST /v1/messages/count_tokens``), non-streamed and streamed (SSE), with the
 exact body and event shapes of those APIs, and answers deterministically: the reply is ``"echo: "`` plus
 the text of the last user message, split into word pieces for streaming. "Tokens" are whitespace
 separated words. ``max_tokens`` truncates the reply (``length`` / ``max_tokens``), stop sequences cut
@@ -53,7 +54,8 @@ from reef_core.serve.background import bound_socket, serve_asgi, uvicorn_server
 __all__ = ["FakeUpstream", "serve_fake_upstream", "run_fake_upstream", "serve_asgi", "FakeUpstreamControl"]
 
 _WORD = re.compile(r"\S+\s*|\s+")
-_ROUTES = {"/v1/chat/completions": "chat", "/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens"}
+_ROUTES = {"/v1/chat/completions": "chat", "/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens",
+           "/v1/responses": "responses"}
 _ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                      404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                      529: "overloaded_error"}
@@ -202,7 +204,7 @@ class FakeUpstream:
             await _send_json(send, 404, {"error": {"message": f"no control route {method} {path}"}})
 
     async def _inference(self, route: str, headers: dict, raw: bytes, send) -> None:
-        dialect = "openai" if route == "chat" else "anthropic"
+        dialect = "openai" if route in ("chat", "responses") else "anthropic"
         fault = self._take_fault(route)
         try:
             body = json.loads(raw)
@@ -225,6 +227,17 @@ class FakeUpstream:
         auth_error = self._check_auth(dialect, headers)
         if auth_error:
             await _send_json(send, 401, _error(dialect, 401, auth_error))
+            return
+        if route == "responses":
+            chat, problem = _responses_as_chat(body)
+            if problem:
+                await _send_json(send, 400, _error(dialect, 400, problem))
+                return
+            answer = _response_object(self._answer("openai", chat), body)
+            if body.get("stream"):
+                await self._stream(dialect, _response_events(answer), fault, send)
+            else:
+                await _send_json(send, 200, answer)
             return
         problem = _validate(dialect, route, body)
         if problem:
@@ -369,6 +382,85 @@ def _prompt_tokens(body: dict) -> int:
     for m in body.get("messages") or []:
         n += _count(_text(m.get("content")))
     return n
+
+
+def _responses_as_chat(body: Any) -> tuple[dict, str | None]:
+    """The chat body a Responses request stands for, as far as the fake's reply needs it; or a 400's message."""
+    if not isinstance(body, dict) or not isinstance(body.get("model"), str) or not body["model"]:
+        return {}, "model: field required"
+    items = body.get("input")
+    if isinstance(items, str):
+        messages = [{"role": "user", "content": items}]
+    elif isinstance(items, list):
+        messages = [{"role": i.get("role", "user"), "content": i.get("content")} for i in items
+                    if isinstance(i, dict) and i.get("type", "message") == "message"]
+    else:
+        return {}, "input: field required"
+    choice = body.get("tool_choice")
+    return {"model": body["model"], "messages": messages or [{"role": "user", "content": ""}],
+            "max_tokens": body.get("max_output_tokens"),
+            "tools": [{"type": "function", "function": {"name": t.get("name")}} for t in body.get("tools") or []],
+            "tool_choice": {"function": {"name": choice.get("name")}} if isinstance(choice, dict) else choice}, None
+
+
+def _response_object(a: dict, body: dict) -> dict:
+    rid = f"resp_fake{a['id']}"
+    if a["tool"]:
+        output = [{"type": "function_call", "id": f"fc_fake{a['id']}", "call_id": f"call_fake{a['id']}",
+                   "name": a["tool"]["name"], "arguments": a["tool"]["arguments"], "status": "completed"}]
+    else:
+        output = [{"type": "message", "id": f"msg_fake{a['id']}", "status": "completed", "role": "assistant",
+                   "content": [{"type": "output_text", "text": a["text"], "annotations": [], "logprobs": []}]}]
+    incomplete = a["finish"] == "length"
+    return {"id": rid, "object": "response", "created_at": int(time.time()), "model": a["model"],
+            "status": "incomplete" if incomplete else "completed", "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+            "output": output, "parallel_tool_calls": True, "previous_response_id": body.get("previous_response_id"),
+            "store": body.get("store", True), "temperature": 1.0, "top_p": 1.0,
+            "tool_choice": body.get("tool_choice", "auto"), "tools": [
+                {"type": "function", "name": t.get("name"), "parameters": t.get("parameters") or {},
+                 "strict": False} for t in body.get("tools") or []],
+            "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": {},
+            "usage": {"input_tokens": a["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens": a["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": a["prompt_tokens"] + a["completion_tokens"]}}
+
+
+def _response_events(response: dict) -> list[tuple[str | None, Any]]:
+    """The typed event sequence of ``response``: text in word pieces, a call's arguments in one delta."""
+    events: list[tuple[str | None, Any]] = []
+
+    def add(kind: str, **fields) -> None:
+        events.append((kind, {"type": kind, "sequence_number": len(events), **fields}))
+
+    shell = {**response, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
+    add("response.created", response=shell)
+    add("response.in_progress", response=shell)
+    for index, item in enumerate(response["output"]):
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            add("response.output_item.added", output_index=index, item={**item, "status": "in_progress",
+                                                                          "content": []})
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            add("response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=part)
+            for piece in _words(text):
+                add("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
+                    delta=piece, logprobs=[])
+            add("response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=text,
+                logprobs=[])
+            add("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                part={**part, "text": text})
+        else:
+            add("response.output_item.added", output_index=index, item={**item, "status": "in_progress",
+                                                                          "arguments": ""})
+            add("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                delta=item["arguments"])
+            add("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                arguments=item["arguments"], name=item["name"])
+        add("response.output_item.done", output_index=index, item=item)
+    add("response.incomplete" if response["status"] == "incomplete" else "response.completed", response=response)
+    return events
 
 
 def _forced_tool(dialect: str, body: dict) -> str | None:

@@ -24,6 +24,14 @@ def _shared_model_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture(scope="session")
+def fake_tool_model_dir(_shared_model_cache):
+    """The fake tool-calling model (:mod:`reef_core.testing.fake_tool_model`), built once per session."""
+    from reef_core.testing.fake_tool_model import ensure_fake_tool_model
+
+    return ensure_fake_tool_model(Path(os.environ["REEF_MODEL_CACHE"]) / "fake-tool-model")
+
+
 @pytest.fixture(autouse=True)
 def _isolated_env(monkeypatch):
     # A developer's own tokens or upstream must never leak into a test.

@@ -2,7 +2,8 @@
 
 ``recipe.trainer=reef_core.testing.trainers:FeedbackTreeTrainer`` (a dotted path, so a spawned ``reef serve``
 finds it) makes the harness tree a report asks for the next release: a report whose ``feedback`` is
-``{"tree": {path: text}}`` trains into exactly that tree. A report without one trains into nothing.
+``{"tree": {path: text}}`` trains into exactly that tree. A report without one trains into nothing. A batch carrying a
+person's instruction (``POST /reef/train``) trains into ``{"INSTRUCTIONS.md": its text}``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ class FeedbackTreeTrainer(Trainer):
         pass
 
     def train(self, batch, ctx):
+        if batch.instructions:
+            return CandidateUpdate(files={"INSTRUCTIONS.md": "\n".join(i["text"] for i in batch.instructions).encode()})
         for sample in reversed(batch.samples):
             feedback = sample.feedback
             if isinstance(feedback, dict) and isinstance(feedback.get("tree"), dict):

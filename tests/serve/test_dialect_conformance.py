@@ -4,7 +4,8 @@ providers' published schemas accept (issue #20 item 1).
 The schema is the official SDKs' pydantic types (``openai.types.chat``, ``anthropic.types``), validated in strict
 mode on the raw JSON, plus the members the published schemas list as required that the SDK types leave optional
 (Anthropic ``citations`` on text blocks and the usage members, OpenAI ``message.annotations`` / ``refusal``).
-Tools run on the upstream engines only: the embedded engine does not parse tool calls yet (issue #20 item 3).
+The embedded engine serves the fake tool-calling model (a tiny model fine-tuned on a few tool-call exchanges, with a
+Hermes-convention chat template), so its tool calls are parsed from what the model wrote.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ STREAM_EVENT = TypeAdapter(at.RawMessageStreamEvent)
 ENGINES = {
     "upstream-openai": ("engine.kind=upstream", "engine.upstream_dialect=openai"),
     "upstream-anthropic": ("engine.kind=upstream", "engine.upstream_dialect=anthropic"),
-    "local": ("engine.kind=local", "engine.model=tiny", "engine.max_new_tokens=8", "engine.seed=0"),
+    "local": ("engine.kind=local", "engine.max_new_tokens=8", "engine.seed=0", "engine.temperature=0"),
 }
 
 
@@ -36,6 +37,8 @@ def engine(request, module_reef_server, fake_upstream_url):
     overrides = ENGINES[request.param]
     if request.param.startswith("upstream"):
         overrides = (*overrides, f"engine.upstream_url={fake_upstream_url}", "engine.upstream_model=fake-model")
+    else:
+        overrides = (*overrides, f"engine.model={request.getfixturevalue('fake_tool_model_dir')}")
     return request.param, module_reef_server(*overrides, timeout=300)
 
 
@@ -47,7 +50,7 @@ def post(server, path, body, headers=None):
 def openai_body(case):
     body = {"model": "m", "messages": [{"role": "user", "content": "say hello"}], "max_tokens": 8}
     if case == "tools":
-        body.update(tools=[{"type": "function", "function": {"name": "echo", "parameters": {
+        body.update(max_tokens=64, tools=[{"type": "function", "function": {"name": "echo", "parameters": {
             "type": "object", "properties": {"text": {"type": "string"}}}}}], tool_choice="required")
     return body
 
@@ -55,7 +58,7 @@ def openai_body(case):
 def anthropic_body(case):
     body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "say hello"}]}
     if case == "tools":
-        body.update(tools=[{"name": "echo", "input_schema": {"type": "object",
+        body.update(max_tokens=64, tools=[{"name": "echo", "input_schema": {"type": "object",
                                                              "properties": {"text": {"type": "string"}}}}],
                     tool_choice={"type": "any"})
     return body
@@ -83,9 +86,7 @@ def check_anthropic_message(raw: dict, case: str) -> None:
 
 @pytest.mark.parametrize("case", ["plain", "tools"])
 def test_openai_client_plain(engine, case):
-    name, server = engine
-    if case == "tools" and name == "local":
-        pytest.skip("the embedded engine does not parse tool calls yet")
+    _, server = engine
     response = post(server, "/v1/chat/completions", openai_body(case))
     assert response.status_code == 200, response.text
     check_openai_completion(response.json(), case)
@@ -93,9 +94,7 @@ def test_openai_client_plain(engine, case):
 
 @pytest.mark.parametrize("case", ["plain", "tools"])
 def test_anthropic_client_plain(engine, case):
-    name, server = engine
-    if case == "tools" and name == "local":
-        pytest.skip("the embedded engine does not parse tool calls yet")
+    _, server = engine
     response = post(server, "/v1/messages", anthropic_body(case), headers={"anthropic-version": "2023-06-01"})
     assert response.status_code == 200, response.text
     check_anthropic_message(response.json(), case)
@@ -103,9 +102,7 @@ def test_anthropic_client_plain(engine, case):
 
 @pytest.mark.parametrize("case", ["plain", "tools"])
 def test_openai_client_stream_with_usage(engine, case):
-    name, server = engine
-    if case == "tools" and name == "local":
-        pytest.skip("the embedded engine does not parse tool calls yet")
+    _, server = engine
     body = {**openai_body(case), "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=120,
                       headers={"x-reef-scenario": "conformance"}) as response:
@@ -120,6 +117,9 @@ def test_openai_client_stream_with_usage(engine, case):
         ChatCompletionChunk.model_validate(chunk, strict=True)
     usage = [c for c in chunks if c.get("usage") and c["choices"] == []]
     assert len(usage) == 1, chunks
+    if case == "tools":
+        calls = [tc for c in chunks for choice in c["choices"] for tc in choice["delta"].get("tool_calls") or []]
+        assert calls and calls[0]["function"]["name"] == "echo", chunks
     assert usage[0]["usage"]["completion_tokens"] >= 1
     counts = usage[0]["usage"]
     assert counts["total_tokens"] == counts["prompt_tokens"] + counts["completion_tokens"]
@@ -127,9 +127,7 @@ def test_openai_client_stream_with_usage(engine, case):
 
 @pytest.mark.parametrize("case", ["plain", "tools"])
 def test_anthropic_client_stream(engine, case):
-    name, server = engine
-    if case == "tools" and name == "local":
-        pytest.skip("the embedded engine does not parse tool calls yet")
+    _, server = engine
     body = {**anthropic_body(case), "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/messages", json=body, timeout=120,
                       headers={"x-reef-scenario": "conformance", "anthropic-version": "2023-06-01"}) as response:
@@ -144,6 +142,9 @@ def test_anthropic_client_stream(engine, case):
         assert data["type"] == event_name
     start = events[0][1]["message"]
     assert ANTHROPIC_USAGE <= set(start["usage"]), start["usage"]
+    if case == "tools":
+        blocks = [data["content_block"] for name, data in events if name == "content_block_start"]
+        assert any(b["type"] == "tool_use" and b["name"] == "echo" for b in blocks), blocks
 
 
 @pytest.mark.parametrize("path, body, param", [

@@ -12,7 +12,7 @@ from openai.types.responses import Response
 ENGINES = {
     "upstream-openai": ("engine.kind=upstream", "engine.upstream_dialect=openai"),
     "upstream-anthropic": ("engine.kind=upstream", "engine.upstream_dialect=anthropic"),
-    "local": ("engine.kind=local", "engine.model=tiny", "engine.max_new_tokens=8", "engine.seed=0"),
+    "local": ("engine.kind=local", "engine.max_new_tokens=32", "engine.seed=0", "engine.temperature=0"),
 }
 TOOL = {"type": "function", "name": "echo",
         "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}
@@ -23,6 +23,8 @@ def engine(request, module_reef_server, fake_upstream_url):
     overrides = ENGINES[request.param]
     if request.param.startswith("upstream"):
         overrides = (*overrides, f"engine.upstream_url={fake_upstream_url}", "engine.upstream_model=fake-model")
+    else:  # a tiny model fine-tuned to call tools, in the Hermes convention
+        overrides = (*overrides, f"engine.model={request.getfixturevalue('fake_tool_model_dir')}")
     return request.param, module_reef_server(*overrides, timeout=300)
 
 
@@ -60,8 +62,10 @@ def test_streamed_response_typed_events(engine):
     assert "response.output_text.delta" in kinds and "response.output_item.done" in kinds
     assert [e.sequence_number for e in events] == list(range(len(events)))
     final = events[-1].response
-    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    assert deltas == final.output_text
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == final.output_text
+    assert len(deltas) > 1  # relayed as generated, not one block built from the finished answer
+    assert final.usage.output_tokens >= 1
     receipt = final.id[len("resp_"):]
     assert payload(server, "responses", receipt)["responses"]["response_id"] == final.id
 
@@ -85,9 +89,7 @@ def test_previous_response_chain_and_store_false(engine):
 
 
 def test_function_tool_round_trip(engine):
-    name, server = engine
-    if name == "local":
-        pytest.skip("the embedded engine does not parse tool calls yet (issue #20 item 3)")
+    _, server = engine
     api = client(server, "responses-tools")
     response = api.responses.create(model="m", input="use the tool", tools=[TOOL], tool_choice="required")
     calls = [item for item in response.output if item.type == "function_call"]
@@ -95,6 +97,22 @@ def test_function_tool_round_trip(engine):
     follow = api.responses.create(model="m", previous_response_id=response.id, tools=[TOOL], input=[
         {"type": "function_call_output", "call_id": calls[0].call_id, "output": "echoed"}])
     assert follow.status == "completed" and follow.output_text
+
+
+def test_streamed_function_call(engine):
+    _, server = engine
+    events = list(client(server, "responses-tools").responses.create(
+        model="m", input="use the tool", tools=[TOOL], tool_choice="required", stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[-1] == "response.completed" and [e.sequence_number for e in events] == list(range(len(events)))
+    added = [e.item for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    assert added and added[0].name == "echo"
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta"
+                        and e.item_id == added[0].id)
+    final = [item for item in events[-1].response.output if item.type == "function_call"]
+    assert final[0].id == added[0].id and final[0].arguments == arguments and final[0].call_id == added[0].call_id
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done and done[0].arguments == arguments
 
 
 @pytest.mark.parametrize("body, param", [

@@ -126,9 +126,12 @@ class HarnessAdapter:
     #: None: use gepa's reflective proposer (default instruction template + fence extractor).
     propose_new_texts = None
 
-    def __init__(self, runner: TaskRunner, base_tree: Mapping[str, str]):
+    def __init__(self, runner: TaskRunner, base_tree: Mapping[str, str], instructions: list[str] | None = None):
         self.runner = runner
         self.base_tree = dict(base_tree)
+        #: A person's instructions for this step (``POST /reef/train``): reflection input beside each episode's
+        #: feedback, so the proposal answers them.
+        self.instructions = list(instructions or [])
         #: Episodes evaluated with traffic reuse (free of model calls), for metrics.
         self.reused = 0
 
@@ -148,6 +151,7 @@ class HarnessAdapter:
 
     def make_reflective_dataset(self, candidate: dict[str, str], eval_batch: EvaluationBatch,
                                 components_to_update: list[str]) -> dict[str, list[dict[str, Any]]]:
-        records = [{INPUTS: t["input"], OUTPUTS: t["output"], FEEDBACK: t["feedback"]}
+        asked = "".join(f"\n\nInstruction from a person: {text}" for text in self.instructions)
+        records = [{INPUTS: t["input"], OUTPUTS: t["output"], FEEDBACK: (t["feedback"] + asked).strip()}
                    for t in eval_batch.trajectories or ()]
         return {component: [dict(r) for r in records] for component in components_to_update}

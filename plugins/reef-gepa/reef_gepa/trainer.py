@@ -3,6 +3,9 @@
 One :meth:`GepaTrainer.train` call is one iteration of ``gepa.optimize``'s loop, run with the
 library's own pieces on a persistent :class:`~reef_gepa.archive.Archive`:
 
+A batch carrying a person's instruction (``POST /reef/train`` on a ``manual`` / ``hybrid`` scenario) adds its text to
+every reflection record's feedback; without reported traffic its minibatch is the valset.
+
 1. (first call, or when the served tree is new to the archive) the served components are
    validated on the valset and enter the archive (the seed, or a parentless candidate);
 2. if a merge is due (``use_merge``), gepa's ``MergeProposer`` tries one and the iteration ends;
@@ -142,7 +145,7 @@ class GepaTrainer(Trainer):
     def train(self, batch: Batch, ctx: TrainContext) -> CandidateUpdate | None:
         with self._lock:
             tree = self._served_tree(ctx)
-            adapter = HarnessAdapter(self.runner, tree)
+            adapter = HarnessAdapter(self.runner, tree, [i["text"] for i in batch.instructions])
             try:
                 served = self._sync(adapter, tree, ctx.serving_release_id)
                 if self._exhausted():
@@ -226,6 +229,8 @@ class GepaTrainer(Trainer):
     def _minibatch_source(self, batch: Batch, served_text: str) -> ListDataLoader | None:
         traffic = [e for e in (sample_episode(s, served_text) for s in batch.samples) if e is not None]
         if self.train_episodes is None:
+            if not traffic and batch.instructions and self.val_episodes:
+                return ListDataLoader(list(self.val_episodes))  # an instruction alone reflects on the valset
             if not traffic:
                 log.info("gepa %s: no usable reported traffic in batch %s", self.scenario, batch.batch_id)
                 return None
@@ -310,7 +315,9 @@ class GepaTrainer(Trainer):
         return ReflectiveMutationProposer(
             logger=_GepaLog(), trainset=loader, adapter=adapter, candidate_selector=self._candidate_selector(),
             module_selector=module_selector, batch_sampler=sampler, perfect_score=float(opts.perfect_score),
-            skip_perfect_score=bool(opts.skip_perfect_score), experiment_tracker=create_experiment_tracker(),
+            # An instruction asks for a change even where every score is already perfect.
+            skip_perfect_score=bool(opts.skip_perfect_score) and not adapter.instructions,
+            experiment_tracker=create_experiment_tracker(),
             reflection_lm=self._reflect, reflection_prompt_template=opts.reflection_prompt_template)
 
     def _candidate_selector(self):

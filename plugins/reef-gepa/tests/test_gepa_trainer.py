@@ -229,3 +229,23 @@ def test_served_model_through_the_engine_from_a_worker_thread():
             asyncio.run_coroutine_threadsafe(engine.close(), server_loop).result(10)
             server_loop.call_soon_threadsafe(server_loop.stop)
             thread.join(5)
+
+
+def test_an_instruction_is_reflection_input_and_needs_no_traffic(tmp_path):
+    """A person's instruction (``POST /reef/train``) reaches the reflection prompt beside the feedback; without reported
+    traffic its minibatch is the valset. A batch with neither trains nothing."""
+    seen = []
+
+    def reflector(messages):
+        seen.append(str(messages))
+        return E.reflector(messages)
+
+    trainer = GepaTrainer("facts", options(), TrainerSetup(data_dir=tmp_path), reflection_model=reflector)
+    tree = dict(trainer.options.initial_files)
+    assert trainer.train(Batch("empty", [], [], "facts"), ctx_for(1, None, tree)) is None and not seen
+    text = f"Remember this: {E.FACTS[E.CATEGORIES[-1]]}"
+    batch = Batch("facts:instruction:i1", [], ["i1"], "facts",
+                  instructions=[{"agent_record_id": "i1", "text": text}])
+    update = trainer.train(batch, ctx_for(2, None, tree))
+    assert seen and all(f"Instruction from a person: {text}" in prompt for prompt in seen)
+    assert update is not None and update.metrics["minibatch_after"] > update.metrics["minibatch_before"]

@@ -26,7 +26,8 @@ def server_overrides() -> list[str]:
     return [f"server.tokens=[{INFERENCE_TOKEN}]", f"server.admin_tokens=[{ADMIN_TOKEN}]",
             f"server.scoped_tokens=[{{name:fuzz-scoped,token:{SCOPED_TOKEN},scenarios:[fz-a,'{HARNESS_PREFIX}*'],"
             "rpm:1000000,tpm:100000000,budget_tokens:1000000000}]",
-            f"routes=[{{pattern:'{HARNESS_PREFIX}*',recipe:gepa}},"
+            # The harness scenarios take instructions (POST /reef/train), the others refuse them (auto mode).
+            f"routes=[{{pattern:'{HARNESS_PREFIX}*',recipe:gepa,overrides:['recipe.training_mode=hybrid']}},"
             f"{{pattern:'{SKILLS_PREFIX}*',recipe:skillclaw,overrides:['{seed}']}}]", "server.log_level=warning"]
 
 
