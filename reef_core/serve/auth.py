@@ -8,9 +8,9 @@
   (what Anthropic SDKs send) is accepted.
 * A token is looked up by its SHA-256 digest (:mod:`reef_core.serve.tenancy`) and never logged; its principal
   (name, scopes, scenario patterns) goes into the request state as ``reef_principal``.
-* Each route needs a scope: ``infer`` (inference POSTs), ``report`` (``POST /reef/report``, record imports),
-  ``admin`` (routes marked admin: rollback, promote, delete, close-day) or ``read`` (everything else); a token
-  without it gets 403. A scenario named in the path (``/reef/scenarios/{s}/...``, ``/ui/scenarios/{s}/...``) or
+* Each route needs a scope: ``infer`` (inference POSTs), ``report`` (``POST /reef/report``, record imports,
+  ``POST /reef/train``), ``admin`` (routes marked admin: rollback, promote, delete, close-day) or ``read``
+  (everything else); a token without it gets 403. A scenario named in the path (``/reef/scenarios/{s}/...``, ``/ui/scenarios/{s}/...``) or
   in ``x-reef-scenario`` outside the token's patterns is a 403 naming it, here, before any body is read (and again
   where a route reads the header: :func:`reef_core.serve.names.scenario_header`). ``GET /metrics`` labels every
   scenario, so it needs an all-scenario token.
@@ -63,8 +63,9 @@ def _presented_token(headers: list[tuple[bytes, bytes]]) -> str | None:
     return api_key
 
 
-#: Routes needing the ``report`` scope (they store records without inference); inference paths need ``infer``.
-REPORT_PATHS = frozenset({"/reef/report", "/reef/records", "/reef/records/batch"})
+#: Routes needing the ``report`` scope (they store records without inference: reports, imports, instructions);
+#: inference paths need ``infer``.
+REPORT_PATHS = frozenset({"/reef/report", "/reef/records", "/reef/records/batch", "/reef/train"})
 #: The scenario a path names, for every route under a scenario.
 PATH_SCENARIO = re.compile(r"^/(?:reef|ui)/scenarios/([^/]+)")
 
