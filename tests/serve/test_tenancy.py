@@ -21,10 +21,12 @@ from reef_core.serve.auth import TokenSet
 from reef_core.serve.tenancy import RateLimited
 
 ADMIN, TEAM_A, TEAM_A_ADMIN, LIMITED, BUDGET = "admin-tok", "team-a-tok", "team-a-admin-tok", "limited-tok", "budget-tok"
+READER = "team-a-reader-tok"
 SCOPED = ("server.scoped_tokens=["
           f"{{name:team-a,token:{TEAM_A},scenarios:['team-a-*']}},"
           f"{{name:team-a-admin,token:{TEAM_A_ADMIN},scenarios:['team-a-*'],scopes:[infer,report,read,admin]}},"
           f"{{name:limited,token:{LIMITED},scenarios:['lim-*'],rpm:60}},"
+          f"{{name:team-a-reader,token:{READER},scenarios:['team-a-*'],scopes:[read]}},"
           f"{{name:budget,token:{BUDGET},scenarios:['budget-*'],budget_tokens:40,budget_period:total}}]")
 #: Routes that name no scenario: they must not show another team's (checked by content, not status).
 SCENARIO_LESS = {"/healthz", "/ui/login", "/ui/logout", "/v1/models", "/docs", "/openapi.json", "/metrics",
@@ -136,6 +138,16 @@ def test_scoped_tokens_work_on_their_own_scenarios(served):
                        headers=_auth(TEAM_A_ADMIN)).status_code not in (401, 403)
     assert served.post("/reef/scenarios/team-b-x/rollback", json=rollback,
                        headers=_auth(TEAM_A_ADMIN)).status_code == 403
+
+
+def test_a_read_only_token_reads_but_stores_nothing(served):
+    assert served.get("/reef/scenarios/team-a-x/records", headers=_auth(READER)).status_code == 200
+    before = served.get("/reef/scenarios/team-a-x/records", headers=_auth(ADMIN)).json()["records"]
+    for path, body in (("/v1/chat/completions", CHAT), ("/reef/report", {"score": 1, "references": []}),
+                       ("/reef/train", {"instruction": "answer in French"})):
+        refused = served.post(path, json=body, headers=_auth(READER, "team-a-x"))
+        assert refused.status_code == 403 and "scope" in refused.text, (path, refused.text)
+    assert served.get("/reef/scenarios/team-a-x/records", headers=_auth(ADMIN)).json()["records"] == before
 
 
 def test_refusals_in_each_dialect_name_the_scenario(served):
