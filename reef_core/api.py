@@ -22,6 +22,7 @@ from reef_core import hookimpl
 from reef_core.commit.gate import Candidate, Current, Decision, EvaluationResult, Evaluator, SelectionPolicy
 from reef_core.commit.release import Release, scenario_key, scenario_path
 from reef_core.commit.store import ArtifactStore, FileValue
+from reef_core.config.options import option_values
 from reef_core.content import content_text
 from reef_core.dotted import load_callable, load_object
 from reef_core.engines.base import (
@@ -186,7 +187,7 @@ __all__ = [
     "Engine", "EngineRequest", "EngineResponse", "StreamEvent", "TokenData", "DirectResponse",
     "UpstreamEngine", "translate_request", "translate_response",
     # helpers
-    "load_object", "load_callable", "serve_asgi", "serve_reef", "content_text",
+    "load_object", "load_callable", "option_values", "serve_asgi", "serve_reef", "content_text",
     "ReefClient", "AsyncReefClient", "ReefClientError",
     "ChatModel", "CallableChat", "HttpChat", "EngineChat", "reply_text", "resolve_chat_model",
     "SEPARATOR", "encode_tree", "inject_system", "render_system_prompt", "validate_harness_path", "validate_tree",

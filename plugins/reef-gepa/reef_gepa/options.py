@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
-from reef_core.api import ConfigError, ValidationFailed, validate_harness_path
+from reef_core.api import ConfigError, option_values, validate_harness_path, ValidationFailed
 
 SELECTORS = ("pareto", "current_best", "epsilon_greedy", "top_k_pareto")
 MODULE_SELECTORS = ("round_robin", "all")
@@ -63,18 +63,7 @@ class GepaOptions:
     @classmethod
     def from_config(cls, options: Mapping[str, Any] | None) -> "GepaOptions":
         """Parse ``recipe.options`` (a plain mapping); unknown keys are a :class:`ConfigError`."""
-        if options is None:
-            options = {}
-        if not isinstance(options, Mapping):
-            raise ConfigError("gepa: recipe.options must be a mapping")
-        known = {f.name for f in fields(cls)}
-        values = {}
-        for key, value in options.items():
-            name = str(key).replace("-", "_")
-            if name not in known:
-                raise ConfigError(f"gepa has no option {key!r} (known: {', '.join(sorted(known))})")
-            values[name] = value
-        opts = cls(**values)
+        opts = cls(**option_values(cls, options, who="gepa"))
         opts._check()
         return opts
 

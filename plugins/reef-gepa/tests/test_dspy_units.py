@@ -92,7 +92,7 @@ def test_live_program_reloads_a_new_release_and_keeps_running_on_a_broken_one():
 
 
 def test_options_are_checked_and_the_recipe_composes():
-    with pytest.raises(ConfigError, match="no option"):
+    with pytest.raises(ConfigError, match="unknown option"):
         DspyGepaOptions.from_config({"program": "a.b:C", "metric": "a.b:f", "budget": 3})
     with pytest.raises(ConfigError, match="holdout"):
         DspyGepaOptions.from_config({"program": "a.b:C", "metric": "a.b:f", "holdout": 1.5})

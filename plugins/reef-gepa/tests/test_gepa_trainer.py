@@ -200,7 +200,7 @@ def test_operator_edit_becomes_a_parentless_candidate(tmp_path):
 
 @pytest.mark.parametrize("bad, needle", [
     ({"verifier": None}, "verifier"), ({"valset": None}, "valset"), ({"components": []}, "components"),
-    ({"minibatch-size": 0}, "minibatch_size"), ({"bogus": 1}, "no option"), ({"components": ["../x"]}, "'..'"),
+    ({"minibatch-size": 0}, "minibatch_size"), ({"bogus": 1}, "unknown option"), ({"components": ["../x"]}, "'..'"),
     ({"frontier_type": "objective"}, "frontier_type"), ({"candidate_selection_strategy": "best"}, "selection"),
     ({"reflection_prompt_template": "no placeholders"}, "placeholder"), ({"valset": []}, "empty"),
     ({"valset": [{"id": 1, "input": "a"}, {"id": 1, "input": "b"}]}, "unique"),

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from reef_core.api import ConfigError
+from reef_core.api import ConfigError, option_values
 
 HINT_SELECTIONS = ("sequence_optimal", "token_optimal", "shortest")
 
@@ -41,15 +41,7 @@ class OpenClawOptions:
     @classmethod
     def from_options(cls, options: Any, processor_options: Any = None) -> "OpenClawOptions":
         """Parse ``recipe.options``; ``processor_options`` is only checked for a consistent batch size."""
-        data = _plain(options, "recipe.options")
-        known = {f.name for f in fields(cls)}
-        values = {}
-        for key, value in data.items():
-            name = str(key).replace("-", "_")
-            if name not in known:
-                raise ConfigError(f"openclaw: unknown option recipe.options.{key} (known: {', '.join(sorted(known))})")
-            values[name] = value
-        opts = cls(**values)
+        opts = cls(**option_values(cls, options, who="openclaw"))
         opts.validate(_plain(processor_options, "recipe.processor_options"))
         return opts
 

@@ -22,10 +22,10 @@ import math
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from reef_core.api import ConfigError, resolve_chat_model
+from reef_core.api import ConfigError, option_values, resolve_chat_model
 
 from reef_openclaw.judges import HINT_END, HINT_START, JudgeMeter, Verdict, extract_hint, parse_boxed, plurality, \
     select_hints
@@ -94,18 +94,7 @@ class PRMOptions:
 
     @classmethod
     def parse(cls, options: Any) -> "PRMOptions":
-        if options is None:
-            options = {}
-        if not isinstance(options, Mapping):
-            raise ConfigError("judge 'prm': processor_options.judges.prm must be a mapping")
-        known = {f.name for f in fields(cls)}
-        values = {}
-        for key, value in options.items():
-            name = str(key).replace("-", "_")
-            if name not in known:
-                raise ConfigError(f"judge 'prm': unknown option {key!r} (known: {', '.join(sorted(known))})")
-            values[name] = value
-        opts = cls(**values)
+        opts = cls(**option_values(cls, options, who="judge 'prm'", section="processor_options.judges.prm"))
         for name in ("m", "max_tokens", "concurrency", "max_hint_candidates"):
             value = getattr(opts, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

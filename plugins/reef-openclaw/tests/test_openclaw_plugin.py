@@ -63,7 +63,7 @@ def test_processor_and_trainer_refuse_bad_options():
     with pytest.raises(ConfigError, match="served engine"):
         pm.create("processor", "openclaw", scenario="s", options={"judge": "prm"}, create=pm.create)
     setup = TrainerSetup(data_dir=None, load_base_model=build_tiny_model)
-    with pytest.raises(ConfigError, match="unknown option recipe.options.w_kl"):
+    with pytest.raises(ConfigError, match="unknown option .w_kl. in recipe.options"):
         pm.create("trainer", "openclaw", scenario="s", recipe=RecipeConfig(options={"w_kl": 1}),
                   trainer=TrainerConfig(), context=setup)
     with pytest.raises(ConfigError, match="must equal recipe.options.batch_size"):

@@ -8,10 +8,10 @@ under ``reef_sao/conf`` only state what a deployment changes. Imports no torch, 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from reef_core.api import ConfigError
+from reef_core.api import ConfigError, option_values
 
 ADVANTAGES = ("gae", "grpo")
 
@@ -57,18 +57,7 @@ class SAOOptions:
         ``processor_options`` (``recipe.processor_options``) are only checked for consistency with the trainer:
         the processor's batch equals ``batch_size``."""
         data = _plain(options)
-        known = {f.name for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for key, value in data.items():
-            name = str(key).replace("-", "_")
-            if name == "lambda":
-                name = "lam"
-            if name in PROCESSOR_OPTIONS:
-                continue
-            if name not in known:
-                names = ", ".join(sorted(known | PROCESSOR_OPTIONS))
-                raise ConfigError(f"sao: unknown option {key!r} (known: {names})")
-            values[name] = value
+        values = option_values(cls, data, who="sao", aliases={"lambda": "lam"}, ignore=PROCESSOR_OPTIONS)
         opts = cls(**values)
         opts.validate({**data, **_plain(processor_options)})
         return opts

@@ -7,10 +7,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
-from reef_core.api import ConfigError, load_object
+from reef_core.api import ConfigError, load_object, option_values
 
 #: Judge weights of the reference recipe: completion, response quality, efficiency, tool usage.
 DEFAULT_JUDGE_WEIGHTS = {"completion": 0.55, "quality": 0.30, "efficiency": 0.05, "tool_usage": 0.10}
@@ -52,18 +52,7 @@ class SkillClawOptions:
     @classmethod
     def from_config(cls, options: Mapping[str, Any] | None) -> "SkillClawOptions":
         """Parse ``recipe.options`` (a plain mapping); unknown keys are a :class:`ConfigError`."""
-        if options is None:
-            options = {}
-        if not isinstance(options, Mapping):
-            raise ConfigError("skillclaw: recipe.options must be a mapping")
-        known = {f.name for f in fields(cls)}
-        values = {}
-        for key, value in options.items():
-            name = str(key).replace("-", "_")
-            if name not in known:
-                raise ConfigError(f"skillclaw has no option {key!r} (known: {', '.join(sorted(known))})")
-            values[name] = value
-        opts = cls(**values)
+        opts = cls(**option_values(cls, options, who="skillclaw"))
         opts._check()
         return opts
 

@@ -231,7 +231,7 @@ def test_trainer_publishes_the_night_diff_as_one_candidate_or_nothing():
 
 
 def test_options_are_checked():
-    with pytest.raises(ConfigError, match="no option"):
+    with pytest.raises(ConfigError, match="unknown option"):
         SkillClawOptions.from_config({"batchsize": 3})
     with pytest.raises(ConfigError, match="batch_size"):
         SkillClawOptions.from_config({"batch_size": 0})

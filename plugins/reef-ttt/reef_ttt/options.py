@@ -9,10 +9,10 @@ archive of 1000 states. Imports no torch, so config checks stay light.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
-from reef_core.api import ConfigError
+from reef_core.api import ConfigError, option_values
 
 from reef_ttt.advantages import ESTIMATORS
 
@@ -51,14 +51,7 @@ class TTTOptions:
 
     @classmethod
     def from_options(cls, options: Any) -> "TTTOptions":
-        data = _plain(options)
-        known = {f.name for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for key, value in data.items():
-            name = str(key).replace("-", "_")
-            if name not in known:
-                raise ConfigError(f"ttt: unknown option recipe.options.{key} (known: {', '.join(sorted(known))})")
-            values[name] = value
+        values = option_values(cls, options, who="ttt")
         if "task_options" in values:
             values["task_options"] = dict(_plain(values["task_options"], "recipe.options.task_options"))
         if "betas" in values and isinstance(values["betas"], (list, tuple)):

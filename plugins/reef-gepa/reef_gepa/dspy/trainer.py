@@ -26,7 +26,7 @@ import math
 import os
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from reef_core.api import (
     ValidationFailed,
     encode_tree,
     load_object,
+    option_values,
     resolve_chat_model,
     scenario_path,
     validate_tree,
@@ -80,17 +81,7 @@ class DspyGepaOptions:
 
     @classmethod
     def from_config(cls, options: Mapping[str, Any] | None) -> "DspyGepaOptions":
-        options = {} if options is None else options
-        if not isinstance(options, Mapping):
-            raise ConfigError("dspy_gepa: recipe.options must be a mapping")
-        known = {f.name for f in fields(cls)}
-        values = {}
-        for key, value in options.items():
-            name = str(key).replace("-", "_")
-            if name not in known:
-                raise ConfigError(f"dspy_gepa has no option {key!r} (known: {', '.join(sorted(known))})")
-            values[name] = value
-        opts = cls(**values)
+        opts = cls(**option_values(cls, options, who="dspy_gepa"))
         opts._check()
         return opts
 
