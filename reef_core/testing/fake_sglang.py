@@ -56,6 +56,7 @@ from typing import Any, Iterator
 import torch
 
 from reef_core.serve.background import bound_socket, serve_asgi, uvicorn_server
+from reef_core.testing.asgi import read_request
 
 __all__ = ["FakeSGLang", "serve_fake_sglang", "SAMPLING_KEYS"]
 
@@ -145,26 +146,13 @@ class FakeSGLang:
 
     # ---- ASGI --------------------------------------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if scope["type"] != "http":
+        raw = await read_request(scope, receive, send)
+        if raw is None:
             return
         if self._resumed is None:  # asyncio primitives belong to the serving loop
             self._resumed = asyncio.Event()
             self._resumed.set()
             self._idle = asyncio.Condition()
-        raw = bytearray()
-        while True:
-            msg = await receive()
-            raw += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
         path, method = scope["path"], scope["method"]
         try:
             body = json.loads(raw) if raw else None

@@ -50,6 +50,7 @@ from typing import Any, Iterator
 
 from reef_core.content import content_text
 from reef_core.serve.background import bound_socket, serve_asgi, uvicorn_server
+from reef_core.testing.asgi import read_request
 
 __all__ = ["FakeUpstream", "serve_fake_upstream", "run_fake_upstream", "serve_asgi", "FakeUpstreamControl"]
 
@@ -140,23 +141,10 @@ class FakeUpstream:
 
     # ---- ASGI --------------------------------------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if scope["type"] != "http":
+        raw = await read_request(scope, receive, send)
+        if raw is None:
             return
         path, method = scope["path"], scope["method"]
-        raw = bytearray()
-        while True:
-            msg = await receive()
-            raw += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if path.startswith("/_fake/") or path in ("/healthz", "/v1/models"):
             await self._control(path, method, bytes(raw), send)
