@@ -2,13 +2,15 @@
 
 Every release is a commit whose tree holds the released files, a ``.gitattributes`` routing
 weight files (``*.safetensors *.bin *.pt *.pth *.ckpt``) to LFS, and ``reef-artifact.json``
-(see :func:`GitArtifactStore.stage`). Weight files are stored as LFS pointers produced by
-``git lfs clean`` (never GitPython's ``index.add``, which bypasses filters); the objects live
-in the repository's LFS store, so a clone plus ``git lfs pull`` restores them.
+(see :func:`GitArtifactStore.stage`). Weight files are stored as LFS pointers, byte-identical to
+what ``git lfs clean`` prints; the objects live in the repository's LFS store, so a clone plus
+``git lfs pull`` restores them.
 
-Commits are built without a work tree (``hash-object``, ``mktree``, ``commit-tree``) and a head
-only moves by compare-and-swap (``git update-ref <ref> <new> <old>`` in a transaction, or a
-push with ``--force-with-lease`` for a remote repository). History is never rewritten:
+Commits are built without a work tree: a publish writes its blobs, trees, commit and LFS objects
+in process (:mod:`reef_core.commit._objects`, fsynced before any ref names them; a republish
+reuses trees through ``mktree``/``commit-tree``), and a head only moves by compare-and-swap
+(``git update-ref <ref> <new> <old>`` in a transaction, or a push with ``--force-with-lease``
+for a remote repository). History is never rewritten:
 rollback and promote republish existing content as a new child of the current head.
 
 Publishing is split into steps so a caller can put its own commit point in between
@@ -442,7 +444,8 @@ class GitArtifactStore:
 
     # ------------------------------------------------------------------ writing
 
-    def _write_blobs(self, writer: ObjectWriter, files: Mapping[str, FileValue]) -> tuple[dict[str, str], dict[str, dict]]:
+    def _write_blobs(self, writer: ObjectWriter,
+                     files: Mapping[str, FileValue]) -> tuple[dict[str, str], dict[str, dict]]:
         """Store every file; return path -> blob sha and path -> {size, sha256, lfs}.
 
         Weight files go to the LFS store and are committed as the pointer git-lfs would write (an empty one

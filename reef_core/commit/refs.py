@@ -5,8 +5,10 @@ None (unconditional). A new value of ``ZERO`` deletes the ref. Every transaction
 updates apply or none do. A lost race raises :class:`reef_core.errors.Conflict`.
 
 Local: ``git update-ref --stdin`` (start/prepare/commit); git checks each old value under the
-ref lock. One such process stays open per store and runs every transaction in turn (a fork and exec per
-transaction cost more than the transaction); a failed transaction ends it and the next one starts a new one. GitPython's own ref writer does not compare old values, so it is never used here.
+ref lock. One such process stays open per store and runs every transaction in turn (a fork and
+exec per transaction cost more than the transaction); a failed transaction ends it and the next
+one starts a new one. Refs are read from the files backend directly (:func:`_read_refs`).
+GitPython's own ref writer does not compare old values, so it is never used here.
 Remote: ``git push --atomic --force-with-lease=<ref>:<old>`` from a local bare mirror; the
 remote checks the lease under its ref locks.
 """

@@ -28,7 +28,7 @@ def test_objects_pass_fsck_and_pointers_match_git_lfs(release_store, tmp_path, g
     clean = subprocess.run(["git", "lfs", "clean", "--", "model.safetensors"], input=weights, cwd=s.git_dir,
                            capture_output=True, check=True).stdout
     assert git("cat-file", "blob", f"{second.release_id}:model.safetensors", cwd=s.git_dir).encode() == clean
-    assert git("cat-file", "-p", f"{second.release_id}^", cwd=s.git_dir).startswith(f"tree ")
+    assert git("cat-file", "-p", f"{second.release_id}^", cwd=s.git_dir).startswith("tree ")
     # Unchanged weights are content-addressed: the same LFS object, written once.
     assert second.files["model.safetensors"] == first.files["model.safetensors"]
     assert sum(1 for _ in s.media_dir.glob("??/??/*")) == 2
