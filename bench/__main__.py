@@ -14,6 +14,7 @@ BENCHMARKS = {
     "throughput": "bench.throughput",
     "store": "bench.store",
     "publish": "bench.publish",
+    "commit": "bench.commit",
     "fuzz": "bench.fuzz",
     "topk": "bench.topk",
     "engine": "bench.engine",

@@ -142,7 +142,7 @@ def run(args) -> dict:
                     releases.setdefault(row["release_id"], {}).update(
                         {"kind": row.get("content_kind") or ("checkpoint" if row.get("checkpoint") else "release"),
                          **{k: v for k, v in (row.get("metrics") or {}).items()
-                            if k in ("publish_latency_ms", "first_response_ms", "serving_version")}})
+                            if k in ("publish_latency_ms", "commit_ms", "first_response_ms", "serving_version")}})
             if sum("publish_latency_ms" in r for r in releases.values()) >= args.versions:
                 break
         stop.set()
@@ -161,15 +161,17 @@ def run(args) -> dict:
     published = {k: v for k, v in releases.items() if "publish_latency_ms" in v}
     live = [v["publish_latency_ms"] for v in published.values() if v["kind"] == "live_weights"]
     durable = [v["publish_latency_ms"] for v in published.values() if v["kind"] != "live_weights"]
+    commit = [v["commit_ms"] for v in published.values() if v["kind"] != "live_weights" and "commit_ms" in v]
     train = [row["metrics"]["train_s"] * 1000 for row in steps]
-    rows = [[rid[:24], v["kind"], v.get("publish_latency_ms"), v.get("first_response_ms")]
+    rows = [[rid[:24], v["kind"], v.get("commit_ms"), v.get("publish_latency_ms"), v.get("first_response_ms")]
             for rid, v in releases.items()]
     print(f"model {args.model_dir or args.model}{' (LoRA)' if args.lora else ''}, engine {args.engine}")
-    print(common.table(["release", "kind", "publish ms", "first response ms"], rows))
+    print(common.table(["release", "kind", "commit ms", "publish ms", "first response ms"], rows))
     summary = {"live_publish_ms": common.percentiles(live), "durable_publish_ms": common.percentiles(durable),
+               "durable_commit_ms": common.percentiles(commit),
                "train_step_ms": common.percentiles(train)}
     print(f"live versions: publish p50 {summary['live_publish_ms'].get('p50')} ms; durable releases: publish p50 "
-          f"{summary['durable_publish_ms'].get('p50')} ms; train step p50 {summary['train_step_ms'].get('p50')} ms; "
+          f"{summary['durable_publish_ms'].get('p50')} ms (of which the commit {summary['durable_commit_ms'].get('p50')} ms); train step p50 {summary['train_step_ms'].get('p50')} ms; "
           f"{reports} reports, {served['n']} bystander requests, peak RSS {rss:.0f} MiB")
     problems = []
     if len(published) < args.versions:

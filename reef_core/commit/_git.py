@@ -1,9 +1,8 @@
 """Thin runner for the real ``git`` and ``git-lfs`` binaries used by the release store.
 
-GitPython creates and configures repositories; everything that needs binary stdin (``git lfs
-clean``, ``hash-object``, ``cat-file --batch``, ``update-ref --stdin``) goes through
-:meth:`Git.run`, which calls the same ``git`` binary GitPython would and raises GitPython's
-``GitCommandError`` on failure.
+GitPython creates and configures repositories; everything that needs binary stdin (``mktree``,
+``cat-file --batch``) goes through :meth:`Git.run`, which calls the same ``git`` binary GitPython
+would and raises GitPython's ``GitCommandError`` on failure.
 """
 
 from __future__ import annotations

@@ -2,13 +2,15 @@
 
 Every release is a commit whose tree holds the released files, a ``.gitattributes`` routing
 weight files (``*.safetensors *.bin *.pt *.pth *.ckpt``) to LFS, and ``reef-artifact.json``
-(see :func:`GitArtifactStore.stage`). Weight files are stored as LFS pointers produced by
-``git lfs clean`` (never GitPython's ``index.add``, which bypasses filters); the objects live
-in the repository's LFS store, so a clone plus ``git lfs pull`` restores them.
+(see :func:`GitArtifactStore.stage`). Weight files are stored as LFS pointers, byte-identical to
+what ``git lfs clean`` prints; the objects live in the repository's LFS store, so a clone plus
+``git lfs pull`` restores them.
 
-Commits are built without a work tree (``hash-object``, ``mktree``, ``commit-tree``) and a head
-only moves by compare-and-swap (``git update-ref <ref> <new> <old>`` in a transaction, or a
-push with ``--force-with-lease`` for a remote repository). History is never rewritten:
+Commits are built without a work tree: a publish writes its blobs, trees, commit and LFS objects
+in process (:mod:`reef_core.commit._objects`, fsynced before any ref names them; a republish
+reuses trees through ``mktree``/``commit-tree``), and a head only moves by compare-and-swap
+(``git update-ref <ref> <new> <old>`` in a transaction, or a push with ``--force-with-lease``
+for a remote repository). History is never rewritten:
 rollback and promote republish existing content as a new child of the current head.
 
 Publishing is split into steps so a caller can put its own commit point in between
@@ -33,6 +35,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
@@ -41,6 +44,7 @@ from typing import Iterator, Mapping
 from git.exc import GitCommandError
 
 from reef_core.commit._git import ZERO, Git, check_git_lfs
+from reef_core.commit._objects import ObjectWriter
 from reef_core.commit.refs import LocalRefs, RefUpdate, RemoteRefs
 from reef_core.commit.release import (
     ARCHIVED,
@@ -73,6 +77,7 @@ from reef_core.errors import ConfigError, Conflict, NotFound, StorageUnavailable
 log = logging.getLogger(__name__)
 
 _REPO_CONFIG = {"core.logAllRefUpdates": "always", "core.fsync": "committed"}
+_MANIFEST_CACHE = 4096  # manifests kept in memory (a few KiB each)
 _SCP_URL = re.compile(r"^[\w.-]+@[\w.-]+:")
 
 
@@ -141,6 +146,8 @@ class GitArtifactStore:
         lfs_root = (self.git.git_dir / storage) if storage else self.git.git_dir / "lfs"
         self.media_dir = lfs_root / "objects"
         self._lock_path = self.git.git_dir / "reef-gc.lock"
+        # Commits are immutable: a release's manifest, once read (or written), is kept (sha -> manifest).
+        self._manifest_cache: dict[str, dict] = {}
         self._rename_legacy_refs()
 
     # ------------------------------------------------------------------ setup and locking
@@ -213,15 +220,21 @@ class GitArtifactStore:
         return self._refs.snapshot()
 
     def _manifests(self, shas: list[str]) -> dict[str, dict | None]:
-        blobs = self.git.cat_batch([f"{s}:{MANIFEST}" for s in shas])
-        result: dict[str, dict | None] = {}
-        for sha, blob in zip(shas, blobs):
+        cache = self._manifest_cache
+        result: dict[str, dict | None] = {s: cache[s] for s in shas if s in cache}
+        missing = [s for s in shas if s not in result]
+        blobs = self.git.cat_batch([f"{s}:{MANIFEST}" for s in missing])
+        for sha, blob in zip(missing, blobs):
             try:
                 manifest = json.loads(blob) if blob is not None else None
             except ValueError:
                 manifest = None
             if manifest is not None and not {"scenario", "content_id"} <= manifest.keys():
                 manifest = None
+            if manifest is not None and len(sha) == 40:  # a full commit id names the same content forever
+                if len(cache) >= _MANIFEST_CACHE:
+                    cache.clear()
+                cache[sha] = manifest
             result[sha] = manifest
         return result
 
@@ -272,8 +285,10 @@ class GitArtifactStore:
         return self._get(sha, snap)
 
     def _get(self, sha: str, snap: dict[str, str]) -> Release:
-        is_commit, blob = self.git.cat_batch([f"{sha}^{{commit}}", f"{sha}:{MANIFEST}"])
-        manifest = self._manifests([sha])[sha] if is_commit is not None and blob else None
+        manifest = self._manifest_cache.get(sha)
+        if manifest is None:
+            is_commit, blob = self.git.cat_batch([f"{sha}^{{commit}}", f"{sha}:{MANIFEST}"])
+            manifest = self._manifests([sha])[sha] if is_commit is not None and blob else None
         state = self._locate(sha, manifest, snap) if manifest else None
         if state is None:
             raise NotFound(f"unknown release {sha}")
@@ -429,48 +444,28 @@ class GitArtifactStore:
 
     # ------------------------------------------------------------------ writing
 
-    def _write_blobs(self, files: Mapping[str, FileValue]) -> tuple[dict[str, str], dict[str, dict]]:
-        """Store every file; return path -> blob sha and path -> {size, sha256, lfs}."""
-        tmp = self.work_dir / "tmp" / uuid.uuid4().hex
-        tmp.mkdir(parents=True)
-        try:
-            sources: list[tuple[str, Path]] = []
-            meta: dict[str, dict] = {}
-            for i, (name, value) in enumerate(sorted(files.items())):
-                validate_path(name)
-                data, src = self._file_value(name, value)
-                if is_lfs_path(name):
-                    # The clean filter stores the object in the LFS store and prints the pointer.
-                    if src is not None:
-                        with open(src, "rb") as fh:
-                            pointer = self.git.run("lfs", "clean", "--", name, stdin=fh).stdout
-                    else:
-                        pointer = self.git.run("lfs", "clean", "--", name, input=data).stdout
-                    parsed = parse_lfs_pointer(pointer)
-                    if parsed is not None:
-                        meta[name] = {"size": parsed[1], "sha256": parsed[0], "lfs": True}
-                        blob_file = tmp / str(i)
-                        blob_file.write_bytes(pointer)
-                        sources.append((name, blob_file))
-                        continue
-                    # git-lfs leaves empty files as they are: store the (empty) bytes plainly.
-                digest, size = _digest(data, src)
-                meta[name] = {"size": size, "sha256": digest, "lfs": False}
-                if src is None:
-                    src = tmp / str(i)
-                    src.write_bytes(data)
-                sources.append((name, src))
-            attrs = tmp / "attributes"
-            attrs.write_bytes(GITATTRIBUTES)
-            paths = [str(p) for _, p in sources] + [str(attrs)]
-            out = self.git.out(
-                "hash-object", "-w", "--no-filters", "--stdin-paths", input="\n".join(paths).encode() + b"\n"
-            ).split()
-            blobs = {name: sha for (name, _), sha in zip(sources, out)}
-            blobs[ATTRIBUTES] = out[-1]
-            return blobs, meta
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    def _write_blobs(self, writer: ObjectWriter,
+                     files: Mapping[str, FileValue]) -> tuple[dict[str, str], dict[str, dict]]:
+        """Store every file; return path -> blob sha and path -> {size, sha256, lfs}.
+
+        Weight files go to the LFS store and are committed as the pointer git-lfs would write (an empty one
+        stays a plain empty blob, as git-lfs leaves it); the sha256 is taken while the bytes are written."""
+        blobs: dict[str, str] = {}
+        meta: dict[str, dict] = {}
+        for name, value in sorted(files.items()):
+            validate_path(name)
+            data, src = self._file_value(name, value)
+            if src is not None and (not is_lfs_path(name) or src.stat().st_size == 0):
+                data, src = src.read_bytes(), None
+            if is_lfs_path(name) and (src is not None or len(data) > 0):
+                oid, size = writer.lfs_file(src) if src is not None else writer.lfs_bytes(data)
+                meta[name] = {"size": size, "sha256": oid, "lfs": True}
+                blobs[name] = writer.blob(writer.pointer(oid, size))
+                continue
+            meta[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "lfs": False}
+            blobs[name] = writer.blob(data)
+        blobs[ATTRIBUTES] = writer.blob(GITATTRIBUTES)
+        return blobs, meta
 
     @staticmethod
     def _file_value(name: str, value: FileValue) -> tuple[bytes | None, Path | None]:
@@ -483,7 +478,8 @@ class GitArtifactStore:
             return None, path
         raise ValidationFailed(f"{name}: file values must be bytes or a path")
 
-    def _mktree(self, blobs: dict[str, str]) -> str:
+    @staticmethod
+    def _mktree(writer: ObjectWriter, blobs: dict[str, str]) -> str:
         """Build nested trees bottom-up from path -> blob sha."""
         root: dict = {}
         for name, sha in blobs.items():
@@ -498,13 +494,8 @@ class GitArtifactStore:
             node[leaf] = sha
 
         def write(node: dict) -> str:
-            lines = []
-            for entry, value in node.items():
-                if isinstance(value, dict):
-                    lines.append(f"040000 tree {write(value)}\t{entry}\0")
-                else:
-                    lines.append(f"100644 blob {value}\t{entry}\0")
-            return self.git.out("mktree", "-z", input="".join(lines).encode())
+            return writer.tree({entry: (True, write(value)) if isinstance(value, dict) else (False, value)
+                                for entry, value in node.items()})
 
         return write(root)
 
@@ -524,11 +515,13 @@ class GitArtifactStore:
                 actual=current,
             )
 
-    def _stage_manifest(self, blobs: dict[str, str], manifest: dict, parent: str | None) -> str:
-        manifest_blob = self.git.out("hash-object", "-w", "--stdin", input=dumps_manifest(manifest))
-        tree = self._mktree({**blobs, MANIFEST: manifest_blob})
+    def _stage_manifest(self, writer: ObjectWriter, blobs: dict[str, str], manifest: dict, parent: str | None) -> str:
+        text = dumps_manifest(manifest)
+        tree = self._mktree(writer, {**blobs, MANIFEST: writer.blob(text)})
         message = f"reef {manifest['operation']}: {manifest['scenario']}\n\ncontent {manifest['content_id']}"
-        sha = self._commit(tree, parent, message)
+        sha = writer.commit(tree, parent, message, int(time.time()))
+        writer.sync()  # durable before any ref names the commit
+        self._manifest_cache[sha] = json.loads(text)
         self._refs.upload_lfs({m["sha256"] for m in manifest["files"].values() if m["lfs"]})
         self._refs.transaction([RefUpdate(STAGED + sha, sha, ZERO)])
         return sha
@@ -563,23 +556,24 @@ class GitArtifactStore:
         with self._flock(fcntl.LOCK_SH):
             snap = self._snapshot()
             self._check_head(scenario, parent, snap)
-            blobs, meta = self._write_blobs(files)
-            manifest = {
-                "schema": 1,
-                "scenario": scenario,
-                "content_id": content_id_of(meta),
-                "parent_release_id": parent,
-                "operation": operation,
-                "source": _jsonable(source, "source") or {"kind": operation},
-                "metrics": _jsonable(metrics, "metrics") or {},
-                "evaluation": evaluation,
-                "gate": evaluation,
-                "created_at": _iso(_now()),
-                "files": meta,
-                "commit": _jsonable(log_row, "log_row"),
-            }
-            sha = self._stage_manifest(blobs, manifest, parent)
-        return self._get(sha, self._snapshot())
+            with ObjectWriter(self.git_dir, self.media_dir) as writer:  # objects in process, no git child
+                blobs, meta = self._write_blobs(writer, files)
+                manifest = {
+                    "schema": 1,
+                    "scenario": scenario,
+                    "content_id": content_id_of(meta),
+                    "parent_release_id": parent,
+                    "operation": operation,
+                    "source": _jsonable(source, "source") or {"kind": operation},
+                    "metrics": _jsonable(metrics, "metrics") or {},
+                    "evaluation": evaluation,
+                    "gate": evaluation,
+                    "created_at": _iso(_now()),
+                    "files": meta,
+                    "commit": _jsonable(log_row, "log_row"),
+                }
+                sha = self._stage_manifest(writer, blobs, manifest, parent)
+        return self._get(sha, {**snap, STAGED + sha: sha})  # what the transaction just made
 
     def stage_republish(
         self,
@@ -688,9 +682,26 @@ class GitArtifactStore:
                 RefUpdate(HELD + promoted, ZERO, promoted),
                 RefUpdate(PROMOTED + promoted, promoted, ZERO),
             ]
+        self._advance_refs(updates, sha)
+        after = dict(snap)  # what the transaction just made
+        for u in updates:
+            if u.new == ZERO:
+                after.pop(u.ref, None)
+            else:
+                after[u.ref] = u.new
+        return self._get(sha, after)
+
+    def _advance_refs(self, updates: list[RefUpdate], sha: str) -> None:
+        """Apply the head move and move the global head with it, in one local transaction (one ref fsync round)
+        when that goes through; otherwise as before, the move first and the global head after it, best effort."""
+        if not self.is_remote:
+            try:
+                self._refs.transaction([*updates, RefUpdate(HEAD_REF, sha, None)], attempts=1)
+                return
+            except StorageUnavailable:  # e.g. the global head's lock stayed busy: it must not stop the move
+                pass
         self._refs.transaction(updates)
         self._move_global_head(sha)
-        return self.get(sha)
 
     def _move_global_head(self, sha: str) -> None:
         # Last writer wins across scenarios; a failure here never undoes the scenario move.
@@ -765,15 +776,3 @@ class GitArtifactStore:
         if updates:
             self._refs.transaction(updates)
 
-
-def _digest(data: bytes | None, src: Path | None) -> tuple[str, int]:
-    h = hashlib.sha256()
-    size = 0
-    if src is None:
-        h.update(data)
-        return h.hexdigest(), len(data)
-    with open(src, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-            size += len(chunk)
-    return h.hexdigest(), size

@@ -398,6 +398,7 @@ class ScenarioLearner:
                 release_id = row["live_release_id"]
                 self.live_release_id = release_id
                 step = row["step"]
+            commit_ms = round((time.perf_counter() - accepted_at) * 1000, 3)  # the durable part of publishing
             served = self._activate_committed(release_id, before, payload=update.payload, durable=durable)
             if served:
                 self.versions_since_checkpoint = 0 if durable else self.versions_since_checkpoint + 1
@@ -406,7 +407,7 @@ class ScenarioLearner:
                 publish_ms = round((time.perf_counter() - accepted_at) * 1000, 3)
                 self._pending_latency[version or release_id] = accepted_at
                 self._remember(release_id, {"serving_version": version, "step": step,
-                                            "publish_latency_ms": publish_ms})
+                                            "publish_latency_ms": publish_ms, "commit_ms": commit_ms})
                 self.trainer.accepted(update, release_id)
             else:
                 self.trainer.rejected(update)  # the trainer resyncs to the version that still serves
