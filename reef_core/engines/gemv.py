@@ -40,15 +40,16 @@ _SOURCE = r"""
 
 static inline float widen(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 
-/* y[r*n + j] = sum_i x[r*k + i] * w[j*k + i] (+ b[j]) for j0 <= j < n and each of the m input rows r; w holds
+/* y[r*n + j] = sum_i x[r*k + i] * w[j*k + i] (+ b[j]) for j0 <= j < j1 and each of the m input rows r; w holds
    bf16 bit patterns; float32 products and sums. Each (r, j)'s arithmetic does not depend on m or on how rows are
    split between threads: a batch of m inputs gives, bitwise, what m single products give, while the weights are
    read from memory once (a block of rows stays in L1 while every input passes over it). */
-static void rows(const float *x, const uint16_t *w, const float *b, float *y, long j0, long n, long k, long m) {
+static void rows(const float *x, const uint16_t *w, const float *b, float *y, long j0, long j1, long n, long k,
+                 long m) {
     long j = j0;
 #ifdef __AVX512F__
     long k16 = k & ~15L;
-    for (; j + 4 <= n; j += 4) {  /* four rows share each load of x */
+    for (; j + 4 <= j1; j += 4) {  /* four rows share each load of x */
         const uint16_t *r0 = w + j * k, *r1 = r0 + k, *r2 = r1 + k, *r3 = r2 + k;
         for (long r = 0; r < m; r++) {
             const float *xr = x + r * k;
@@ -72,7 +73,7 @@ static void rows(const float *x, const uint16_t *w, const float *b, float *y, lo
         }
     }
 #endif
-    for (; j < n; j++) {
+    for (; j < j1; j++) {
         const uint16_t *row = w + j * k;
         for (long r = 0; r < m; r++) {
             const float *xr = x + r * k;
@@ -120,7 +121,7 @@ static void *worker(void *arg) {
         seen = __atomic_load_n(&epoch, __ATOMIC_ACQUIRE);
         long lo, hi;
         share(t, job.n, &lo, &hi);
-        rows(job.x, job.w, job.b, job.y, lo, hi, job.k, job.m);
+        rows(job.x, job.w, job.b, job.y, lo, hi, job.n, job.k, job.m);
         __atomic_fetch_add(&done, 1, __ATOMIC_RELEASE);
     }
     return 0;
@@ -147,7 +148,7 @@ int reef_gemv_threads(int n) {
 }
 
 void reef_gemv_bf16(const float *x, const uint16_t *w, const float *b, float *y, long m, long n, long k) {
-    if (nthreads == 1 || n * k < 65536) { rows(x, w, b, y, 0, n, k, m); return; }
+    if (nthreads == 1 || n * k < 65536) { rows(x, w, b, y, 0, n, n, k, m); return; }
     pthread_mutex_lock(&caller);
     job.x = x; job.w = w; job.b = b; job.y = y; job.m = m; job.n = n; job.k = k;
     __atomic_store_n(&done, 0, __ATOMIC_RELAXED);
@@ -159,7 +160,7 @@ void reef_gemv_bf16(const float *x, const uint16_t *w, const float *b, float *y,
     }
     long lo, hi;
     share(0, n, &lo, &hi);
-    rows(x, w, b, y, lo, hi, k, m);
+    rows(x, w, b, y, lo, hi, n, k, m);
     for (int spins = 0; __atomic_load_n(&done, __ATOMIC_ACQUIRE) < nthreads - 1; spins++)
         if (spins > 1000) sched_yield();
     pthread_mutex_unlock(&caller);
