@@ -40,6 +40,38 @@ _SOURCE = r"""
 
 static inline float widen(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 
+#ifdef __AVX512F__
+/* Rows j..j+3 of w against NR inputs (x0, x0 + k, ...): each widened weight vector feeds NR products, so a batch
+   costs fewer conversions per product than one input does; the sums per (input, row) are formed exactly as for
+   NR = 1. */
+static inline __attribute__((always_inline)) void block(const float *x0, const uint16_t *w, const float *b,
+                                                        float *y, long j, long n, long k, const int NR) {
+    long k16 = k & ~15L;
+    const uint16_t *wr[4] = {w + j * k, w + (j + 1) * k, w + (j + 2) * k, w + (j + 3) * k};
+    __m512 acc[4][4];
+    for (int r = 0; r < NR; r++)
+        for (int q = 0; q < 4; q++) acc[r][q] = _mm512_setzero_ps();
+    for (long i = 0; i < k16; i += 16) {
+        __m512 wv[4];
+        for (int q = 0; q < 4; q++)
+            wv[q] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wr[q] + i))), 16));
+        for (int r = 0; r < NR; r++) {
+            __m512 xv = _mm512_loadu_ps(x0 + r * k + i);
+            for (int q = 0; q < 4; q++) acc[r][q] = _mm512_fmadd_ps(xv, wv[q], acc[r][q]);
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        const float *xr = x0 + r * k;
+        for (int q = 0; q < 4; q++) {
+            float s = _mm512_reduce_add_ps(acc[r][q]);
+            for (long i = k16; i < k; i++) s += xr[i] * widen(wr[q][i]);
+            y[r * n + j + q] = b ? s + b[j + q] : s;
+        }
+    }
+}
+#endif
+
 /* y[r*n + j] = sum_i x[r*k + i] * w[j*k + i] (+ b[j]) for j0 <= j < j1 and each of the m input rows r; w holds
    bf16 bit patterns; float32 products and sums. Each (r, j)'s arithmetic does not depend on m or on how rows are
    split between threads: a batch of m inputs gives, bitwise, what m single products give, while the weights are
@@ -48,29 +80,10 @@ static void rows(const float *x, const uint16_t *w, const float *b, float *y, lo
                  long m) {
     long j = j0;
 #ifdef __AVX512F__
-    long k16 = k & ~15L;
     for (; j + 4 <= j1; j += 4) {  /* four rows share each load of x */
-        const uint16_t *r0 = w + j * k, *r1 = r0 + k, *r2 = r1 + k, *r3 = r2 + k;
-        for (long r = 0; r < m; r++) {
-            const float *xr = x + r * k;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (long i = 0; i < k16; i += 16) {
-                __m512 xv = _mm512_loadu_ps(xr + i);
-#define WIDEN(q) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((q) + i))), 16))
-                a0 = _mm512_fmadd_ps(xv, WIDEN(r0), a0);
-                a1 = _mm512_fmadd_ps(xv, WIDEN(r1), a1);
-                a2 = _mm512_fmadd_ps(xv, WIDEN(r2), a2);
-                a3 = _mm512_fmadd_ps(xv, WIDEN(r3), a3);
-#undef WIDEN
-            }
-            float s[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
-                          _mm512_reduce_add_ps(a3)};
-            for (int q = 0; q < 4; q++) {
-                const uint16_t *row = w + (j + q) * k;
-                for (long i = k16; i < k; i++) s[q] += xr[i] * widen(row[i]);
-                y[r * n + j + q] = b ? s[q] + b[j + q] : s[q];
-            }
-        }
+        long r = 0;
+        for (; r + 4 <= m; r += 4) block(x + r * k, w, b, y + r * n, j, n, k, 4);
+        for (; r < m; r++) block(x + r * k, w, b, y + r * n, j, n, k, 1);
     }
 #endif
     for (; j < j1; j++) {
