@@ -76,6 +76,7 @@ def _measure(model_dir: Path, args) -> dict:
                 out, s = timed(fn)
                 n = sum(len(x.tokens.output_ids) for x in out)
                 rates[name].append(n / s)
+                print(f"  round {r + 1}: {name}: {n} tokens in {s:.1f} s = {n / s:.1f} tok/s", flush=True)
                 results[name] = out
                 tokens = n
             for a, b in zip(*results.values()):
