@@ -83,7 +83,8 @@ static void rows(const float *x, const uint16_t *w, const float *b, float *y, lo
     for (; j + 4 <= j1; j += 4) {  /* four rows share each load of x */
         long r = 0;
         for (; r + 4 <= m; r += 4) block(x + r * k, w, b, y + r * n, j, n, k, 4);
-        for (; r < m; r++) block(x + r * k, w, b, y + r * n, j, n, k, 1);
+        if (r + 2 <= m) { block(x + r * k, w, b, y + r * n, j, n, k, 2); r += 2; }
+        if (r < m) block(x + r * k, w, b, y + r * n, j, n, k, 1);
     }
 #endif
     for (; j < j1; j++) {
