@@ -583,7 +583,7 @@ class LocalEngine(Engine):
             try:
                 FastDecoder(self._model, slot, 1, self.device, None)
                 self._lean_slots[slot] = True
-            except NotImplementedError:
+            except Exception:  # NotImplementedError (e.g. DoRA), or anything odd: transformers' forward serves it
                 self._lean_slots[slot] = False
         return self._lean_slots[slot]
 
@@ -906,8 +906,18 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.G
         keep = (torch.cumsum(sorted_p, dim=-1) - sorted_p) < top_p  # smallest prefix reaching top_p
         keep[0] = True  # top_p = 0 keeps the most likely token
         sorted_p = sorted_p * keep
-        return int(order[torch.multinomial(sorted_p, 1, generator=gen)])
-    return int(torch.multinomial(probs, 1, generator=gen))
+        return int(order[_draw(sorted_p, gen)])
+    return _draw(probs, gen)
+
+
+def _draw(weights: torch.Tensor, gen: torch.Generator) -> int:
+    """An index drawn with probability proportional to ``weights`` (1-D, >= 0), by inverting the cumulative sum at
+    one uniform draw of ``gen``. Exact like ``torch.multinomial``, ~20x cheaper on a 49k vocabulary (a profile of
+    batched decoding: 2.5 ms a call, a tenth of a SmolLM2 step). A zero weight is never drawn: the first index
+    whose running sum exceeds the draw has a positive weight."""
+    c = torch.cumsum(weights, dim=-1)
+    u = torch.rand(1, generator=gen, device=weights.device, dtype=c.dtype) * c[-1]
+    return min(int(torch.searchsorted(c, u, right=True)), weights.shape[-1] - 1)
 
 
 def _lp_entry(tok, tid: int, logp: torch.Tensor, top: int) -> dict:
