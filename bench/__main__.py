@@ -19,6 +19,7 @@ BENCHMARKS = {
     "topk": "bench.topk",
     "engine": "bench.engine",
     "replicas": "bench.replicas",
+    "batch": "bench.batch",
 }
 
 

@@ -127,6 +127,9 @@ class EngineConfig:
     #: record's training data (``TokenData.top_k``, stored packed in the record's ``top_k`` column); 0 = off, at
     #: most 64. Costs one ``topk`` per token, no extra forward pass.
     top_k_logprobs: int = 0
+    #: Local engine: the most concurrent requests decoded together as one batch (continuous batching: a request
+    #: joins the running batch at the next step); 1 = one request at a time.
+    max_batch_size: int = 8
     #: ``engine.kind=sglang`` / ``vllm``: base URL of the server (``REEF_ENGINE_URL`` when unset; unset with ``launch``:
     #: the managed server's loopback URL). ``engine.model`` must then be a local directory holding the served
     #: model's tokenizer and base weights (Reef renders chat templates and trains from it).

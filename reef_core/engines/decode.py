@@ -81,11 +81,17 @@ class Packed:
         return hit[1]
 
 
+#: the most rows sent through the bf16 kernel at once (a batched decode step; longer inputs, prompts, use float32
+#: matrix products, whose speed no longer depends on memory traffic)
+MAX_KERNEL_ROWS = 32
+
+
 class _Proj:
     """One linear projection: the base weight and bias, plus the enabled LoRA pair and its scale (if any).
 
-    With a bf16 copy of the base weight (``packed``), single-row inputs go through the bf16 kernel into a buffer
-    of this projection's own (reused every step: each output is consumed before the projection runs again)."""
+    With a bf16 copy of the base weight (``packed``), decode inputs (one row, or one per batched generation) go
+    through the bf16 kernel; a single row into a buffer of this projection's own (reused every step: each output is
+    consumed before the projection runs again)."""
 
     __slots__ = ("w", "b", "a", "bb", "scale", "mat", "out")
 
@@ -105,6 +111,8 @@ class _Proj:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mat is not None and x.shape[0] == 1:
             y = self.mat(x.contiguous(), self.b, self.out)
+        elif self.mat is not None and x.shape[0] <= MAX_KERNEL_ROWS:
+            y = self.mat(x.contiguous(), self.b, torch.empty(x.shape[0], self.w.shape[0]))
         else:
             y = F.linear(x, self.w, self.b)
         if self.a is not None:
@@ -203,3 +211,41 @@ class FastDecoder:
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Logits after one more token (``token``: a 1-element long tensor)."""
         return self._forward(token.view(1))
+
+
+def step_rows(decoders: list[FastDecoder], tokens: torch.Tensor) -> torch.Tensor:
+    """One decode step for several generations at once: ``tokens[i]`` goes to ``decoders[i]`` (each at its own
+    position, over its own cache); returns their logits, ``[B, vocab]`` float32.
+
+    The decoders must share weights and adapter (built from the same model and slot): the projections run once for
+    the whole batch (weights read from memory once per step, not once per generation), attention per generation
+    over its own cache (no padding, no mask). Each row's arithmetic is what :meth:`FastDecoder.step` does for it
+    alone, up to the reduction order of float32 matrix products (bitwise the same through the bf16 kernel).
+    """
+    if len(decoders) == 1:
+        return decoders[0].step(tokens[:1])[None]
+    lead = decoders[0]
+    b = len(decoders)
+    nh, nkv, hd, groups = lead.n_heads, lead.n_kv, lead.hd, lead.groups
+    pos = [d.pos for d in decoders]
+    h = F.embedding(tokens, lead.embed_w)  # [B, H]
+    cos = torch.stack([d.cos[p] for d, p in zip(decoders, pos)])[:, None]  # [B, 1, hd]
+    sin = torch.stack([d.sin[p] for d, p in zip(decoders, pos)])[:, None]
+    for i, (w1, e1, q_p, k_p, v_p, o_p, w2, e2, g_p, u_p, d_p) in enumerate(lead.layers):
+        x = lead._norm(h, w1, e1)
+        q = lead._rope(q_p(x).view(b, nh, hd), cos, sin)  # [B, nh, hd]
+        k = lead._rope(k_p(x).view(b, nkv, hd), cos, sin)  # [B, nkv, hd]
+        v = v_p(x).view(b, nkv, hd)
+        heads = []
+        for r, (d, p) in enumerate(zip(decoders, pos)):
+            d.k[i, :, p] = k[r]
+            d.v[i, :, p] = v[r]
+            a = F.scaled_dot_product_attention(q[r].reshape(nkv, groups, hd), d.k[i, :, :p + 1], d.v[i, :, :p + 1],
+                                               scale=lead.scale)
+            heads.append(a.reshape(1, nh * hd))
+        h = h + o_p(torch.cat(heads))
+        x = lead._norm(h, w2, e2)
+        h = h + d_p(F.silu(g_p(x)) * u_p(x))
+    for d in decoders:
+        d.pos += 1
+    return lead.head(lead._norm(h, lead.norm_w, lead.norm_eps)).float()

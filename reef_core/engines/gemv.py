@@ -1,4 +1,5 @@
-"""Matrix-vector product of a float32 vector with bfloat16-stored weights, accumulated in float32, on the CPU.
+"""Products of float32 rows (one decode step, or a batch of them) with bfloat16-stored weights, accumulated in
+float32, on the CPU.
 
 Why: decoding one token reads every weight once, so on a CPU its time is set by memory traffic, not arithmetic
 (SmolLM2-135M: 538 MB of float32 weights per token). Weights that are *exactly* representable in bfloat16 (a
@@ -39,43 +40,66 @@ _SOURCE = r"""
 
 static inline float widen(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 
-/* y[j] = sum_i x[i] * w[j*k + i] (+ b[j]) for j0 <= j < n; w holds bf16 bit patterns; float32 products and
-   sums. Each row's arithmetic does not depend on how rows are split between threads. */
-static void rows(const float *x, const uint16_t *w, const float *b, float *y, long j0, long n, long k) {
-    long j = j0;
 #ifdef __AVX512F__
+/* Rows j..j+3 of w against NR inputs (x0, x0 + k, ...): each widened weight vector feeds NR products, so a batch
+   costs fewer conversions per product than one input does; the sums per (input, row) are formed exactly as for
+   NR = 1. */
+static inline __attribute__((always_inline)) void block(const float *x0, const uint16_t *w, const float *b,
+                                                        float *y, long j, long n, long k, const int NR) {
     long k16 = k & ~15L;
-    for (; j + 4 <= n; j += 4) {  /* four rows share each load of x */
-        const uint16_t *r0 = w + j * k, *r1 = r0 + k, *r2 = r1 + k, *r3 = r2 + k;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (long i = 0; i < k16; i += 16) {
-            __m512 xv = _mm512_loadu_ps(x + i);
-#define WIDEN(r) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((r) + i))), 16))
-            a0 = _mm512_fmadd_ps(xv, WIDEN(r0), a0);
-            a1 = _mm512_fmadd_ps(xv, WIDEN(r1), a1);
-            a2 = _mm512_fmadd_ps(xv, WIDEN(r2), a2);
-            a3 = _mm512_fmadd_ps(xv, WIDEN(r3), a3);
-#undef WIDEN
-        }
-        float s[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
-                      _mm512_reduce_add_ps(a3)};
-        for (int q = 0; q < 4; q++) {
-            const uint16_t *r = w + (j + q) * k;
-            for (long i = k16; i < k; i++) s[q] += x[i] * widen(r[i]);
-            y[j + q] = b ? s[q] + b[j + q] : s[q];
+    const uint16_t *wr[4] = {w + j * k, w + (j + 1) * k, w + (j + 2) * k, w + (j + 3) * k};
+    __m512 acc[4][4];
+    for (int r = 0; r < NR; r++)
+        for (int q = 0; q < 4; q++) acc[r][q] = _mm512_setzero_ps();
+    for (long i = 0; i < k16; i += 16) {
+        __m512 wv[4];
+        for (int q = 0; q < 4; q++)
+            wv[q] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wr[q] + i))), 16));
+        for (int r = 0; r < NR; r++) {
+            __m512 xv = _mm512_loadu_ps(x0 + r * k + i);
+            for (int q = 0; q < 4; q++) acc[r][q] = _mm512_fmadd_ps(xv, wv[q], acc[r][q]);
         }
     }
+    for (int r = 0; r < NR; r++) {
+        const float *xr = x0 + r * k;
+        for (int q = 0; q < 4; q++) {
+            float s = _mm512_reduce_add_ps(acc[r][q]);
+            for (long i = k16; i < k; i++) s += xr[i] * widen(wr[q][i]);
+            y[r * n + j + q] = b ? s + b[j + q] : s;
+        }
+    }
+}
 #endif
-    for (; j < n; j++) {
+
+/* y[r*n + j] = sum_i x[r*k + i] * w[j*k + i] (+ b[j]) for j0 <= j < j1 and each of the m input rows r; w holds
+   bf16 bit patterns; float32 products and sums. Each (r, j)'s arithmetic does not depend on m or on how rows are
+   split between threads: a batch of m inputs gives, bitwise, what m single products give, while the weights are
+   read from memory once (a block of rows stays in L1 while every input passes over it). */
+static void rows(const float *x, const uint16_t *w, const float *b, float *y, long j0, long j1, long n, long k,
+                 long m) {
+    long j = j0;
+#ifdef __AVX512F__
+    for (; j + 4 <= j1; j += 4) {  /* four rows share each load of x */
+        long r = 0;
+        for (; r + 4 <= m; r += 4) block(x + r * k, w, b, y + r * n, j, n, k, 4);
+        if (r + 2 <= m) { block(x + r * k, w, b, y + r * n, j, n, k, 2); r += 2; }
+        if (r < m) block(x + r * k, w, b, y + r * n, j, n, k, 1);
+    }
+#endif
+    for (; j < j1; j++) {
         const uint16_t *row = w + j * k;
-        float acc[16] = {0};
-        long i = 0;
-        for (; i + 16 <= k; i += 16)
-            for (int l = 0; l < 16; l++) acc[l] += x[i + l] * widen(row[i + l]);
-        float s = 0.0f;
-        for (int l = 0; l < 16; l++) s += acc[l];
-        for (; i < k; i++) s += x[i] * widen(row[i]);
-        y[j] = b ? s + b[j] : s;
+        for (long r = 0; r < m; r++) {
+            const float *xr = x + r * k;
+            float acc[16] = {0};
+            long i = 0;
+            for (; i + 16 <= k; i += 16)
+                for (int l = 0; l < 16; l++) acc[l] += xr[i + l] * widen(row[i + l]);
+            float s = 0.0f;
+            for (int l = 0; l < 16; l++) s += acc[l];
+            for (; i < k; i++) s += xr[i] * widen(row[i]);
+            y[r * n + j] = b ? s + b[j] : s;
+        }
     }
 }
 
@@ -84,7 +108,7 @@ static void rows(const float *x, const uint16_t *w, const float *b, float *y, lo
 #include <pthread.h>
 #include <sched.h>
 #define MAX_THREADS 16
-static struct { const float *x; const uint16_t *w; const float *b; float *y; long n, k; } job;
+static struct { const float *x; const uint16_t *w; const float *b; float *y; long m, n, k; } job;
 static volatile int epoch, done, sleepers, nthreads = 1;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
@@ -111,7 +135,7 @@ static void *worker(void *arg) {
         seen = __atomic_load_n(&epoch, __ATOMIC_ACQUIRE);
         long lo, hi;
         share(t, job.n, &lo, &hi);
-        rows(job.x, job.w, job.b, job.y, lo, hi, job.k);
+        rows(job.x, job.w, job.b, job.y, lo, hi, job.n, job.k, job.m);
         __atomic_fetch_add(&done, 1, __ATOMIC_RELEASE);
     }
     return 0;
@@ -137,10 +161,10 @@ int reef_gemv_threads(int n) {
     return nthreads;
 }
 
-void reef_gemv_bf16(const float *x, const uint16_t *w, const float *b, float *y, long n, long k) {
-    if (nthreads == 1 || n * k < 65536) { rows(x, w, b, y, 0, n, k); return; }
+void reef_gemv_bf16(const float *x, const uint16_t *w, const float *b, float *y, long m, long n, long k) {
+    if (nthreads == 1 || n * k < 65536) { rows(x, w, b, y, 0, n, n, k, m); return; }
     pthread_mutex_lock(&caller);
-    job.x = x; job.w = w; job.b = b; job.y = y; job.n = n; job.k = k;
+    job.x = x; job.w = w; job.b = b; job.y = y; job.m = m; job.n = n; job.k = k;
     __atomic_store_n(&done, 0, __ATOMIC_RELAXED);
     __atomic_fetch_add(&epoch, 1, __ATOMIC_SEQ_CST);  /* a full fence before reading sleepers */
     if (__atomic_load_n(&sleepers, __ATOMIC_ACQUIRE)) {
@@ -150,7 +174,7 @@ void reef_gemv_bf16(const float *x, const uint16_t *w, const float *b, float *y,
     }
     long lo, hi;
     share(0, n, &lo, &hi);
-    rows(x, w, b, y, lo, hi, k);
+    rows(x, w, b, y, lo, hi, n, k, m);
     for (int spins = 0; __atomic_load_n(&done, __ATOMIC_ACQUIRE) < nthreads - 1; spins++)
         if (spins > 1000) sched_yield();
     pthread_mutex_unlock(&caller);
@@ -189,7 +213,7 @@ def _build() -> ctypes.CDLL | None:
             return None
     lib = ctypes.CDLL(str(target))
     fn = lib.reef_gemv_bf16
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long]
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long, ctypes.c_long]
     fn.restype = None
     lib.reef_gemv_threads.argtypes = [ctypes.c_int]
     lib.reef_gemv_threads.restype = ctypes.c_int
@@ -218,7 +242,7 @@ def bf16_exact(w: torch.Tensor) -> bool:
 
 
 class Bf16Matrix:
-    """A bf16 copy of an exactly-representable float32 weight ``[n, k]``, multiplied into float32 vectors."""
+    """A bf16 copy of an exactly-representable float32 weight ``[n, k]``, multiplied into float32 rows."""
 
     __slots__ = ("w", "n", "k", "fn", "ptr")
 
@@ -228,6 +252,8 @@ class Bf16Matrix:
         self.fn, self.ptr = fn, self.w.data_ptr()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-        """``out[:] = x @ w.T + bias`` for one float32 row ``x`` ([1, k], contiguous); returns ``out`` ([1, n])."""
-        self.fn(x.data_ptr(), self.ptr, bias.data_ptr() if bias is not None else None, out.data_ptr(), self.n, self.k)
+        """``out[:] = x @ w.T + bias`` for float32 rows ``x`` ([m, k], contiguous); returns ``out`` ([m, n]). Each row's
+        result is bitwise the same whatever m is (a batch equals its rows computed one by one)."""
+        self.fn(x.data_ptr(), self.ptr, bias.data_ptr() if bias is not None else None, out.data_ptr(), x.shape[0],
+                self.n, self.k)
         return out

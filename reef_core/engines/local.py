@@ -1,9 +1,12 @@
 """LocalEngine: serve a transformers causal LM in-process, speaking OpenAI Chat Completions.
 
 All torch work (loading, tokenizing, generating, swapping weights) runs on ONE dedicated worker
-thread, in submission order, so the event loop never blocks and torch is never entered twice at once.
-Requests are served one after another; a stream hands each piece of text to the loop as soon as it is
-generated.
+thread (:mod:`reef_core.engines.local_worker`), in submission order, so the event loop never blocks and torch is
+never entered twice at once. Concurrent requests are decoded as one batch (continuous batching, up to
+``max_batch_size`` rows, ``engine.max_batch_size``): a request arriving while others decode is prefilled and joins
+them at the next step, and each step runs one forward for every row (weights read once per step, not once per
+request), each row over its own KV cache at its own position, with its own sampling parameters, generator, stop
+conditions and budget. A stream hands each piece of text to the loop as soon as it is generated.
 
 Sampling is a manual loop over the KV cache: the request's ``temperature``, ``top_p``,
 ``max_tokens``/``max_completion_tokens``, ``stop`` and ``seed`` override the engine defaults
@@ -27,8 +30,10 @@ text), at a stop string (the text is cut before it; the token that completed it 
 or at the token budget (``finish_reason="length"``).
 
 Versioned weights: ``version`` (default ``"base"``) names the weights being served; :meth:`swap_weights`
-is queued on the worker like a request, so it happens between requests: a request that started on
-version v finishes on v, and every response's ``TokenData.version`` names the weights that produced it.
+is queued on the worker like a request, so it happens between requests: the batch closes to newcomers, the rows in
+flight finish on version v, the swap runs, then requests queued after it start on the new version; every response's
+``TokenData.version`` names the weights that produced it. Rows share a batch only when served by the same adapter
+(else the next adapter's requests wait for the batch to drain); transformers' forward serves one row at a time.
 
 Adapters: :meth:`load_adapter` adds (or replaces) a named LoRA adapter kept *unmerged* beside the base weights
 (``peft``: the model is wrapped once, each adapter gets its own slot), :meth:`drop_adapter` removes one. A request
@@ -51,13 +56,13 @@ chunk), then ``StreamEvent(TOKENS_EVENT, TokenData.to_event())``, then ``"[DONE]
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import logging
 import secrets
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -75,10 +80,11 @@ from reef_core.engines.base import (
     TokenData,
 )
 from reef_core.engines.chat_body import SamplingParams, chat_messages, sampling_params
-from reef_core.engines.decode import FastDecoder, Packed, supports
+from reef_core.engines.decode import FastDecoder, Packed, step_rows, supports
 from reef_core.engines.gemv import kernel as gemv_kernel
 from reef_core.engines.gemv import set_threads as set_gemv_threads
 from reef_core.engines.toolcalls import ToolCallStream, finish_reason, request_tools, resolve_parser, tool_parser
+from reef_core.engines.local_worker import Worker
 from reef_core.engines.topk import MAX_K, TopK
 from reef_core.engines.translate import anthropic_count_tokens_to_openai
 from reef_core.errors import ConfigError, Conflict, ReefError, UpstreamError, ValidationFailed
@@ -195,6 +201,38 @@ class _Result:
         return TokenData(self.prompt_ids, self.output_ids, self.logprobs, self.version, self.top_k)
 
 
+@dataclass
+class _Job:
+    """One queued generation: the request, and where its events and its outcome go (called on the worker)."""
+
+    messages: list[dict]
+    tools: list | None
+    params: SamplingParams
+    cancel: threading.Event
+    done: Callable[[Any], None]  # the _Result, or the exception that ended it
+    emit: Callable[[str, list[dict]], None] | None = None
+    started: Callable[[str], None] | None = None
+    frozen: str | None = None
+
+
+@dataclass
+class _Row:
+    """A generation in flight: its state between decode steps."""
+
+    job: _Job
+    res: _Result
+    text: _TextStream
+    gen: torch.Generator
+    max_new: int
+    k: int  # top-K captured per token (0: off)
+    dec: FastDecoder | None  # None: transformers' forward (``out`` holds its cache)
+    logits: torch.Tensor | None = None  # the next token's, float32 [vocab]
+    out: Any = None
+    pending: list[dict] = field(default_factory=list)  # logprob entries not yet attached to emitted text
+    top_vals: list[torch.Tensor] = field(default_factory=list)  # per step, on the device until the end
+    top_ids: list[torch.Tensor] = field(default_factory=list)
+
+
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -215,6 +253,7 @@ class LocalEngine(Engine):
             token in ``TokenData.top_k`` (0: off).
         tool_call_parser: ``engine.tool_call_parser``: how tool calls are read from the generated text
             (:mod:`reef_core.engines.toolcalls`; ``auto`` follows the model's chat template).
+        max_batch_size: ``engine.max_batch_size``: the most requests decoded together (1: one at a time).
     """
 
     dialects = ("openai",)
@@ -233,7 +272,11 @@ class LocalEngine(Engine):
         num_threads: int | None = None,
         top_k_logprobs: int = EngineConfig.top_k_logprobs,
         tool_call_parser: str = EngineConfig.tool_call_parser,
+        max_batch_size: int = EngineConfig.max_batch_size,
     ):
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or not 1 <= max_batch_size <= 256:
+            raise ConfigError(f"engine.max_batch_size must be an integer from 1 to 256, got {max_batch_size!r}")
+        self.max_batch_size = max_batch_size
         if isinstance(top_k_logprobs, bool) or not isinstance(top_k_logprobs, int) or not 0 <= top_k_logprobs <= MAX_K:
             raise ConfigError(f"engine.top_k_logprobs must be an integer from 0 to {MAX_K}, got {top_k_logprobs!r}")
         self.top_k_logprobs = top_k_logprobs
@@ -249,7 +292,7 @@ class LocalEngine(Engine):
         self.device = torch.device(resolve_device(device, field="engine.device"))
         self.version = version
         self.num_threads = num_threads
-        self._executor: ThreadPoolExecutor | None = None
+        self._worker: Worker | None = None
         self._model = None
         self._tok = None
         self._gen: torch.Generator | None = None
@@ -262,9 +305,10 @@ class LocalEngine(Engine):
         self._adapter_of: dict[str, str] = {}  # every version an adapter served under -> its name
         self._slots = 0  # peft adapter names are slot ids, never the (arbitrary) adapter names
         self._serving_slot: str | None | object = _UNKNOWN  # the adapter enabled now (None: all disabled)
+        self._lean_slots: dict[str | None, bool] = {}  # adapter slot -> whether the lean pass serves it
         #: Counters updated by the worker: generations run, tokens sampled, generations cut short by a
-        #: consumer that went away.
-        self.stats = {"generations": 0, "output_tokens": 0, "cancelled": 0}
+        #: consumer that went away, decode forwards run, and the most rows one of them served.
+        self.stats = {"generations": 0, "output_tokens": 0, "cancelled": 0, "decode_steps": 0, "max_rows": 0}
         #: Decode with :class:`reef_core.engines.decode.FastDecoder` when the model allows (False: transformers'
         #: forward, kept as the reference the fast pass is tested against).
         self.fast_decode = True
@@ -275,14 +319,14 @@ class LocalEngine(Engine):
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
-        if self._executor is not None:
+        if self._worker is not None:
             return
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reef-local-engine")
+        self._worker = Worker(self)
         try:
             await self._run(self._load)
         except BaseException:
-            self._executor.shutdown(wait=False)
-            self._executor = None
+            worker, self._worker = self._worker, None
+            await asyncio.to_thread(worker.stop)
             raise
 
     def _load(self) -> None:
@@ -331,12 +375,12 @@ class LocalEngine(Engine):
             log.warning("local engine: fast decoding off, %s", self._fast_unsupported)
 
     async def close(self) -> None:
-        executor, self._executor = self._executor, None
-        if executor is None:
+        worker, self._worker = self._worker, None
+        if worker is None:
             return
         for ev in list(self._active):
             ev.set()  # stop generations in flight at their next token
-        await asyncio.to_thread(executor.shutdown, True)
+        await asyncio.to_thread(worker.stop)
         self._model = self._tok = self._peft = None
         self._adapters.clear()
         self._adapter_of.clear()
@@ -345,9 +389,9 @@ class LocalEngine(Engine):
         return [self.name]
 
     async def _run(self, fn: Callable, *args):
-        if self._executor is None:
+        if self._worker is None:
             raise UpstreamError(f"engine {self.name} is not started")
-        return await asyncio.wrap_future(self._executor.submit(fn, *args))
+        return await asyncio.wrap_future(self._worker.call(fn, *args))
 
     # ---- weights -----------------------------------------------------------------------------------------
     async def swap_weights(self, version: str, state_dict: dict | None = None) -> None:
@@ -437,6 +481,7 @@ class LocalEngine(Engine):
         else:
             self._peft.add_adapter(slot, peft_config)
         self._serving_slot = _UNKNOWN  # peft enables the slot it builds: decided again per request
+        self._lean_slots.clear()
         return slot
 
     def _delete_slot(self, slot: str) -> None:
@@ -448,6 +493,7 @@ class LocalEngine(Engine):
         else:
             self._peft.delete_adapter(slot)
         self._serving_slot = _UNKNOWN
+        self._lean_slots.clear()
 
     def _set_adapter_tensors(self, slot: str, tensors) -> None:
         from peft import get_peft_model_state_dict, set_peft_model_state_dict
@@ -477,9 +523,13 @@ class LocalEngine(Engine):
             self._peft.set_adapter(slot, inference_mode=True)
         self._serving_slot = slot
 
+    def _serving(self, frozen: str | None) -> _Adapter | None:
+        """The adapter a request frozen on ``frozen`` is served by (None: the base)."""
+        return self._adapters.get(self._adapter_of.get(frozen)) if frozen is not None else None
+
     def _serve_as(self, frozen: str | None) -> str:
         """Worker thread: enable the adapter a request frozen on ``frozen`` is served by; the version it serves."""
-        adapter = self._adapters.get(self._adapter_of.get(frozen)) if frozen is not None else None
+        adapter = self._serving(frozen)
         if adapter is None:
             self._enable(None)
             return self.version
@@ -497,7 +547,7 @@ class LocalEngine(Engine):
     def _check_prompt_size(self, messages: list[dict], tools: Any) -> None:
         """Refuse, on the event loop and before any tokenizing, a prompt whose text alone could not fit the
         context even if every token stood for the longest token of the vocabulary (a lower bound on its token
-        count); prompts under the bound are tokenized and checked exactly by :meth:`_generate`."""
+        count); prompts under the bound are tokenized and checked exactly by :meth:`_start_row`."""
         if not self._max_len or self._tok is None:
             return
         chars = sum(len(m["content"]) for m in messages)
@@ -512,17 +562,69 @@ class LocalEngine(Engine):
         text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
         return list(self._tok(text, add_special_tokens=False)["input_ids"])
 
-    @torch.inference_mode()
-    def _generate(self, messages: list[dict], tools: list | None, p: SamplingParams,
-                  emit: Callable[[str, list[dict]], None] | None, cancel: threading.Event,
-                  started: Callable[[str], None] | None = None, frozen: str | None = None) -> _Result:
-        """Worker thread: one whole generation, by the adapter the ``frozen`` version names (else the base).
+    # ---- batching (called by the worker, on its thread) -----------------------------------------------------
+    def fits(self, keys: list, job: _Job):
+        """The batch key of ``job`` when it may join rows keyed ``keys``: rows share a step only on the lean pass,
+        served by the same adapter slot; transformers' forward serves one row at a time."""
+        if len(keys) >= self.max_batch_size:
+            return None
+        adapter = self._serving(job.frozen)
+        slot = adapter.slot if adapter is not None else None
+        key = ("lean", slot) if self._lean_for(slot) else object()  # object(): equal to no other key
+        if keys and (self.max_batch_size == 1 or any(k != key for k in keys)):
+            return None
+        return key
 
-        ``started(version)`` is called once the prompt is accepted; ``emit(text, logprob_entries)``
-        receives each piece of released text.
-        """
-        model, tok = self._model, self._tok
-        res = _Result(prompt_ids=self._prompt_ids(messages, tools), version=self.version)
+    def _lean_for(self, slot: str | None) -> bool:
+        """Whether the lean pass serves requests on adapter ``slot`` (not when off, unsupported, or e.g. DoRA)."""
+        if not self.fast_decode or self._fast_unsupported:
+            return False
+        if slot not in self._lean_slots:
+            try:
+                FastDecoder(self._model, slot, 1, self.device, None)
+                self._lean_slots[slot] = True
+            except Exception:  # NotImplementedError (e.g. DoRA), or anything odd: transformers' forward serves it
+                self._lean_slots[slot] = False
+        return self._lean_slots[slot]
+
+    def admit(self, job: _Job, key) -> _Row | None:
+        """Tokenize and prefill ``job``: its row, or None when it ended here (refused, failed, or already over)."""
+        try:
+            row = self._guard(self._start_row, job, isinstance(key, tuple))
+            if row.max_new > 0:
+                return row
+            self._end_row(row)
+        except BaseException as exc:  # handed to the request's consumer
+            job.done(exc)
+        return None
+
+    def step(self, rows: list[_Row]) -> list[_Row]:
+        """One token for every row (from its current logits), then one forward for the rows still going."""
+        going = []
+        for row in rows:
+            try:
+                over = self._take(row)
+            except BaseException as exc:  # a tokenizer failure: this row's, not the batch's
+                row.job.done(UpstreamError(f"local generation failed: {exc.__class__.__name__}: {exc}"))
+                continue
+            if over:
+                self._end_row(row)
+            else:
+                going.append(row)
+        if not going:
+            return going
+        try:
+            self._guard(self._forward, going)
+        except BaseException as exc:
+            for row in going:
+                row.job.done(exc)
+            return []
+        return going
+
+    @torch.inference_mode()
+    def _start_row(self, job: _Job, lean: bool) -> _Row:
+        p = job.params
+        res = _Result(prompt_ids=self._prompt_ids(job.messages, job.tools), version=self.version)
         max_new = p.max_new
         if self._max_len:
             room = self._max_len - len(res.prompt_ids)
@@ -530,74 +632,95 @@ class LocalEngine(Engine):
                 raise ValidationFailed(f"messages: the prompt of {len(res.prompt_ids)} tokens fills the model's context "
                                        f"of {self._max_len} tokens")
             max_new = min(max_new, room)
-        res.version = self._serve_as(frozen)
+        res.version = self._serve_as(job.frozen)
         if p.seed is not None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(p.seed)
         else:
             gen = self._gen
-        if started is not None:
-            started(res.version)
-        text = _TextStream(tok, p.stops)
-        pending: list[dict] = []  # logprob entries not yet attached to emitted text
-        ckw = self._cache_kw
-        k = min(self.top_k_logprobs, int(model.config.vocab_size)) if self.top_k_logprobs else 0
-        top_vals: list[torch.Tensor] = []  # per step, left on the device until the generation ends
-        top_ids: list[torch.Tensor] = []
-        dec = self._decoder(len(res.prompt_ids) + max_new)
+        if job.started is not None:
+            job.started(res.version)
+        k = min(self.top_k_logprobs, int(self._model.config.vocab_size)) if self.top_k_logprobs else 0
+        dec = self._decoder(len(res.prompt_ids) + max_new) if lean else None
         self.decode_path = "transformers" if dec is None else "lean"
+        row = _Row(job, res, _TextStream(self._tok, p.stops), gen, max_new, k, dec)
+        if max_new <= 0:
+            return row
         if dec is not None:
-            logits = dec.prefill(res.prompt_ids)
-            last = torch.zeros(1, dtype=torch.long, device=self.device)  # the step's input, refilled in place
+            row.logits = dec.prefill(res.prompt_ids)
         else:
-            out = model(input_ids=torch.tensor([res.prompt_ids], device=self.device), use_cache=True,
-                        **self._prefill_kw)
-            logits = out.logits[0, -1].float()
-        for step in range(max_new):
-            logp = torch.log_softmax(logits, dim=-1)
-            if k:
-                vals, idx = torch.topk(logp, k)
-                top_vals.append(vals)
-                top_ids.append(idx)
-            tid = _sample(logits, p.temperature, p.top_p, gen)
-            res.output_ids.append(tid)
-            res.logprobs.append(float(logp[tid]))
-            if tid in self._eos:
-                res.finish_reason = "stop"
-                break
-            if p.logprobs:
-                pending.append(_lp_entry(tok, tid, logp, p.top_logprobs))
-            piece = text.add(tid)
-            if piece and emit is not None:
-                emit(piece, pending)
-                pending = []
-            if text.stopped:
-                res.finish_reason = "stop"
-                break
-            if cancel.is_set():
-                res.finish_reason = "stop"
-                self.stats["cancelled"] += 1
-                break
-            if step + 1 < max_new:
-                if dec is not None:
-                    logits = dec.step(last.fill_(tid))
-                else:
-                    out = model(input_ids=torch.tensor([[tid]], device=self.device), use_cache=True,
-                                **{ckw: getattr(out, ckw)})
-                    logits = out.logits[0, -1].float()
-        self.stats["generations"] += 1
-        self.stats["output_tokens"] += len(res.output_ids)
-        if k:
-            ids = torch.stack(top_ids).flatten().tolist() if top_ids else []
-            vals = torch.stack(top_vals).flatten().tolist() if top_vals else []
-            res.top_k = TopK(k=k, ids=ids, logprobs=vals)
-        tail = text.finish()
-        if (tail or pending) and emit is not None:
-            emit(tail, pending)
-        res.text = text.full
+            row.out = self._model(input_ids=torch.tensor([res.prompt_ids], device=self.device), use_cache=True,
+                                  **self._prefill_kw)
+            row.logits = row.out.logits[0, -1].float()
+        return row
+
+    @torch.inference_mode()
+    def _take(self, row: _Row) -> bool:
+        """Sample the row's next token from its logits and release its text; True when the generation is over."""
+        p, res, logits = row.job.params, row.res, row.logits
+        logp = torch.log_softmax(logits, dim=-1)
+        if row.k:
+            vals, idx = torch.topk(logp, row.k)
+            row.top_vals.append(vals)
+            row.top_ids.append(idx)
+        tid = _sample(logits, p.temperature, p.top_p, row.gen)
+        res.output_ids.append(tid)
+        res.logprobs.append(float(logp[tid]))
+        if tid in self._eos:
+            res.finish_reason = "stop"
+            return True
         if p.logprobs:
-            res.lp_entries = pending  # non-streamed: every entry (emit was None)
-        return res
+            row.pending.append(_lp_entry(self._tok, tid, logp, p.top_logprobs))
+        piece = row.text.add(tid)
+        if piece and row.job.emit is not None:
+            row.job.emit(piece, row.pending)
+            row.pending = []
+        if row.text.stopped:
+            res.finish_reason = "stop"
+            return True
+        if row.job.cancel.is_set():
+            res.finish_reason = "stop"
+            self.stats["cancelled"] += 1
+            return True
+        return len(res.output_ids) >= row.max_new
+
+    @torch.inference_mode()
+    def _forward(self, rows: list[_Row]) -> None:
+        """The next logits of every row, from its last token: one forward for all (lean rows share weights)."""
+        self.stats["decode_steps"] += 1
+        self.stats["max_rows"] = max(self.stats["max_rows"], len(rows))
+        if rows[0].dec is None:  # transformers' forward: always alone
+            (row,) = rows
+            ckw = self._cache_kw
+            row.out = self._model(input_ids=torch.tensor([[row.res.output_ids[-1]]], device=self.device),
+                                  use_cache=True, **{ckw: getattr(row.out, ckw)})
+            row.logits = row.out.logits[0, -1].float()
+            return
+        last = torch.tensor([r.res.output_ids[-1] for r in rows], device=self.device)
+        logits = step_rows([r.dec for r in rows], last)
+        for r, row in enumerate(rows):
+            row.logits = logits[r]
+
+    def _end_row(self, row: _Row) -> None:
+        """Finish a row: flush its text, gather its top-K, hand its result to its consumer."""
+        res, job = row.res, row.job
+        try:
+            self.stats["generations"] += 1
+            self.stats["output_tokens"] += len(res.output_ids)
+            if row.k:
+                ids = torch.stack(row.top_ids).flatten().tolist() if row.top_ids else []
+                vals = torch.stack(row.top_vals).flatten().tolist() if row.top_vals else []
+                res.top_k = TopK(k=row.k, ids=ids, logprobs=vals)
+            tail = row.text.finish()
+            if (tail or row.pending) and job.emit is not None:
+                job.emit(tail, row.pending)
+            res.text = row.text.full
+            if job.params.logprobs:
+                res.lp_entries = row.pending  # non-streamed: every entry (emit was None)
+        except BaseException as exc:
+            job.done(UpstreamError(f"local generation failed: {exc.__class__.__name__}: {exc}"))
+            return
+        job.done(res)
 
     def _decoder(self, length: int) -> FastDecoder | None:
         """Worker thread: the lean forward pass for this generation (after :meth:`_serve_as` chose the adapter),
@@ -610,9 +733,14 @@ class LocalEngine(Engine):
         except NotImplementedError:  # e.g. a DoRA adapter: this generation only
             return None
 
-    def _job(self, body: dict, emit, cancel: threading.Event, started=None, frozen: str | None = None) -> _Result:
-        p = self._params(body)
-        return self._generate(_chat_messages(body), request_tools(body)[0], p, emit, cancel, started, frozen)
+    def _submit(self, body: dict, cancel: threading.Event, done, emit=None, started=None,
+                frozen: str | None = None) -> None:
+        """Queue a generation for ``body`` (validated on the loop before this)."""
+        if self._worker is None:
+            raise UpstreamError(f"engine {self.name} is not started")
+        job = _Job(_chat_messages(body), request_tools(body)[0], self._params(body), cancel, done, emit, started,
+                   frozen)
+        self._worker.generate(job)
 
     def _calls(self, body: dict) -> ToolCallStream:
         """The splitter of this request's generated text into content and tool calls (a pass-through when the
@@ -643,9 +771,19 @@ class LocalEngine(Engine):
         calls = self._calls(req.body)
         self._check_prompt_size(_chat_messages(req.body), request_tools(req.body)[0])  # on the loop, before queueing
         cancel = threading.Event()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def done(outcome) -> None:
+            if not future.done():  # not cancelled meanwhile
+                if isinstance(outcome, BaseException):
+                    future.set_exception(outcome)
+                else:
+                    future.set_result(outcome)
+
         self._active.add(cancel)
         try:
-            res = await self._run(self._guard, self._job, req.body, None, cancel, None, req.version)
+            self._submit(req.body, cancel, done, frozen=req.version)
+            res = await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             cancel.set()
             raise
@@ -680,13 +818,8 @@ class LocalEngine(Engine):
             except RuntimeError:  # loop closed: nobody is listening any more
                 cancel.set()
 
-        def job() -> None:
-            try:
-                res = self._guard(self._job, req.body, lambda text, lps: put(("text", (text, lps))), cancel,
-                                  lambda version: put(("start", version)), req.version)
-                put(("done", res))
-            except BaseException as exc:  # handed to the consumer, raised there
-                put(("error", exc))
+        def done(outcome) -> None:  # an exception is raised at the consumer
+            put(("error", outcome) if isinstance(outcome, BaseException) else ("done", outcome))
 
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": p.model}
@@ -700,9 +833,8 @@ class LocalEngine(Engine):
 
         self._active.add(cancel)
         try:
-            if self._executor is None:
-                raise UpstreamError(f"engine {self.name} is not started")
-            self._executor.submit(job)
+            self._submit(req.body, cancel, done, lambda text, lps: put(("text", (text, lps))),
+                         lambda version: put(("start", version)), req.version)
             fp = None
             held: list[dict] = []  # log-prob entries of text the tool-call splitter still holds
             sent_calls = 0
@@ -774,8 +906,18 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.G
         keep = (torch.cumsum(sorted_p, dim=-1) - sorted_p) < top_p  # smallest prefix reaching top_p
         keep[0] = True  # top_p = 0 keeps the most likely token
         sorted_p = sorted_p * keep
-        return int(order[torch.multinomial(sorted_p, 1, generator=gen)])
-    return int(torch.multinomial(probs, 1, generator=gen))
+        return int(order[_draw(sorted_p, gen)])
+    return _draw(probs, gen)
+
+
+def _draw(weights: torch.Tensor, gen: torch.Generator) -> int:
+    """An index drawn with probability proportional to ``weights`` (1-D, >= 0), by inverting the cumulative sum at
+    one uniform draw of ``gen``. Exact like ``torch.multinomial``, ~20x cheaper on a 49k vocabulary (a profile of
+    batched decoding: 2.5 ms a call, a tenth of a SmolLM2 step). A zero weight is never drawn: the first index
+    whose running sum exceeds the draw has a positive weight."""
+    c = torch.cumsum(weights, dim=-1)
+    u = torch.rand(1, generator=gen, device=weights.device, dtype=c.dtype) * c[-1]
+    return min(int(torch.searchsorted(c, u, right=True)), weights.shape[-1] - 1)
 
 
 def _lp_entry(tok, tid: int, logp: torch.Tensor, top: int) -> dict:
