@@ -43,7 +43,6 @@ import asyncio
 import contextlib
 import copy
 import json
-import subprocess
 import sys
 import threading
 import time
@@ -56,7 +55,7 @@ from typing import Any, Iterator
 import torch
 
 from reef_core.serve.background import bound_socket, serve_asgi, uvicorn_server
-from reef_core.testing.asgi import read_request
+from reef_core.testing.asgi import fake_in_process, read_request
 
 __all__ = ["FakeSGLang", "serve_fake_sglang", "SAMPLING_KEYS"]
 
@@ -628,19 +627,8 @@ def serve_fake_sglang(model_dir: str | Path | None = None, *, mode: str = "threa
     cmd = [sys.executable, "-m", "reef_core.testing.fake_sglang", "--model-dir", str(model_dir), "--port", "0"]
     for key, value in options.items():  # the CLI flags of main(), e.g. token_delay_s=0.02 -> --token-delay-s 0.02
         cmd += [f"--{key.replace('_', '-')}", str(value)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        if not line.startswith("FAKE_SGLANG "):
-            raise RuntimeError(f"fake SGLang failed to start: {line!r}")
-        yield line.split()[1]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with fake_in_process(cmd, "FAKE_SGLANG", "fake SGLang") as url:
+        yield url
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,7 +41,6 @@ import contextlib
 import json
 import re
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -50,7 +49,7 @@ from typing import Any, Iterator
 
 from reef_core.content import content_text
 from reef_core.serve.background import bound_socket, serve_asgi, uvicorn_server
-from reef_core.testing.asgi import read_request
+from reef_core.testing.asgi import fake_in_process, read_request
 
 __all__ = ["FakeUpstream", "serve_fake_upstream", "run_fake_upstream", "serve_asgi", "FakeUpstreamControl"]
 
@@ -604,19 +603,8 @@ def serve_fake_upstream(api_key: str | None = None, *, mode: str = "thread",
     cmd = [sys.executable, "-m", "reef_core.testing.fake_upstream", "--port", "0"]
     if api_key:
         cmd += ["--api-key", api_key]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()  # the child prints its URL once listening
-        if not line.startswith("FAKE_UPSTREAM "):
-            raise RuntimeError(f"fake upstream failed to start: {line!r}")
-        yield line.split()[1]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with fake_in_process(cmd, "FAKE_UPSTREAM", "fake upstream") as url:
+        yield url
 
 
 def run_fake_upstream(port: int = 0, host: str = "127.0.0.1", api_key: str | None = None) -> None:

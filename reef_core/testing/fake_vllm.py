@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import subprocess
 import sys
 import time
 import uuid
@@ -47,6 +46,7 @@ from urllib.parse import parse_qs
 import torch
 
 from reef_core.serve.background import bound_socket, serve_asgi, uvicorn_server
+from reef_core.testing.asgi import fake_in_process
 from reef_core.testing.fake_sglang import FakeSGLang, _json, _Reject, _sse, _sse_start
 
 __all__ = ["FakeVLLM", "serve_fake_vllm"]
@@ -336,19 +336,8 @@ def serve_fake_vllm(model_dir: str | Path | None = None, *, mode: str = "thread"
     cmd = [sys.executable, "-m", "reef_core.testing.fake_vllm", "--model", str(model_dir), "--port", "0"]
     for key, value in options.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        if not line.startswith("FAKE_VLLM "):
-            raise RuntimeError(f"fake vLLM failed to start: {line!r}")
-        yield line.split()[1]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with fake_in_process(cmd, "FAKE_VLLM", "fake vLLM") as url:
+        yield url
 
 
 def main(argv: list[str] | None = None) -> None:
