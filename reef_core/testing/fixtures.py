@@ -213,3 +213,27 @@ def store_overrides(request):
     schema = f"t_{uuid.uuid4().hex[:12]}"
     return ["storage.records_url=postgresql+psycopg://postgres@127.0.0.1:5432/test",
             f"storage.records_schema={schema}"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny-model helpers shared by the trainer and objective tests.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The tiny test tokenizer, built once per test module."""
+    from reef_core.grow.models import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()

@@ -28,6 +28,9 @@ from reef_core.observe.processors.per_report import in_holdout
 from reef_core.plugins import PluginManager
 from reef_core.testing.steering import steer
 
+#: Tiny models run fastest single-threaded (intra-op threads mostly wait on each other).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TASK = {"id": "t1", "messages": [{"role": "user", "content": "Reply using only the letters a, e, i, o, u."}],
         "alphabet": "aeiou"}
 
@@ -47,14 +50,6 @@ class Unused(Objective):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def trainer_for(model_dir: Path, **generation) -> TorchTrainer:

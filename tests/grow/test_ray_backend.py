@@ -18,12 +18,15 @@ import torch
 
 from reef_core.config.schema import TrainerConfig
 from reef_core.errors import ConfigError
-from reef_core.grow.models import build_tiny_model, build_tiny_tokenizer
+from reef_core.grow.models import build_tiny_model
 from reef_core.grow.objective import Objective, Prepared, sequence_logprobs, token_sum
 from reef_core.grow.ray_backend import RayBackendError, RayDataParallel, RayOptions, with_ray
 from reef_core.grow.token_batch import TokenBatch, row_from_tokens
 from reef_core.grow.torch_backend import TorchTrainer
 from reef_core.grow.trainer import TrainContext, TrainerSetup
+
+#: Tiny models run fastest single-threaded (intra-op threads mostly wait on each other).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ray = pytest.importorskip("ray")
 
@@ -53,19 +56,6 @@ def cluster():
     ray.init(num_cpus=2, include_dashboard=False)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 def batch(tok, n=5, seed=0) -> TokenBatch:

@@ -9,11 +9,14 @@ import pytest
 import torch
 
 from reef_core.errors import ConfigError
-from reef_core.grow.models import build_tiny_model, build_tiny_tokenizer
+from reef_core.grow.models import build_tiny_model
 from reef_core.grow.objective import Objective, Prepared, sequence_logprobs, token_sum
 from reef_core.grow.reference import AdapterBaseReference, SharedBaseReference, reference_cache
 from reef_core.grow.token_batch import TokenBatch, TokenDataError, TokenRow, row_from_tokens
 from reef_core.grow.torch_backend import TorchTrainer
+
+#: Tiny models run fastest single-threaded (intra-op threads mostly wait on each other).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class Reinforce(Objective):
@@ -42,19 +45,6 @@ class OldSetup(Reinforce):
 
 class AsksWithOldSetup(OldSetup):
     needs_reference = True
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 class Loader:

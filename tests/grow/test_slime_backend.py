@@ -20,7 +20,7 @@ from safetensors.torch import load as load_safetensors
 from reef_core.config import compose_config
 from reef_core.config.schema import SlimeConfig
 from reef_core.errors import ConfigError
-from reef_core.grow.models import build_tiny_model, build_tiny_tokenizer
+from reef_core.grow.models import build_tiny_model
 from reef_core.grow.slime import marker as m
 from reef_core.grow.slime import trainer as slime_trainer
 from reef_core.grow.slime.trainer import SlimeJobFailed, SlimeTrainer
@@ -29,24 +29,14 @@ from reef_core.observe.processor import Batch, Sample, Segment
 from reef_core.surfaces.weights import MODEL_FILE
 from reef_core.testing import fake_slime
 
+#: Tiny models run fastest single-threaded (intra-op threads mostly wait on each other).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 LAUNCH = [sys.executable, "-m", "reef_core.testing.fake_slime"]
 
 
 class Crash(BaseException):
     """Stands for the Reef process dying at a crash point."""
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 def _batch(n: int, first: int = 0) -> Batch:

@@ -18,7 +18,7 @@ import torch
 import reef_slime_hooks as hooks
 from reef_core.config.schema import SlimeConfig, TrainerConfig
 from reef_core.errors import ConfigError
-from reef_core.grow.models import build_tiny_model, build_tiny_tokenizer
+from reef_core.grow.models import build_tiny_model
 from reef_core.grow.objective import Prepared, sequence_logprobs
 from reef_core.grow.slime import jobs
 from reef_core.grow.slime.flags import job_argv
@@ -34,18 +34,8 @@ from reef_ttt.objective import TTTObjective
 
 from .test_slime_backend import LAUNCH, CommitLog, _batch
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
+#: Tiny models run fastest single-threaded (intra-op threads mostly wait on each other).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from safetensors.torch import load as load_safetensors
 
 from reef_core.engines.adapter import AdapterWeights
 from reef_core.errors import ConfigError, ValidationFailed
-from reef_core.grow.models import build_tiny_model, build_tiny_tokenizer
+from reef_core.grow.models import build_tiny_model
 from reef_core.grow.objective import Objective, Prepared, ValueModel, sequence_logprobs, token_sum
 from reef_core.grow.token_batch import TokenBatch, TokenDataError, row_from_sample, row_from_tokens
 from reef_core.grow.torch_backend import (
@@ -23,6 +23,9 @@ from reef_core.grow.torch_backend import (
 )
 from reef_core.grow.trainer import TrainContext
 from reef_core.observe.processor import Batch, Sample, Segment
+
+#: Tiny models run fastest single-threaded (intra-op threads mostly wait on each other).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class Reinforce(Objective):
@@ -39,20 +42,6 @@ class Reinforce(Objective):
         mask = batch.action_mask > 0
         loss = -token_sum(batch.extras["advantages"] * logp, mask) / batch.norm_tokens
         return loss, {"tokens": float(mask.sum())}
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models run fastest single-threaded (intra-op threads mostly wait on each other).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def loader(tok, seed=0):

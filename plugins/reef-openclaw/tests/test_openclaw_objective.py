@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from reef_core.api import ConfigError, TokenBatch, TokenRow, TrainerSetup, build_tiny_model, build_tiny_tokenizer
+from reef_core.api import ConfigError, TokenBatch, TokenRow, TrainerSetup, build_tiny_model
 from reef_openclaw.objective import (
     TEACHER_BASE,
     TEACHER_HINT,
@@ -84,11 +84,6 @@ def test_objective_validates_its_knobs():
 
 
 # -- real steps on the tiny model against the frozen base -------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 def _trainer(tok, lr=1e-2, **weights) -> OpenClawTrainer:

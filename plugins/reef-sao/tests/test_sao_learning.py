@@ -30,16 +30,11 @@ from reef_sao.rollouts import sample_rollouts
 from reef_sao.schema import validate_sao_report
 from reef_sao.tasks import score, task_stream
 
+#: Tiny models run fastest single-threaded (intra-op threads mostly wait on each other).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 ROLLOUTS = 480
 WINDOW = 48
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 class Stream:

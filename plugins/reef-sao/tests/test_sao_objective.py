@@ -17,7 +17,6 @@ from reef_core.api import (
     TorchTrainer,
     ValidationFailed,
     build_tiny_model,
-    build_tiny_tokenizer,
     row_from_sample,
     row_from_tokens,
     sequence_logprobs,
@@ -25,21 +24,11 @@ from reef_core.api import (
 from reef_sao.objectives import GRPODISObjective, SAOObjective
 from reef_sao.rollouts import sample_rollouts
 
+#: Tiny models run fastest single-threaded (intra-op threads mostly wait on each other).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 VALUES = [0.2, 0.3, 0.9, 0.9, 0.4, 0.5]
 ACTION = [1, 1, 0, 0, 1, 1]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 def sao(**kw):
