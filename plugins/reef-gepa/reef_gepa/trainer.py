@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -388,21 +388,8 @@ class GepaTrainer(Trainer):
                     "parents": list(proposal.parent_program_ids), "iteration": archive.state.i, "tag": proposal.tag})
 
     def _subject_tree(self, subject: Any) -> dict[str, str]:
-        payload = getattr(subject, "payload", None)
-        if isinstance(payload, Mapping):
-            return dict(payload)
-        files = getattr(subject, "files", None)
-        if isinstance(files, Mapping) and files:
-            return validate_tree(files)
-        if isinstance(subject, Current):
-            with self._lock:
-                tree = self._trees.get(subject.release_id)
-            if tree is not None:
-                return tree
-            if subject.release_id is None:
-                return validate_tree(self.options.initial_files)
-            raise ValidationFailed(f"gepa: release {subject.release_id} is not known to this trainer")
-        raise ValidationFailed(f"gepa cannot run a task for {type(subject).__name__}")
+        return subject_tree(subject, self._trees, self._lock, lambda: validate_tree(self.options.initial_files),
+                            who="gepa")
 
     def _save(self) -> None:
         self.archive.save(self.directory)
@@ -414,3 +401,24 @@ def make_trainer(*, scenario: str, recipe: Any = None, trainer: Any = None, cont
 
 
 __all__ = ["GepaTrainer", "TrafficSampler", "make_trainer", "task_key", "Episode"]
+
+
+def subject_tree(subject: Any, trees: Mapping[str | None, dict[str, str]], lock: Any,
+                 seed: Callable[[], dict[str, str]], *, who: str) -> dict[str, str]:
+    """The harness tree a gate task runs on: a candidate's payload or files, or the tree of a current release this
+    trainer knows (``trees``, read under ``lock``); ``seed()`` before any release. Anything else is refused."""
+    payload = getattr(subject, "payload", None)
+    if isinstance(payload, Mapping):
+        return dict(payload)
+    files = getattr(subject, "files", None)
+    if isinstance(files, Mapping) and files:
+        return validate_tree(files)
+    if isinstance(subject, Current):
+        with lock:
+            tree = trees.get(subject.release_id)
+        if tree is not None:
+            return tree
+        if subject.release_id is None:
+            return seed()
+        raise ValidationFailed(f"{who}: release {subject.release_id} is not known to this trainer")
+    raise ValidationFailed(f"{who} cannot run a task for {type(subject).__name__}")

@@ -34,11 +34,9 @@ from reef_core.api import (
     Batch,
     CandidateUpdate,
     ConfigError,
-    Current,
     TrainContext,
     Trainer,
     TrainerSetup,
-    ValidationFailed,
     encode_tree,
     load_object,
     option_values,
@@ -49,6 +47,7 @@ from reef_core.api import (
 
 from . import PROGRAM_FILE, chat_lm, import_dspy, load_program, program_files, program_signature, read_manifest
 from .records import example_key, example_of, held_out
+from ..trainer import subject_tree
 
 log = logging.getLogger("reef_gepa.dspy")
 
@@ -272,21 +271,8 @@ class DspyGepaTrainer(Trainer):
         return tree
 
     def _subject_tree(self, subject: Any) -> dict[str, str]:
-        payload = getattr(subject, "payload", None)
-        if isinstance(payload, Mapping):
-            return dict(payload)
-        files = getattr(subject, "files", None)
-        if isinstance(files, Mapping) and files:
-            return validate_tree(files)
-        if isinstance(subject, Current):
-            with self._lock:
-                tree = self._trees.get(subject.release_id)
-            if tree is not None:
-                return tree
-            if subject.release_id is None:
-                return program_files(self.seed_program, self.options.program)
-            raise ValidationFailed(f"dspy_gepa: release {subject.release_id} is not known to this trainer")
-        raise ValidationFailed(f"dspy_gepa cannot run a task for {type(subject).__name__}")
+        return subject_tree(subject, self._trees, self._lock,
+                            lambda: program_files(self.seed_program, self.options.program), who="dspy_gepa")
 
     # -- persistence -----------------------------------------------------------------------------------
 
