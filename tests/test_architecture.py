@@ -12,17 +12,32 @@
 from __future__ import annotations
 
 import ast
+import gc
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "reef_core"
 
 
+def _parse(path: Path) -> ast.Module:
+    """``ast.parse`` with the garbage collector held off: late in a full run, a finalizer (a release store closing
+    its git process) running during the AST's construction tripped CPython 3.11's recursion-depth check
+    ("AST constructor recursion depth mismatch")."""
+    source = path.read_text()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return ast.parse(source, str(path))
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _imports(path: Path, package: str, submodules: bool = True) -> list[tuple[int, str]]:
     """(line, absolute module) for every import in ``path``, skipping ``if TYPE_CHECKING:`` blocks.
 
     With ``submodules``, ``from pkg import name`` also yields ``pkg.name`` (it may be a submodule)."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _parse(path)
     skipped: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):

@@ -70,7 +70,7 @@ def test_record_validates_fields_and_hashes_content_canonically():
     assert a.content_hash != Record(record_id="r", scenario="s", kind="report", payload={"a": 1, "b": [1, 2]}
                                     ).content_hash
     with pytest.raises(ValidationFailed):
-        Record(record_id="r", scenario="s", kind="train", payload={})
+        Record(record_id="r", scenario="s", kind="bogus", payload={})
     with pytest.raises(ValidationFailed):
         Record(record_id="", scenario="s", kind="inference", payload={})
     with pytest.raises(ValidationFailed):
