@@ -53,6 +53,20 @@ class NotFound(ReefError):
     code = "not_found"
 
 
+class Forbidden(ReefError):
+    """The token may not do this, or not on this scenario (a scoped token: :mod:`reef_core.serve.tenancy`)."""
+
+    status = 403
+    code = "forbidden"
+
+
+class RateLimited(ReefError):
+    """Over a request, token or budget limit; ``retry_after`` (seconds) goes out as the ``retry-after`` header."""
+
+    status = 429
+    code = "rate_limited"
+
+
 class Conflict(ReefError):
     """A write conflicts with stored state (record id reuse, CAS loss, non-restorable release)."""
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, ReefError
+from ..errors import ConfigError, Forbidden, ReefError
 
 SCOPES = ("infer", "report", "read", "admin")
 DEFAULT_SCOPES = frozenset({"infer", "report", "read"})
@@ -33,18 +33,6 @@ LIMIT_KEYS = frozenset({"scenarios", "rpm", "tpm", "budget_tokens", "budget_peri
 #: Bound of each principal's (scenario -> allowed) cache; past it the cache starts over (names are client-chosen).
 _CACHE_SIZE = 4096
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-
-
-class Forbidden(ReefError):
-    status = 403
-    code = "forbidden"
-
-
-class RateLimited(ReefError):
-    """Over a request, token or budget limit; ``retry_after`` (seconds) goes out as the ``retry-after`` header."""
-
-    status = 429
-    code = "rate_limited"
 
 
 def digest(token: str) -> bytes:

@@ -31,7 +31,8 @@ import time
 from collections import deque
 from typing import Callable
 
-from .tenancy import Limits, Principal, RateLimited, Tenancy
+from ..errors import RateLimited
+from .tenancy import Limits, Principal, Tenancy
 
 log = logging.getLogger("reef.serve")
 

@@ -18,7 +18,7 @@ from reef_core.errors import ConfigError
 from reef_core.loop.assemble import build_deployment
 from reef_core.serve.app import create_app, iter_routes
 from reef_core.serve.auth import TokenSet
-from reef_core.serve.tenancy import RateLimited
+from reef_core.errors import RateLimited
 
 ADMIN, TEAM_A, TEAM_A_ADMIN, LIMITED, BUDGET = "admin-tok", "team-a-tok", "team-a-admin-tok", "limited-tok", "budget-tok"
 READER = "team-a-reader-tok"
