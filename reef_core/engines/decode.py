@@ -1,22 +1,24 @@
-"""A lean forward pass for single-stream decoding of Llama-family models (Llama, Qwen2) in the local engine.
+"""A lean forward pass for decoding Llama-family models (Llama, Qwen2) in the local engine.
 
 Why: a profile of the engine on a 2-core CPU (``bench/profiles/``) shows that, beside the matrix-vector products,
-about a third of each decode step goes to transformers' module machinery (``Module.__call__``, cache objects,
-per-layer config lookups, ``torch.cat`` growing the KV cache). :class:`FastDecoder` computes the same arithmetic
-with plain tensor ops over the model's own parameters:
+about a third of each decode step went to transformers' module machinery (``Module.__call__``, cache objects,
+per-layer config lookups, ``torch.cat`` growing the KV cache), and then, with that gone, to the few hundred small
+torch operations of a step. :class:`FastDecoder` computes the same arithmetic over the model's own parameters:
 
 * a static KV cache, allocated once per generation for prompt + budget, written in place;
 * rotary tables computed once per generation by the model's own rotary module (so every static rope type the
   model supports gives the same angles);
-* decode attention as one SDPA call per layer, the query's heads grouped under their shared KV head (no
-  ``repeat_kv`` copy);
+* the prompt (:meth:`FastDecoder.prefill`) through plain tensor ops (one causal SDPA call per layer);
+* each decode step through every layer in one C call (:func:`reef_core.engines.gemv.decode_layers`: packed
+  weights, attention of each query head over its shared KV head's cache), for one generation or a batch of them
+  (:func:`step_rows`); without the C kernel, the same step in tensor ops;
 * LoRA adapters (``peft``, unmerged) applied as ``base(x) + scale * B(A(x))`` for the slot the engine enabled.
 
 Numerics are float32 like the trainer's recomputation (:func:`reef_core.grow.logprobs.sequence_logprobs`); only
 the order of some reductions differs, far inside the 1e-4 contract. The parameters are read by reference when a
-generation starts, so weight swaps (in-place copies) and adapter switches between requests are seen at once.
-:func:`supports` says when the model falls outside what this pass implements; the engine then keeps transformers'
-forward.
+generation starts, so weight swaps (in-place copies, after which the engine clears the packed copies) and adapter
+switches between requests are seen at once. :func:`supports` says when the model falls outside what this pass
+implements; the engine then keeps transformers' forward.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from reef_core.engines.gemv import Bf16Matrix, bf16_exact
+import ctypes
+
+from reef_core.engines import gemv
+from reef_core.engines.gemv import PackedMatrix
 
 #: rope types whose angles depend only on the position (not on the sequence length seen so far)
 _STATIC_ROPE = {"default", "linear", "llama3"}
@@ -57,31 +62,32 @@ def supports(model) -> str | None:
 
 
 class Packed:
-    """bf16 copies of the float32 weights that are exactly bf16 (:mod:`reef_core.engines.gemv`), kept across
-    generations; :meth:`clear` after any weight change."""
+    """Copies of the model's float32 weights in the C kernel's layout (:mod:`reef_core.engines.gemv`; bf16 for the
+    weights that are exactly bf16, float32 for the others), kept across generations; :meth:`clear` after any weight
+    change."""
 
     def __init__(self, fn):
-        self.fn = fn  # the C kernel, or None: every weight stays float32
-        self._mats: dict[int, tuple[torch.Tensor, Bf16Matrix | None]] = {}
+        self.fn = fn  # the C kernel, or None: transformers-free decoding on torch's own products
+        self._mats: dict[int, tuple[torch.Tensor, PackedMatrix | None]] = {}
 
     def clear(self) -> None:
         self._mats.clear()
 
     def __len__(self) -> int:
         """How many weights are served from a bf16 copy now."""
-        return sum(1 for _, mat in self._mats.values() if mat is not None)
+        return sum(1 for _, mat in self._mats.values() if mat is not None and not mat.f32)
 
-    def get(self, w: torch.Tensor) -> Bf16Matrix | None:
-        if self.fn is None or w.device.type != "cpu":
+    def get(self, w: torch.Tensor) -> PackedMatrix | None:
+        if self.fn is None or w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
             return None
         hit = self._mats.get(id(w))
         if hit is None or hit[0] is not w:  # the tensor is held in the entry, so its id is not reused meanwhile
-            hit = (w, Bf16Matrix(w, self.fn) if bf16_exact(w) else None)
+            hit = (w, PackedMatrix(w, self.fn))
             self._mats[id(w)] = hit
         return hit[1]
 
 
-#: the most rows sent through the bf16 kernel at once (a batched decode step; longer inputs, prompts, use float32
+#: the most rows sent through the kernel at once (a batched decode step; longer inputs, prompts, use torch's
 #: matrix products, whose speed no longer depends on memory traffic)
 MAX_KERNEL_ROWS = 32
 
@@ -89,8 +95,8 @@ MAX_KERNEL_ROWS = 32
 class _Proj:
     """One linear projection: the base weight and bias, plus the enabled LoRA pair and its scale (if any).
 
-    With a bf16 copy of the base weight (``packed``), decode inputs (one row, or one per batched generation) go
-    through the bf16 kernel; a single row into a buffer of this projection's own (reused every step: each output is
+    With a packed copy of the base weight (``packed``), short inputs (one row, or one per batched generation) go
+    through the C kernel; a single row into a buffer of this projection's own (reused every step: each output is
     consumed before the projection runs again)."""
 
     __slots__ = ("w", "b", "a", "bb", "scale", "mat", "out")
@@ -122,6 +128,19 @@ class _Proj:
 
 class _Unsupported(Exception):
     pass
+
+
+def _plain(t: torch.Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
+
+
+def _c_proj(p: _Proj):
+    """``p`` as the C step's projection record, or None when it has no packed copy."""
+    if p.mat is None or not all(_plain(t) for t in (p.b, p.a, p.bb)):
+        return None
+    ptr = (lambda t: t.data_ptr() if t is not None else None)
+    return gemv.Proj(p.mat.ptr, ptr(p.b), ptr(p.a), ptr(p.bb), p.mat.n, p.mat.k,
+                     p.a.shape[0] if p.a is not None else 0, p.scale, int(p.mat.f32))
 
 
 class FastDecoder:
@@ -161,9 +180,28 @@ class FastDecoder:
         self.v = torch.empty(n, self.n_kv, length, self.hd, device=device)
         pos = torch.arange(length, device=device)[None]
         cos, sin = body.rotary_emb(self.k[0, :1, :1], pos)  # the model's own angles, [1, length, hd]
-        self.cos, self.sin = cos[0].float(), sin[0].float()
+        self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()
         self.pos = 0
-        self.scale = getattr(body.layers[0].self_attn, "scaling", self.hd ** -0.5)
+        self.scale = float(getattr(body.layers[0].self_attn, "scaling", self.hd ** -0.5))
+        self.hidden = int(cfg.hidden_size)
+        #: the layers as the C decode step reads them, or None: decode steps run the layers in torch
+        self.native = self._native_table()
+
+    def _native_table(self):
+        """Every decoder layer's weights as :func:`reef_core.engines.gemv.decode_layers` reads them (pointers into
+        the packed copies and the model's own norm and LoRA tensors, valid for this generation), or None when the
+        C step cannot run: no kernel, or a projection without a packed copy."""
+        if gemv.decode_layers() is None:
+            return None
+        table = (gemv.Layer * len(self.layers))()
+        for row, (w1, e1, q_p, k_p, v_p, o_p, w2, e2, g_p, u_p, d_p) in zip(table, self.layers):
+            projs = [_c_proj(p) for p in (q_p, k_p, v_p, o_p, g_p, u_p, d_p)]
+            if any(p is None for p in projs) or not (_plain(w1) and _plain(w2)):
+                return None
+            row.ln1, row.ln2, row.eps1, row.eps2 = w1.data_ptr(), w2.data_ptr(), e1, e2
+            for i, p in enumerate(projs):
+                row.p[i] = p
+        return table
 
     @staticmethod
     def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -210,7 +248,25 @@ class FastDecoder:
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Logits after one more token (``token``: a 1-element long tensor)."""
+        if self.native is not None:
+            return _native_step([self], token.view(1))[0]
         return self._forward(token.view(1))
+
+
+def _native_step(decoders: list[FastDecoder], tokens: torch.Tensor) -> torch.Tensor:
+    """One decode step of ``decoders`` through the C layers (:func:`reef_core.engines.gemv.decode_layers`): one call
+    for every layer of every row, then the final norm and the head here; ``[B, vocab]`` float32 logits."""
+    lead = decoders[0]
+    h = F.embedding(tokens, lead.embed_w).contiguous()  # [B, H], a fresh tensor the C step updates in place
+    gens = (gemv.Gen * len(decoders))(*[
+        gemv.Gen(d.k.data_ptr(), d.v.data_ptr(), d.k.shape[2], d.pos, d.cos.data_ptr(), d.sin.data_ptr())
+        for d in decoders])
+    if gemv.decode_layers()(lead.native, len(lead.layers), h.data_ptr(), len(decoders), lead.hidden, lead.n_heads,
+                            lead.n_kv, lead.hd, lead.scale, gens):
+        raise MemoryError("decode step: no memory for its buffers")
+    for d in decoders:
+        d.pos += 1
+    return lead.head(lead._norm(h, lead.norm_w, lead.norm_eps)).float()
 
 
 def step_rows(decoders: list[FastDecoder], tokens: torch.Tensor) -> torch.Tensor:
@@ -220,8 +276,10 @@ def step_rows(decoders: list[FastDecoder], tokens: torch.Tensor) -> torch.Tensor
     The decoders must share weights and adapter (built from the same model and slot): the projections run once for
     the whole batch (weights read from memory once per step, not once per generation), attention per generation
     over its own cache (no padding, no mask). Each row's arithmetic is what :meth:`FastDecoder.step` does for it
-    alone, up to the reduction order of float32 matrix products (bitwise the same through the bf16 kernel).
+    alone, up to the reduction order of float32 matrix products (bitwise the same through the C kernel).
     """
+    if decoders[0].native is not None:
+        return _native_step(decoders, tokens)
     if len(decoders) == 1:
         return decoders[0].step(tokens[:1])[None]
     lead = decoders[0]

@@ -18,10 +18,11 @@ same distribution and their log-probs (``TokenData.top_k``), taken from the log-
 ``topk`` per step on the device, one copy to the host per generation, no extra forward pass.
 
 Decode path: for Llama-family models (Llama, Qwen2) in float32 each forward pass is computed by
-:class:`reef_core.engines.decode.FastDecoder` -- a static KV cache and plain tensor ops over the model's own
-parameters, with weights that are exactly bf16 (a bf16 checkpoint, a LoRA base) read from bf16 copies by a small C
-kernel (:mod:`reef_core.engines.gemv`) -- instead of transformers' module stack: same float32 arithmetic, ~2x less
-memory traffic and Python work per token. Other models, or a failed warm-up, keep transformers' forward
+:class:`reef_core.engines.decode.FastDecoder` -- a static KV cache, the prompt through plain tensor ops over the
+model's own parameters, each decode step through every layer in one call of a small C kernel
+(:mod:`reef_core.engines.gemv`) over packed copies of the weights (bf16 where they are exactly bf16: a bf16
+checkpoint, a LoRA base) -- instead of transformers' module stack: same float32 arithmetic, ~2-4x less memory
+traffic and almost no Python work per token. Other models, or a failed warm-up, keep transformers' forward
 (:attr:`LocalEngine.decode_path` says which served the last generation). The engine warms the path up at load, so
 the first request pays no one-time cost.
 
@@ -354,7 +355,7 @@ class LocalEngine(Engine):
         self._fast_unsupported = supports(model)
         self._packed = Packed(gemv_kernel() if self.device.type == "cpu" else None)
         if self._packed.fn is not None:
-            set_gemv_threads(torch.get_num_threads())  # the bf16 kernel follows torch's thread count
+            set_gemv_threads(torch.get_num_threads())  # the C kernel follows torch's thread count
         self._warm_up()
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
@@ -420,7 +421,7 @@ class LocalEngine(Engine):
             with torch.no_grad():
                 for k, v in state_dict.items():
                     own[k].copy_(v.to(device=own[k].device, dtype=own[k].dtype))
-            self._packed.clear()  # the bf16 copies describe the old weights
+            self._packed.clear()  # the packed copies describe the old weights
         self.version = version
 
     # ---- adapters ----------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from reef_core.engines.base import EngineRequest
-from reef_core.engines.gemv import Bf16Matrix, kernel
+from reef_core.engines.gemv import PackedMatrix, kernel
 from reef_core.engines.local import LocalEngine
 from reef_core.errors import ConfigError
 from reef_core.grow.models import load_model
@@ -53,7 +53,7 @@ async def _batched_and_alone(model_dir, bodies, **kw):
 
 @pytest.fixture(scope="module")
 def bf16_dir(tmp_path_factory):
-    """A tiny Llama whose float32 weights are all exact bf16 values: served through the bf16 kernel."""
+    """A tiny Llama whose float32 weights are all exact bf16 values: served from bf16 packed copies."""
     path = tmp_path_factory.mktemp("models") / "tiny-llama-bf16"
     model, tok = build_tiny_model(seed=3, arch="llama", hidden_size=64, num_layers=2)
     with torch.no_grad():
@@ -108,7 +108,7 @@ def test_eight_concurrent_requests_give_what_each_gives_alone(which, tiny_model_
         expected, full = _logprobs(model, bt.prompt_ids, bt.output_ids)  # the trainer's recomputation
         assert torch.allclose(torch.tensor(bt.output_logprobs), expected, atol=1e-4, rtol=0)
         assert torch.allclose(torch.tensor(bt.top_k.logprobs).view(-1, 3), full.topk(3).values, atol=1e-4, rtol=0)
-    if which == "llama-bf16" and kernel() is not None:  # through the bf16 kernel a batch is bitwise its rows
+    if kernel() is not None:  # through the C kernel (bf16 or float32 packed weights) a batch is bitwise its rows
         assert all(b.tokens.output_logprobs == a.tokens.output_logprobs for b, a in zip(batched, alone))
 
 
@@ -225,14 +225,14 @@ def test_max_batch_size_one_serves_one_at_a_time_and_bad_values_are_refused(tiny
 def test_bf16_kernel_on_a_batch_of_rows_is_bitwise_each_row_alone():
     fn = kernel()
     if fn is None:
-        pytest.skip("no C compiler for the bf16 kernel")
+        pytest.skip("no C compiler for the kernel")
     from reef_core.engines.gemv import set_threads
 
     set_threads(2)  # (300, 576) is split across threads: each thread's rows of every input
     torch.manual_seed(2)
     for n, k in [(300, 576), (37, 50), (5, 7)]:
         w = torch.randn(n, k).to(torch.bfloat16).float()
-        mat, x, b = Bf16Matrix(w, fn), torch.randn(8, k), torch.randn(n)
+        mat, x, b = PackedMatrix(w, fn), torch.randn(8, k), torch.randn(n)
         batch = mat(x, b, torch.empty(8, n))
         rows = torch.cat([mat(x[i:i + 1], b, torch.empty(1, n)) for i in range(8)])
         assert torch.equal(batch, rows)

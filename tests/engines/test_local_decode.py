@@ -18,7 +18,7 @@ import torch
 
 from reef_core.engines.base import EngineRequest
 from reef_core.engines.decode import FastDecoder, Packed, supports
-from reef_core.engines.gemv import Bf16Matrix, bf16_exact, kernel
+from reef_core.engines.gemv import PackedMatrix, bf16_exact, kernel
 from reef_core.engines.local import LocalEngine
 from reef_core.grow.models import build_tiny_model, load_model, save_tokenizer
 from reef_core.grow.logprobs import sequence_logprobs
@@ -90,7 +90,7 @@ def test_lean_path_samples_what_transformers_samples_with_the_trainers_logprobs(
 
 def test_a_swap_to_weights_bf16_cannot_hold_drops_the_bf16_copies(bf16_dir):
     if kernel() is None:
-        pytest.skip("no C compiler for the bf16 kernel")
+        pytest.skip("no C compiler for the kernel")
     model, _ = load_model(bf16_dir)
     with torch.no_grad():
         new = {k: v + 1e-3 * torch.randn_like(v) for k, v in model.state_dict().items() if "mlp" in k}
@@ -109,17 +109,21 @@ def test_a_swap_to_weights_bf16_cannot_hold_drops_the_bf16_copies(bf16_dir):
     assert torch.allclose(torch.tensor(r.tokens.output_logprobs), expected, atol=1e-4, rtol=0)
 
 
-def test_bf16_kernel_equals_a_float32_product():
+def test_packed_products_equal_a_float32_product():
+    """bf16-exact weights are packed in bf16, others in float32; both give the float32 product."""
     fn = kernel()
     if fn is None:
-        pytest.skip("no C compiler for the bf16 kernel")
+        pytest.skip("no C compiler for the kernel")
     torch.manual_seed(0)
-    for n, k in [(37, 50), (64, 576), (5, 7)]:  # row counts and widths off the kernel's 4x16 blocking
-        w = torch.randn(n, k).to(torch.bfloat16).float()
-        assert bf16_exact(w) and not bf16_exact(w + 1e-3)
-        x, b = torch.randn(1, k), torch.randn(n)
-        out = Bf16Matrix(w, fn)(x, b, torch.empty(1, n))
-        assert torch.allclose(out, torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    for n, k in [(37, 50), (64, 576), (5, 7), (16, 4)]:  # row counts and widths off the kernel's 16x4 blocking
+        exact = torch.randn(n, k).to(torch.bfloat16).float()
+        assert bf16_exact(exact) and not bf16_exact(exact + 1e-3)
+        for w, f32 in ((exact, False), (torch.randn(n, k), True)):
+            x, b = torch.randn(3, k), torch.randn(n)
+            mat = PackedMatrix(w, fn)
+            assert mat.f32 == f32
+            out = mat(x, b, torch.empty(3, n))
+            assert torch.allclose(out, torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
 
 
 def test_unsupported_models_keep_transformers_forward(tiny_model_dir):
@@ -159,13 +163,13 @@ def test_bf16_kernel_on_two_threads_and_in_a_forked_child():
     not exist there) still computes instead of waiting for them."""
     fn = kernel()
     if fn is None:
-        pytest.skip("no C compiler for the bf16 kernel")
+        pytest.skip("no C compiler for the kernel")
     from reef_core.engines.gemv import set_threads
 
     torch.manual_seed(1)
     w = torch.randn(300, 576).to(torch.bfloat16).float()
     x = torch.randn(1, 576)
-    mat = Bf16Matrix(w, fn)
+    mat = PackedMatrix(w, fn)
     one = mat(x, None, torch.empty(1, 300)).clone()
     assert set_threads(2) >= 2
     assert torch.equal(mat(x, None, torch.empty(1, 300)), one)
@@ -182,3 +186,58 @@ def test_bf16_kernel_on_two_threads_and_in_a_forked_child():
         time.sleep(0.05)
     os.kill(pid, 9)
     pytest.fail("the forked child's product never finished")
+
+
+def _steps(model, slot, native: bool, prompt, tokens, packed):
+    """Logits of the prompt's next token, then after each of ``tokens``, on one decoder (C layers or torch's)."""
+    dec = FastDecoder(model, slot, len(prompt) + len(tokens) + 1, torch.device("cpu"), packed)
+    assert (dec.native is not None) == (kernel() is not None)
+    if not native:
+        dec.native = None
+    out = [dec.prefill(prompt)]
+    for t in tokens:
+        out.append(dec.step(torch.tensor([t])))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("which", ["qwen2", "llama-bf16", "qwen2-lora"])
+def test_the_c_decode_step_computes_what_the_torch_step_computes(which, tiny_model_dir, bf16_dir):
+    """The C layers (float32 or bf16 packed weights, Qwen2's q/k/v biases, a LoRA adapter's B(A x)) give the
+    torch layers' logits; and two generations stepped together give, bitwise, what each gives alone."""
+    if kernel() is None:
+        pytest.skip("no C compiler for the kernel")
+    model, _ = load_model(bf16_dir if which == "llama-bf16" else tiny_model_dir)
+    model.eval()
+    slot = None
+    if which == "qwen2-lora":
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(4)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), adapter_name="s")
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.5)
+        model = model.base_model.model
+        slot = "s"
+    packed = Packed(kernel())
+    prompt, tokens = [3, 9, 27, 4, 11], [7, 1, 30, 2, 19, 5, 8]
+    with torch.no_grad():
+        c, ref = _steps(model, slot, True, prompt, tokens, packed), _steps(model, slot, False, prompt, tokens, packed)
+        assert (c - ref).abs().max() <= 1e-4 * max(1.0, float(ref.abs().max()))
+        a = FastDecoder(model, slot, 16, torch.device("cpu"), packed)
+        b = FastDecoder(model, slot, 16, torch.device("cpu"), packed)
+        alone = FastDecoder(model, slot, 16, torch.device("cpu"), packed)
+        a.prefill(prompt), b.prefill(prompt[:3]), alone.prefill(prompt)
+        from reef_core.engines.decode import step_rows
+
+        both = step_rows([a, b], torch.tensor([7, 2]))
+        assert torch.equal(both[0], alone.step(torch.tensor([7])))
+
+
+def test_without_the_kernel_decode_steps_run_in_torch(tiny_model_dir):
+    model, _ = load_model(tiny_model_dir)
+    dec = FastDecoder(model, None, 8, torch.device("cpu"), Packed(None))
+    assert dec.native is None
+    dec.prefill([1, 2])
+    assert dec.step(torch.tensor([3])).shape == (model.config.vocab_size,)
