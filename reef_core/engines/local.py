@@ -898,20 +898,35 @@ def _usage(res: _Result) -> dict:
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
-    """One token from ``softmax(logits / temperature)`` restricted to the top-p nucleus (greedy at 0)."""
+    """One token from ``softmax(logits / temperature)`` restricted to the top-p nucleus (greedy at 0).
+
+    Exact for the distribution, and cheap: the nucleus is found among the most likely tokens (a ``topk`` widened
+    until it holds top_p of the mass), not by sorting the vocabulary, and the draw is one uniform against the
+    cumulative mass. (torch.multinomial draws an exponential per vocabulary entry: ~2.5 ms a token on SmolLM2's
+    49k vocabulary, ~9 ms with the sort for top-p, against ~12 ms for the whole forward.) A given seed yields the
+    same tokens on every run (not the tokens the earlier multinomial sampler drew for it)."""
     if temperature <= 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        keep = (torch.cumsum(sorted_p, dim=-1) - sorted_p) < top_p  # smallest prefix reaching top_p
-        keep[0] = True  # top_p = 0 keeps the most likely token
-        sorted_p = sorted_p * keep
-        return int(order[torch.multinomial(sorted_p, 1, generator=gen)])
-    # torch.multinomial costs ~2.5 ms on a 49k vocabulary (a tenth of a batched SmolLM2 step); a cheaper exact draw
-    # would change which token a given seed yields, and seeded runs are part of the engine's contract with tests and
-    # users, so a faster sampler waits for a deliberate change of that contract.
-    return int(torch.multinomial(probs, 1, generator=gen))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return _draw(probs, gen)
+    n = probs.shape[-1]
+    k = min(64, n)
+    while True:
+        vals, idx = torch.topk(probs, k)  # descending
+        mass = torch.cumsum(vals, dim=-1)
+        if k == n or float(mass[-1]) >= top_p:
+            break
+        k = min(n, k * 8)
+    keep = int(((mass - vals) < top_p).sum())  # the smallest prefix reaching top_p (top_p = 0: the top token)
+    return int(idx[_draw(vals[:max(keep, 1)], gen)])
+
+
+def _draw(p: torch.Tensor, gen: torch.Generator) -> int:
+    """Index i with probability p[i] / sum(p), from one uniform draw of ``gen`` (inverse of the cumulative mass)."""
+    mass = torch.cumsum(p, dim=-1, dtype=torch.float64)
+    u = torch.rand((), generator=gen, dtype=torch.float64, device=p.device) * mass[-1]
+    return min(int(torch.searchsorted(mass, u, right=True)), p.shape[-1] - 1)
 
 
 def _lp_entry(tok, tid: int, logp: torch.Tensor, top: int) -> dict:
