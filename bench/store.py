@@ -3,12 +3,17 @@
 Each appender is an asyncio task that builds an interaction record of about 2 KB (like one chat turn) and awaits
 ``RecordStore.append``, which returns only once the row is committed durably (SQLite WAL ``synchronous=FULL``;
 PostgreSQL ``synchronous_commit=on``). A single-appender run shows the one-fsync-per-write floor the group
-commit is there to lift. Every run ends by counting the stored rows.
+commit is there to lift. Every run ends by counting the stored rows. ``--profile PATH`` writes a cProfile of each
+backend's concurrent run, the event loop's thread and the writer thread apart, to ``PATH_<backend>.txt``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import cProfile
+import io
+import os
+import pstats
 import shutil
 import socket
 import tempfile
@@ -27,6 +32,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--single", type=int, default=300, help="records of the single-appender run (default 300)")
     parser.add_argument("--backends", default="sqlite,postgres", help="sqlite,postgres")
     parser.add_argument("--pg-url", default=PG_URL)
+    parser.add_argument("--profile", default=None,
+                        help="write cProfiles of the concurrent runs to PATH_<backend>.txt (loop and writer threads)")
 
 
 def _payload(i: int) -> dict:
@@ -59,12 +66,16 @@ async def _append_all(store, scenario: str, count: int, concurrency: int) -> tup
     return time.perf_counter() - started, latencies
 
 
-def _measure(store, backend: str, count: int, concurrency: int) -> dict:
+def _measure(store, backend: str, count: int, concurrency: int, profile: str | None = None) -> dict:
     scenario = f"bench-{concurrency}-{uuid.uuid4().hex[:8]}"
     before = store.stats
+    profilers = _start_profiles(store) if profile else None
     cpu_before = time.process_time()  # this process: the appenders and the store's writer thread
     wall, latencies = asyncio.run(_append_all(store, scenario, count, concurrency))
     cpu = time.process_time() - cpu_before
+    if profilers:
+        _write_profiles(store, profilers, f"{profile}_{backend}.txt",
+                        f"{count} records, {concurrency} appenders, {backend}, wall {wall:.2f} s")
     after = store.stats
     stored = store.count(scenario)
     transactions = after.transactions - before.transactions
@@ -74,6 +85,29 @@ def _measure(store, backend: str, count: int, concurrency: int) -> dict:
             "append_ms": common.percentiles(latencies), "transactions": transactions,
             "rows_per_transaction": round(count / transactions, 1) if transactions else None,
             "largest_batch": after.largest_batch}
+
+
+def _start_profiles(store) -> tuple[cProfile.Profile, cProfile.Profile]:
+    """Profile this thread and the store's writer thread (a profiler covers the thread that enables it, so the
+    writer's is switched on by a call run on that thread)."""
+    loop_profile, writer_profile = cProfile.Profile(), cProfile.Profile()
+    store._writer.submit_call(lambda _conn: writer_profile.enable()).result()
+    loop_profile.enable()
+    return loop_profile, writer_profile
+
+
+def _write_profiles(store, profilers: tuple[cProfile.Profile, cProfile.Profile], path: str, title: str) -> None:
+    loop_profile, writer_profile = profilers
+    loop_profile.disable()
+    store._writer.submit_call(lambda _conn: writer_profile.disable()).result()
+    text = io.StringIO()
+    text.write(f"{title}; load {os.getloadavg()[0]:.2f}\n")
+    for name, profiler in (("event loop thread (appenders)", loop_profile), ("writer thread", writer_profile)):
+        text.write(f"\n== {name}, by own time ==\n")
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text.getvalue())
+    print(f"profile: {path}")
 
 
 def _postgres_up(url: str) -> bool:
@@ -108,7 +142,7 @@ def run(args) -> dict:
                 raise SystemExit(f"unknown backend {backend!r}")
             try:
                 runs.append(_measure(store, backend, args.single, 1))
-                runs.append(_measure(store, backend, args.records, args.concurrency))
+                runs.append(_measure(store, backend, args.records, args.concurrency, args.profile))
             finally:
                 store.close()
         finally:

@@ -7,7 +7,6 @@ fields (tags, created_at, version) may differ.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import math
@@ -25,10 +24,14 @@ KINDS = ("inference", "report", "train")
 MAX_ID_LENGTH = 255
 
 
+# Built once: json.dumps with options builds a new encoder per call, which costs as much as encoding a small value.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def canonical_json(value: Any) -> str:
     """Deterministic JSON text: sorted keys, no spaces, UTF-8 kept, non-finite floats refused."""
     try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return _CANONICAL.encode(value)
     except (TypeError, ValueError) as exc:  # sets, bytes, NaN, ...: not storable as JSON either
         raise ValidationFailed(f"value is not canonical JSON: {exc}") from exc
 
@@ -97,15 +100,20 @@ class Record:
             raise ValidationFailed("created_at must be a finite number", field="created_at")
         if self.top_k is not None and not isinstance(self.top_k, bytes):
             raise ValidationFailed("top_k must be bytes or None", field="top_k")
-        canonical_json(self.tags)  # refuse unstorable tags now rather than inside a batch
+        if self.tags:
+            canonical_json(self.tags)  # refuse unstorable tags now rather than inside a batch
         if self.content_hash is None:
             digest = compute_content_hash(self.kind, self.scenario, self.payload, self.references)
             object.__setattr__(self, "content_hash", digest)
+            # The payload just went through canonical_json, so the writer may store it with a faster encoder that
+            # does not refuse NaN itself (reef_core.observe.batch.encode_json_columns). Not a field: not compared.
+            object.__setattr__(self, "_json_checked", True)
 
     def with_sequence(self, sequence: int) -> Record:
         """A copy carrying the sequence the store assigned (no re-validation: the fields are already checked)."""
-        clone = copy.copy(self)
-        object.__setattr__(clone, "sequence", sequence)
+        clone = object.__new__(type(self))  # copy.copy's reduce protocol costs several times this per record
+        clone.__dict__.update(self.__dict__)
+        clone.__dict__["sequence"] = sequence
         return clone
 
 

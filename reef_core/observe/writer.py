@@ -91,7 +91,7 @@ class Writer:
         self._batch_size = batch_size
         self._max_pending = max_pending
         self._retry_attempts = retry_attempts
-        self._conn: sa.Connection | None = None  # SQLite: the writer thread's own connection, held across batches
+        self._conn: sa.Connection | None = None  # the writer thread's own connection, held across batches
         self._queue: deque[_Call | _Append] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -188,15 +188,12 @@ class Writer:
     def _transaction(self) -> Iterator[sa.Connection]:
         """One write transaction (committed on success, rolled back on error).
 
-        On SQLite the thread keeps one connection: checking it out of the pool and resetting it on return cost CPU
-        per batch, and there is a single writer thread per store anyway (other processes still queue on the
-        database lock through ``BEGIN IMMEDIATE``). PostgreSQL checks a connection out per transaction so a dropped
-        connection is replaced by the pool (pre-ping) instead of failing every later batch.
+        The thread keeps one connection across transactions: checking it out of the pool cost CPU per batch (and on
+        PostgreSQL a pre-ping round trip), and there is a single writer thread per store anyway (other processes
+        still queue on SQLite's lock through ``BEGIN IMMEDIATE``, on PostgreSQL's row locks). After any failure the
+        connection is dropped and the next transaction opens a fresh one, so a connection PostgreSQL closed (a
+        restart, an idle timeout) fails one batch, whose requests are then retried one by one on new connections.
         """
-        if self._dialect != "sqlite":
-            with self._engine.begin() as conn:
-                yield conn
-            return
         if self._conn is None or self._conn.closed or self._conn.invalidated:
             if self._conn is not None:
                 self._conn.close()
