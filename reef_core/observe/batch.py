@@ -112,8 +112,7 @@ class _DriverSql:
     """
 
     insert_records: str
-    insert_records_rows: str  # "{rows}" is replaced by one row_marks group per row
-    row_marks: str
+    copy_records: str  # PostgreSQL: COPY ... FROM STDIN of the same columns
     select_by_ids: str  # "{marks}" is replaced by one placeholder per id
     reserve_sequence: str
     mark: str
@@ -136,12 +135,10 @@ def _driver_sql(conn: sa.Connection) -> _DriverSql:
 
     mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
     columns = ", ".join(prep.quote(column.name) for column in records.columns)
-    row_marks = f"({', '.join([mark] * len(records.columns))})"
     seq = table(record_sequences)
     found = _DriverSql(
-        insert_records=f"INSERT INTO {table(records)} ({columns}) VALUES {row_marks}",
-        insert_records_rows=f"INSERT INTO {table(records)} ({columns}) VALUES {{rows}}",
-        row_marks=row_marks,
+        insert_records=f"INSERT INTO {table(records)} ({columns}) VALUES ({', '.join([mark] * len(records.columns))})",
+        copy_records=f"COPY {table(records)} ({columns}) FROM STDIN",
         select_by_ids=f"SELECT {columns} FROM {table(records)} WHERE {prep.quote('record_id')} IN ({{marks}})",
         # Same upsert as queries.reserve_sequences: the counter row's lock keeps concurrent writers apart.
         reserve_sequence=(f"INSERT INTO {seq} (scenario, last_sequence) VALUES ({mark}, {mark}) "
@@ -197,16 +194,21 @@ def _scalar(conn: sa.Connection, sql: str, params: tuple) -> Any:
 
 
 def _insert_records(conn: sa.Connection, rows: list[tuple]) -> None:
-    """Insert ``records`` rows: SQLite's ``executemany`` steps one prepared statement in C; on PostgreSQL one
-    multi-row ``INSERT`` per chunk is one statement for the server, where psycopg's ``executemany`` sends and binds
-    a statement per row (its per-row Python work cost more than the server's)."""
+    """Insert ``records`` rows: SQLite's ``executemany`` steps one prepared statement in C. On PostgreSQL ``COPY``
+    streams the rows in one command; psycopg's ``executemany`` binds and sends a statement per row, and a multi-row
+    ``INSERT`` is parsed by psycopg anew per batch: both cost several times more CPU per row than the server."""
     sql = _driver_sql(conn)
     if conn.dialect.name == "sqlite":
         _sqlite_cursor_call(conn, "executemany", sql.insert_records, rows).close()
         return
-    for chunk in _chunks(rows):
-        conn.exec_driver_sql(sql.insert_records_rows.replace("{rows}", ", ".join([sql.row_marks] * len(chunk))),
-                             tuple(value for row in chunk for value in row))
+    import psycopg  # the PostgreSQL store's driver (extra "postgres")
+
+    try:
+        with conn.connection.driver_connection.cursor() as cursor, cursor.copy(sql.copy_records) as copy:
+            for row in rows:
+                copy.write_row(row)
+    except psycopg.Error as exc:  # wrapped as exec_driver_sql would: the writer retries on DBAPIError
+        raise sa.exc.DBAPIError.instance(sql.copy_records, None, exc, psycopg.Error) from exc
 
 
 def _chunks(items: Sequence, size: int = IN_CHUNK) -> Iterable[Sequence]:

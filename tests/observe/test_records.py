@@ -200,6 +200,31 @@ def test_an_unstorable_record_fails_alone(store):
     assert ok1.sequence == 1 and ok2.sequence == 2 and store.get("bad") is None
 
 
+def test_a_precomputed_hash_record_with_nan_is_refused_not_stored_as_null(store):
+    # The fast storage encoder writes NaN as null; only payloads the Record checked itself may take it.
+    bad = Record(record_id="nan", scenario="s", kind="inference", payload={"x": float("nan")}, content_hash="0" * 64)
+    with pytest.raises(ValidationFailed, match="not storable as JSON"):
+        store.append_sync(bad)
+    assert store.get("nan") is None
+
+
+def test_payload_values_round_trip_through_the_stored_json(store):
+    # Characters COPY and JSON escape, numbers whose spelling differs between encoders, integer keys (stored as
+    # strings, as the standard encoder does) and integers beyond 64 bits (the fast encoder refuses them).
+    text = 'tab\there "quoted" back\\slash\nnew line \u0000 nul é 中 🐟'
+    payload = {"text": text, "floats": [1e-07, -1.25e-05, 1e16, 0.1, 1.5], "ints": [0, -3, 2**63 - 1],
+               "nested": {"b": [True, False, None], "a": {}}}
+    stored = store.append_sync(Record(record_id="rt", scenario="s", kind="inference", payload=payload,
+                                      references=[], tags={"k": text}, top_k=b"\x00\\\n\t\xff"))
+    big = store.append_sync(Record(record_id="big", scenario="s", kind="inference",
+                                   payload={"n": 2**70, "keys": {1: "int key"}}))
+    got = store.get("rt")
+    assert got.payload == payload and list(got.payload) == list(payload)  # values and key order kept
+    assert got.tags == {"k": text} and got.top_k == b"\x00\\\n\t\xff"
+    assert got.content_hash == stored.content_hash
+    assert store.get("big").payload == {"n": 2**70, "keys": {"1": "int key"}} and big.sequence == 2
+
+
 def test_concurrent_appends_keep_per_scenario_order_and_share_transactions(store):
     async def main():
         return await asyncio.gather(*[
