@@ -21,7 +21,7 @@ import sqlalchemy as sa
 
 from reef_core.errors import Conflict, ReefError, ValidationFailed
 from reef_core.observe import queries as q
-from reef_core.observe.model import Record
+from reef_core.observe.model import Record, payload_checked
 from reef_core.observe.schema import record_sequences, records
 
 # Stay far below SQLite's bound-parameter limit and keep PostgreSQL IN lists cheap.
@@ -87,7 +87,7 @@ def _stored_json(value: Any, checked: bool) -> str:
 def encode_json_columns(record: Record) -> tuple[str, str, str]:
     """The JSON columns (references, tags, payload) as text; ``ValidationFailed`` when a value is not JSON, so a
     bad record (one built with a precomputed hash skips the check) fails alone instead of its whole batch."""
-    checked = record.__dict__.get("_json_checked", False)  # the payload passed canonical_json: Record.__post_init__
+    checked = payload_checked(record)
     try:
         return (_stored_json(record.references, True) if record.references else "[]",  # strings: Record checks
                 _stored_json(record.tags, True) if record.tags else "{}",  # tags: always checked by Record

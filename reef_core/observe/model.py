@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,18 @@ def canonical_json(value: Any) -> str:
         return _CANONICAL.encode(value)
     except (TypeError, ValueError) as exc:  # sets, bytes, NaN, ...: not storable as JSON either
         raise ValidationFailed(f"value is not canonical JSON: {exc}") from exc
+
+
+# Records whose payload went through canonical_json when their content hash was computed, by id and held weakly:
+# the writer may store those with a faster encoder that writes NaN as null instead of refusing it
+# (reef_core.observe.batch.encode_json_columns). A side table rather than an attribute, so that
+# ``Record(**record.__dict__)`` keeps working.
+_CHECKED: weakref.WeakValueDictionary[int, Record] = weakref.WeakValueDictionary()
+
+
+def payload_checked(record: Record) -> bool:
+    """Whether ``record``'s payload passed :func:`canonical_json` when the record was built."""
+    return _CHECKED.get(id(record)) is record
 
 
 def compute_content_hash(kind: str, scenario: str, payload: dict, references: list[str]) -> str:
@@ -105,9 +118,7 @@ class Record:
         if self.content_hash is None:
             digest = compute_content_hash(self.kind, self.scenario, self.payload, self.references)
             object.__setattr__(self, "content_hash", digest)
-            # The payload just went through canonical_json, so the writer may store it with a faster encoder that
-            # does not refuse NaN itself (reef_core.observe.batch.encode_json_columns). Not a field: not compared.
-            object.__setattr__(self, "_json_checked", True)
+            _CHECKED[id(self)] = self
 
     def with_sequence(self, sequence: int) -> Record:
         """A copy carrying the sequence the store assigned (no re-validation: the fields are already checked)."""
