@@ -20,6 +20,7 @@ BENCHMARKS = {
     "engine": "bench.engine",
     "replicas": "bench.replicas",
     "batch": "bench.batch",
+    "ready": "bench.ready",
 }
 
 

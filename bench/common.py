@@ -35,16 +35,17 @@ class Child:
     """A benchmark server in its own process (own GIL), stopped for good by :meth:`stop`."""
 
     def __init__(self, name: str, cmd: list[str], url: str, log_path: Path, env: dict | None = None,
-                 health: str = "/healthz", unset: tuple[str, ...] = ()):
-        self.name, self.cmd, self.url, self.health = name, cmd, url, health
+                 health: str = "/healthz", unset: tuple[str, ...] = (), cwd: Path | None = None):
+        self.name, self.cmd, self.url, self.health, self.cwd = name, cmd, url, health, cwd
         self.log_path = log_path
         self.env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in unset}
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 180) -> "Child":
+    def start(self, timeout: float = 180, interval: float = 0.1) -> "Child":
+        """Start the process and return once its health route answers 200 (polled every ``interval`` s)."""
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
+                                     start_new_session=True, cwd=self.cwd)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -55,7 +56,7 @@ class Child:
                         return self
             except OSError:
                 pass
-            time.sleep(0.1)
+            time.sleep(interval)
         self.stop()
         raise RuntimeError(f"{self.name} did not become healthy in {timeout:g} s:\n{self.log_tail()}")
 
