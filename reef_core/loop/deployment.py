@@ -527,6 +527,7 @@ class Deployment:
         if self.role != "serve":
             await asyncio.to_thread(self._hold_writer_lock)  # a second server on this data dir fails here
         await self.engine.start()
+        self._warm_surfaces()
         # Existing scenarios resume their learners (recovery runs before serving starts). One that cannot is
         # quarantined (see learner()); start-up goes on with the others.
         for scenario in await asyncio.to_thread(self.store.scenarios):
@@ -540,6 +541,23 @@ class Deployment:
             # Other processes may serve the same scenarios: wake learners for their records, take over from the dead.
             await asyncio.to_thread(self._hold_writer_lock)
             self._watch()
+
+    def _warm_surfaces(self) -> None:
+        """Each surface's :meth:`~reef_core.surfaces.base.Surface.warm` on a daemon thread, once the engine is
+        loaded (beside the load it competed with it for a 2-core box's CPU: ready was slower in an A/B run) and never
+        awaited: readiness does not wait for it, and a request that needs it meanwhile
+        waits only for what is left. A failure is left for that request to raise."""
+        surfaces = [s for s in self._surfaces.values() if hasattr(s, "warm")]
+
+        def warm() -> None:
+            for surface in surfaces:
+                try:
+                    surface.warm()
+                except Exception:  # noqa: BLE001 - the request path computes it again and reports the error
+                    log.debug("surface warm-up failed", exc_info=True)
+
+        if surfaces:
+            threading.Thread(target=warm, name="reef-surface-warm", daemon=True).start()
 
     async def stop(self) -> None:
         for learner in list(self._learners.values()):

@@ -26,6 +26,10 @@ class Surface(ABC):
         """Refuse a trainer's candidate ``files`` as the successor of the serving release (``previous()`` reads
         its files); e.g. a skill pool that would lose a skill. Called by the gate after :meth:`validate`."""
 
+    def warm(self) -> None:
+        """Once per process, at start-up and off the request path: work that a scenario's first request would
+        otherwise wait for (e.g. the weights surface's base-model digest). Nothing by default."""
+
     def creation_files(self) -> Mapping[str, Any]:
         """The files of a new scenario's first release (``creation``) when its trainer seeds none.
 

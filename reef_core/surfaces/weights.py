@@ -154,12 +154,18 @@ class WeightsSurface(Surface):
         self.release_of: dict[str, str] = {}
         self._lock = threading.Lock()
         self._digest: str | None = None  # of the base model's files, computed once
+        self._digest_lock = threading.Lock()  # a first request waits for the digest warm() is computing
         self._on_base = True  # the engine holds the weights it loaded (no release swapped in yet)
 
     def base_digest(self) -> str:
-        if self._digest is None:
-            self._digest = model_digest(self.engine.model_dir)
-        return self._digest
+        with self._digest_lock:
+            if self._digest is None:
+                self._digest = model_digest(self.engine.model_dir)
+            return self._digest
+
+    def warm(self) -> None:
+        """The base digest (SmolLM2: 273 MB hashed), which a new scenario's creation release names."""
+        self.base_digest()
 
     def creation_files(self) -> Mapping[str, Any]:
         """``base.json``: the base model's name and digest (a reference, not a copy of the weights)."""
