@@ -54,6 +54,16 @@ def test_creation_files_name_the_base_and_its_digest_not_its_weights(surface):
     assert ref["digest"].startswith("sha256:") and len(ref["digest"]) == 7 + 64
 
 
+def test_warm_computes_the_digest_a_first_scenario_names_once(surface, monkeypatch):
+    from reef_core.surfaces import weights
+
+    calls = []
+    monkeypatch.setattr(weights, "model_digest", lambda path: calls.append(path) or model_digest(path))
+    surface.warm()  # at start-up, off the request path
+    ref = base_reference(surface.creation_files())  # a new scenario's first request
+    assert calls == [surface.engine.model_dir] and ref["digest"] == model_digest(surface.engine.model_dir)
+
+
 def test_activating_the_base_swaps_only_when_the_engine_left_it(surface):
     engine, files = surface.engine, surface.creation_files()
     base = _weights(engine.model)
