@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=_client, args=(url, started, timeline), daemon=True).start()
     code = reef_main(cmd[3:])  # after "python -m reef_core.cli"
     main_prof.disable()
-    timeline.append(f"server exited {code}     {time.perf_counter() - started:7.2f} s after start")
+    timeline.append(f"server stopped (code {code}) {time.perf_counter() - started:5.2f} s after start")
     sections.append("timeline (under cProfile: slower than unprofiled)\n" + "\n".join("  " + t for t in timeline))
 
     stats = pstats.Stats(main_prof)
