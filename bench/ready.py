@@ -115,6 +115,10 @@ def summarize(rounds: list[dict], key: str, target: float | None) -> dict:
 def run(args) -> dict:
     if args.rounds < 1 or args.tokens < 1:
         raise SystemExit("--rounds and --tokens must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit("--threads must be at least 1")
+    if not args.timeout > 0:
+        raise SystemExit("--timeout must be positive")
     systems = {"reef": common.ROOT}
     if args.baseline:
         baseline = Path(args.baseline).resolve()
