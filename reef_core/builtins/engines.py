@@ -56,6 +56,7 @@ def make_local_engine(config, data_dir: Path):
         top_k_logprobs=int(config.top_k_logprobs),
         tool_call_parser=str(config.tool_call_parser),
         max_batch_size=config.max_batch_size,
+        num_threads=config.num_threads,
     )
 
 

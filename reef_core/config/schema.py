@@ -130,6 +130,9 @@ class EngineConfig:
     #: Local engine: the most concurrent requests decoded together as one batch (continuous batching: a request
     #: joins the running batch at the next step); 1 = one request at a time.
     max_batch_size: int = 8
+    #: Local engine: CPU threads for its tensor work and decode kernel (``torch.set_num_threads``: process-wide, the
+    #: in-process trainer follows it); unset: torch's default, the machine's cores. 1 suits a busy machine.
+    num_threads: Optional[int] = None
     #: ``engine.kind=sglang`` / ``vllm``: base URL of the server (``REEF_ENGINE_URL`` when unset; unset with ``launch``:
     #: the managed server's loopback URL). ``engine.model`` must then be a local directory holding the served
     #: model's tokenizer and base weights (Reef renders chat templates and trains from it).

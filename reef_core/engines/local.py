@@ -248,8 +248,9 @@ class LocalEngine(Engine):
             :mod:`reef_core.grow.device`); the model, the generation tensors and swapped weights live there.
         name: the model id it answers to (default: the directory name).
         version: the name of the initial weights.
-        num_threads: when set, ``torch.set_num_threads`` at load (process-wide; 1 suits tiny models on
-            busy CPUs, where intra-op threads mostly wait on each other).
+        num_threads: ``engine.num_threads``: when set, ``torch.set_num_threads`` at load (process-wide, so the
+            in-process trainer follows it) and the C decode kernel's thread count; 1 suits busy CPUs, where
+            intra-op threads mostly wait on each other. None: torch's default (the machine's cores).
         top_k_logprobs: ``engine.top_k_logprobs``: K > 0 captures the top-K ids and log-probs of every output
             token in ``TokenData.top_k`` (0: off).
         tool_call_parser: ``engine.tool_call_parser``: how tool calls are read from the generated text
@@ -278,6 +279,9 @@ class LocalEngine(Engine):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or not 1 <= max_batch_size <= 256:
             raise ConfigError(f"engine.max_batch_size must be an integer from 1 to 256, got {max_batch_size!r}")
         self.max_batch_size = max_batch_size
+        if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
+                                        or not 1 <= num_threads <= 256):
+            raise ConfigError(f"engine.num_threads must be an integer from 1 to 256 (or unset), got {num_threads!r}")
         if isinstance(top_k_logprobs, bool) or not isinstance(top_k_logprobs, int) or not 0 <= top_k_logprobs <= MAX_K:
             raise ConfigError(f"engine.top_k_logprobs must be an integer from 0 to {MAX_K}, got {top_k_logprobs!r}")
         self.top_k_logprobs = top_k_logprobs

@@ -318,3 +318,14 @@ def test_sampling_defaults_come_from_config_then_model_then_one(tiny_model_dir, 
     plain, sampled = asyncio.run(go())
     assert len({tuple(r.tokens.output_ids) for r in plain}) == 1
     assert len({tuple(r.tokens.output_ids) for r in sampled}) > 1
+
+
+def test_engine_num_threads_reaches_the_engine_and_bad_values_are_refused(tiny_model_dir, tmp_path):
+    from reef_core.builtins.engines import make_local_engine
+    from reef_core.config.schema import EngineConfig
+
+    assert make_local_engine(EngineConfig(model=str(tiny_model_dir), num_threads=1), tmp_path).num_threads == 1
+    assert make_local_engine(EngineConfig(model=str(tiny_model_dir)), tmp_path).num_threads is None
+    for bad in (0, -2, 1.5, True, "2", 10_000):
+        with pytest.raises(ConfigError, match=r"^engine\.num_threads"):
+            make_local_engine(EngineConfig(model=str(tiny_model_dir), num_threads=bad), tmp_path)
