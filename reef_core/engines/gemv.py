@@ -129,47 +129,64 @@ static void rows(const float *x, const void *w, int f32, const float *b, float *
 #endif
 }
 
-/* Worker threads: each takes a fixed share of the blocks of every product. They spin briefly for the next job
-   (the decode step calls back within microseconds), then sleep on a condition variable. */
+/* Worker threads. A product's blocks are claimed in chunks from one counter by whichever thread is running (the
+   caller included), so a worker the OS has descheduled (a busy machine) delays nothing: the others take its chunks.
+   The counter carries the job's epoch in its high half, so a claim for a finished job fails instead of reading the
+   next job's fields. A block's arithmetic does not depend on the thread that computes it. Idle workers spin briefly
+   for the next job (a decode step calls back within microseconds), then sleep on a condition variable. */
 #include <pthread.h>
 #include <sched.h>
 #define MAX_THREADS 16
-static struct { const float *x; const void *w; const float *b; float *y; long m, n, k; int f32; } job;
-static volatile int epoch, done, sleepers, nthreads = 1;
+typedef struct { const float *x; const void *w; const float *b; float *y; long m, n, k, blocks, chunk; int f32; } job_t;
+static job_t job;
+static uint64_t ticket;                   /* (epoch << 32) | the next unclaimed block */
+static long finished;                     /* blocks computed of the current job */
+static uint32_t epoch_now;                /* the caller's (under `caller`) */
+static int sleepers, nthreads = 1;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static pthread_mutex_t caller = PTHREAD_MUTEX_INITIALIZER;  /* one job at a time (engines on other threads) */
 
-static void share(int t, long blocks, long *lo, long *hi) {  /* thread t's blocks */
-    long per = (blocks + nthreads - 1) / nthreads;
-    *lo = t * per < blocks ? t * per : blocks;
-    *hi = (t + 1) * per < blocks ? (t + 1) * per : blocks;
+/* Claim and compute chunks of job `e` until none is left. The fields are read before each claim and used only when
+   the claim succeeds, which proves job `e` was still open (its fields not yet replaced). */
+static void work(uint32_t e) {
+    for (;;) {
+        uint64_t t = __atomic_load_n(&ticket, __ATOMIC_ACQUIRE);
+        if ((uint32_t)(t >> 32) != e) return;
+        job_t j = job;
+        long next = (long)(t & 0xFFFFFFFFu);
+        if (next >= j.blocks) return;
+        long end = next + j.chunk < j.blocks ? next + j.chunk : j.blocks;
+        if (!__atomic_compare_exchange_n(&ticket, &t, ((uint64_t)e << 32) | (uint64_t)end, 0, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_ACQUIRE))
+            continue;
+        rows(j.x, j.w, j.f32, j.b, j.y, next, end, j.n, j.k, j.m);
+        __atomic_fetch_add(&finished, end - next, __ATOMIC_RELEASE);
+    }
 }
 
 static void *worker(void *arg) {
-    int t = (int)(long)arg, seen = 0;
+    (void)arg;
+    uint32_t seen = 0;
     for (;;) {
         int spins = 0;
-        while (__atomic_load_n(&epoch, __ATOMIC_ACQUIRE) == seen) {
+        while ((uint32_t)(__atomic_load_n(&ticket, __ATOMIC_ACQUIRE) >> 32) == seen) {
             if (++spins < 20000) continue;
             pthread_mutex_lock(&mu);
-            __atomic_fetch_add(&sleepers, 1, __ATOMIC_SEQ_CST);  /* a full fence before reading epoch again */
-            while (__atomic_load_n(&epoch, __ATOMIC_ACQUIRE) == seen) pthread_cond_wait(&cv, &mu);
+            __atomic_fetch_add(&sleepers, 1, __ATOMIC_SEQ_CST);  /* a full fence before reading the ticket again */
+            while ((uint32_t)(__atomic_load_n(&ticket, __ATOMIC_ACQUIRE) >> 32) == seen) pthread_cond_wait(&cv, &mu);
             __atomic_fetch_sub(&sleepers, 1, __ATOMIC_SEQ_CST);
             pthread_mutex_unlock(&mu);
         }
-        seen = __atomic_load_n(&epoch, __ATOMIC_ACQUIRE);
-        long lo, hi;
-        share(t, (job.n + 15) / 16, &lo, &hi);
-        rows(job.x, job.w, job.f32, job.b, job.y, lo, hi, job.n, job.k, job.m);
-        __atomic_fetch_add(&done, 1, __ATOMIC_RELEASE);
+        seen = (uint32_t)(__atomic_load_n(&ticket, __ATOMIC_ACQUIRE) >> 32);
+        work(seen);
     }
     return 0;
 }
 
 /* A forked child has none of the workers: it computes alone (else it would wait for them forever). */
 static void after_fork_in_child(void) {
-    nthreads = 1; epoch = 0; done = 0; sleepers = 0;
+    nthreads = 1; ticket = 0; finished = 0; epoch_now = 0; sleepers = 0;
     pthread_mutex_init(&mu, 0); pthread_cond_init(&cv, 0); pthread_mutex_init(&caller, 0);
 }
 
@@ -192,18 +209,20 @@ void reef_gemv(const float *x, const void *w, int f32, const float *b, float *y,
     long blocks = (n + 15) / 16;
     if (nthreads == 1 || n * k < 65536) { rows(x, w, f32, b, y, 0, blocks, n, k, m); return; }
     pthread_mutex_lock(&caller);
+    uint32_t e = ++epoch_now;
+    if (e == 0) e = ++epoch_now;  /* 0 is the workers' initial "seen" */
+    long chunk = blocks / (nthreads * 4);
     job.x = x; job.w = w; job.f32 = f32; job.b = b; job.y = y; job.m = m; job.n = n; job.k = k;
-    __atomic_store_n(&done, 0, __ATOMIC_RELAXED);
-    __atomic_fetch_add(&epoch, 1, __ATOMIC_SEQ_CST);  /* a full fence before reading sleepers */
-    if (__atomic_load_n(&sleepers, __ATOMIC_ACQUIRE)) {
+    job.blocks = blocks; job.chunk = chunk > 0 ? chunk : 1;
+    __atomic_store_n(&finished, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&ticket, (uint64_t)e << 32, __ATOMIC_SEQ_CST);  /* publishes the fields; a full fence */
+    if (__atomic_load_n(&sleepers, __ATOMIC_SEQ_CST)) {
         pthread_mutex_lock(&mu);
         pthread_cond_broadcast(&cv);
         pthread_mutex_unlock(&mu);
     }
-    long lo, hi;
-    share(0, blocks, &lo, &hi);
-    rows(x, w, f32, b, y, lo, hi, n, k, m);
-    for (int spins = 0; __atomic_load_n(&done, __ATOMIC_ACQUIRE) < nthreads - 1; spins++)
+    work(e);
+    for (int spins = 0; __atomic_load_n(&finished, __ATOMIC_ACQUIRE) < blocks; spins++)
         if (spins > 1000) sched_yield();
     pthread_mutex_unlock(&caller);
 }
