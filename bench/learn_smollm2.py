@@ -210,11 +210,13 @@ def run(args) -> dict:
     train_ms = common.percentiles([s["train_s"] * 1000 for s in steps])
     publish_ms = common.percentiles(publish)
     if steps:
-        print(f"\ntraining steps (commits route){f', {MAX_ROWS} of {len(steps)} shown' if len(steps) > MAX_ROWS else ''}:")
+        shown = f", {MAX_ROWS} of {len(steps)} shown" if len(steps) > MAX_ROWS else ""
+        print(f"\ntraining steps (commits route){shown}:")
         print(common.table(["step", "batch", "train s", "decision"],
                            [[s["step"], s["batch_size"], s["train_s"], s["decision"]] for s in thin(steps)]))
-    print(f"train step p50 {train_ms.get('p50')} ms, max {train_ms.get('max')} ms (n {train_ms['n']}); publish p50 {publish_ms.get('p50')} ms "
-          f"(n {publish_ms['n']}); {len(poller.seen)} training release(s); peak RSS {rss or 0:.0f} MiB")
+    print(f"train step p50 {train_ms.get('p50')} ms, max {train_ms.get('max')} ms (n {train_ms['n']}); "
+          f"publish p50 {publish_ms.get('p50')} ms (n {publish_ms['n']}); {len(poller.seen)} training release(s); "
+          f"peak RSS {rss or 0:.0f} MiB")
     print(f"load avg 1m: {machine['load_avg_1m_at_start']} at start, {load_end} at end")
     problems = []
     if not rewards:
