@@ -21,6 +21,7 @@ BENCHMARKS = {
     "replicas": "bench.replicas",
     "batch": "bench.batch",
     "ready": "bench.ready",
+    "learn-smollm2": "bench.learn_smollm2",
 }
 
 
