@@ -24,6 +24,8 @@ from reef_core.testing.fixtures import wait_until
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.expected_conditions import staleness_of  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
@@ -85,11 +87,19 @@ def browser():
     driver.quit()
 
 
+def follow(driver, element) -> None:
+    """Click ``element`` and wait until the page it leads to has replaced this one (a click returns before a form's
+    post and redirect have finished on a busy machine)."""
+    page = driver.find_element(By.TAG_NAME, "html")
+    element.click()
+    WebDriverWait(driver, 30).until(staleness_of(page))
+
+
 def sign_in(driver, url: str, token: str) -> None:
     driver.get(f"{url}/ui")
     assert driver.current_url.endswith("/ui/login")  # no cookie yet: sent to the login page
     driver.find_element(By.NAME, "token").send_keys(token)
-    driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+    follow(driver, driver.find_element(By.CSS_SELECTOR, "button[type=submit]"))
     assert driver.current_url.endswith("/ui")
 
 
@@ -102,7 +112,7 @@ def test_dashboard_shows_the_loop(loop_url, browser, artifacts):
                        headers={"authorization": f"Bearer {TOKEN}"}).json()
     steps = status["counters"]["steps"]
     sign_in(browser, loop_url, TOKEN)
-    browser.find_element(By.LINK_TEXT, SCENARIO).click()
+    follow(browser, browser.find_element(By.LINK_TEXT, SCENARIO))
     browser.save_screenshot(str(artifacts / "scenario.png"))
 
     reward = browser.find_element(By.CSS_SELECTOR, "figure[data-series=reward]")
@@ -118,7 +128,7 @@ def test_dashboard_shows_the_loop(loop_url, browser, artifacts):
     assert len(browser.find_elements(By.CSS_SELECTOR, "#chain tr.release")) == 1 + len(selected)
     assert not browser.find_elements(By.PARTIAL_LINK_TEXT, "roll back")
     # The newest release's harness tree, diffed against its parent.
-    browser.find_element(By.CSS_SELECTOR, "#chain tr.release a").click()
+    follow(browser, browser.find_element(By.CSS_SELECTOR, "#chain tr.release a"))
     assert [r.text.split()[0] for r in browser.find_elements(By.CSS_SELECTOR, "#files tr.file")] == [
         "system_prompt.md"]
     diff = browser.find_element(By.CSS_SELECTOR, "pre.diff").text
@@ -127,7 +137,7 @@ def test_dashboard_shows_the_loop(loop_url, browser, artifacts):
     browser.back()
 
     # The records browser pages through every record, 50 a page.
-    browser.find_element(By.LINK_TEXT, "records").click()
+    follow(browser, browser.find_element(By.LINK_TEXT, "records"))
     seen: list[str] = []
     for page in range(20):
         rows = browser.find_elements(By.CSS_SELECTOR, "#records tr.record")
@@ -137,14 +147,14 @@ def test_dashboard_shows_the_loop(loop_url, browser, artifacts):
         nexts = browser.find_elements(By.ID, "next")
         if not nexts:
             break
-        nexts[0].click()
+        follow(browser, nexts[0])
     assert len(seen) == len(set(seen)) == 200 + REPORTS
     # Filters: by type, then by tag.
     browser.get(f"{loop_url}/ui/scenarios/dash%20board/records?type=report")
     assert len(browser.find_elements(By.CSS_SELECTOR, "#records tr.record")) == REPORTS
     browser.get(f"{loop_url}/ui/scenarios/dash%20board/records?tag=batch%3D1")
     assert len(browser.find_elements(By.CSS_SELECTOR, "#records tr.record")) == 50
-    browser.find_element(By.CSS_SELECTOR, "#records tr.record a").click()
+    follow(browser, browser.find_element(By.CSS_SELECTOR, "#records tr.record a"))
     assert "Payload" in browser.page_source and "q1" in browser.page_source
     browser.save_screenshot(str(artifacts / "record.png"))
     assert console_errors(browser) == []
@@ -172,9 +182,9 @@ def test_admin_rolls_back_after_confirming(loop_url, browser, artifacts):
     browser.get(f"{loop_url}/ui/scenarios/dash%20board")
     links = browser.find_elements(By.PARTIAL_LINK_TEXT, "roll back")
     assert links
-    links[-1].click()  # the oldest release: the seed
+    follow(browser, links[-1])  # the oldest release: the seed
     assert "Confirm rollback" in browser.title
-    browser.find_element(By.ID, "confirm").click()
+    follow(browser, browser.find_element(By.ID, "confirm"))
     browser.save_screenshot(str(artifacts / "rolled-back.png"))
     operations = [td.text for td in browser.find_elements(By.CSS_SELECTOR, "#chain tr.release td:nth-child(2)")]
     assert operations[0] == "rollback"
