@@ -244,6 +244,10 @@ class FastDecoder:
         """Logits after the prompt ``ids`` (the cache must be empty)."""
         if self.pos:
             raise RuntimeError("prefill on a cache already in use")
+        if self.native is not None and len(ids) <= MAX_KERNEL_ROWS:  # a short prompt: one C call, as a batch
+            h = _native_layers([(self, p) for p in range(len(ids))], torch.tensor(ids, device=self.k.device))
+            self.pos = len(ids)
+            return self.head(self._norm(h[-1:], self.norm_w, self.norm_eps))[0].float()
         return self._forward(torch.tensor(ids, device=self.k.device))
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
@@ -253,17 +257,27 @@ class FastDecoder:
         return self._forward(token.view(1))
 
 
-def _native_step(decoders: list[FastDecoder], tokens: torch.Tensor) -> torch.Tensor:
-    """One decode step of ``decoders`` through the C layers (:func:`reef_core.engines.gemv.decode_layers`): one call
-    for every layer of every row, then the final norm and the head here; ``[B, vocab]`` float32 logits."""
-    lead = decoders[0]
+def _native_layers(rows: list[tuple[FastDecoder, int]], tokens: torch.Tensor) -> torch.Tensor:
+    """Hidden states after every decoder layer for ``tokens[i]`` at position ``rows[i][1]`` of generation
+    ``rows[i][0]``, through the C layers (:func:`reef_core.engines.gemv.decode_layers`), which also write each
+    token's key and value into its generation's cache; ``[B, H]`` before the final norm. Rows are taken in order, so
+    consecutive positions of one generation (a prompt) attend causally to the rows before them."""
+    lead = rows[0][0]
     h = F.embedding(tokens, lead.embed_w).contiguous()  # [B, H], a fresh tensor the C step updates in place
-    gens = (gemv.Gen * len(decoders))(*[
-        gemv.Gen(d.k.data_ptr(), d.v.data_ptr(), d.k.shape[2], d.pos, d.cos.data_ptr(), d.sin.data_ptr())
-        for d in decoders])
-    if gemv.decode_layers()(lead.native, len(lead.layers), h.data_ptr(), len(decoders), lead.hidden, lead.n_heads,
+    gens = (gemv.Gen * len(rows))(*[
+        gemv.Gen(d.k.data_ptr(), d.v.data_ptr(), d.k.shape[2], pos, d.cos.data_ptr(), d.sin.data_ptr())
+        for d, pos in rows])
+    if gemv.decode_layers()(lead.native, len(lead.layers), h.data_ptr(), len(rows), lead.hidden, lead.n_heads,
                             lead.n_kv, lead.hd, lead.scale, gens):
         raise MemoryError("decode step: no memory for its buffers")
+    return h
+
+
+def _native_step(decoders: list[FastDecoder], tokens: torch.Tensor) -> torch.Tensor:
+    """One decode step of ``decoders`` through the C layers, then the final norm and the head here; ``[B, vocab]``
+    float32 logits."""
+    lead = decoders[0]
+    h = _native_layers([(d, d.pos) for d in decoders], tokens)
     for d in decoders:
         d.pos += 1
     return lead.head(lead._norm(h, lead.norm_w, lead.norm_eps)).float()
