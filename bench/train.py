@@ -157,15 +157,13 @@ def _hf(loader, args, batch, critic_steps: int):
     n_tokens = max(int(mask.sum()), 1)
     critic = critic_head = critic_opt = None
     if critic_steps:
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        critic = copy.deepcopy(loader()[0].model)
+        critic = copy.deepcopy(loader()[0].model)  # the body of a fresh copy, as ValueModel.from_policy
         critic.requires_grad_(True)
         critic_head = torch.nn.Linear(critic.config.hidden_size, 1)
         torch.nn.init.zeros_(critic_head.weight)
         torch.nn.init.zeros_(critic_head.bias)
         critic_params = list(critic.parameters()) + list(critic_head.parameters())
         critic_opt = torch.optim.AdamW(critic_params, lr=CRITIC_LR, **fused)
-        del base
 
     def values() -> torch.Tensor:
         v = critic_head(critic(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state).squeeze(-1)
@@ -286,7 +284,8 @@ def run(args) -> dict:
     result = _measure(model_dir, args)
     got = result["contenders"]
     med = {name: {phase: statistics.median(v) for phase, v in phases.items()} for name, phases in got.items()}
-    baseline = {"reef-sao": "hf-sao", "reef-sao-torch-adamw": "hf-sao", "hf-sao": "hf-sao", "reef-grpo-dis": "hf-step", "hf-step": "hf-step"}
+    baseline = {"reef-sao": "hf-sao", "reef-sao-torch-adamw": "hf-sao", "hf-sao": "hf-sao",
+                "reef-grpo-dis": "hf-step", "hf-step": "hf-step"}
     rows, ratios = [], {}
     for name, m in med.items():
         base = baseline[name] if baseline[name] in med else None
@@ -299,12 +298,15 @@ def run(args) -> dict:
                      f"x{cpu_ratio:.2f}" if cpu_ratio is not None else "-"])
     mode = "full weights" if args.full else "LoRA r8"
     print(f"Training step, {args.model}, batch {args.batch} x ({args.prompt} prompt + {args.response} action) tokens, "
-          f"{mode}, AdamW{' (HF fused)' if args.hf_fused else ''}, {args.critic_steps} critic step(s) for SAO, {args.rounds} interleaved rounds, "
-          f"{result['threads']} thread(s); load avg at start {machine['load_avg_1m_at_start']}")
-    print(common.table(["contender", "s median", "s best", "critic s", "actor s", "cpu s", "ratio to",
-                              "cpu ratio"], rows))
+          f"{mode}, AdamW{' (HF fused)' if args.hf_fused else ''}, {args.critic_steps} critic step(s) for SAO, "
+          f"{args.rounds} interleaved rounds, {result['threads']} thread(s); "
+          f"load avg at start {machine['load_avg_1m_at_start']}")
+    print(common.table(["contender", "s median", "s best", "critic s", "actor s", "cpu s", "ratio to", "cpu ratio"],
+                       rows))
     if "reef-sao" in med and "reef-sao-torch-adamw" in med:
-        print(f"reef-sao / reef-sao-torch-adamw: x{med['reef-sao']['total'] / med['reef-sao-torch-adamw']['total']:.2f}")
+        before = med["reef-sao"]["total"] / med["reef-sao-torch-adamw"]["total"]
+        ratios["reef-sao/reef-sao-torch-adamw"] = before
+        print(f"reef-sao / reef-sao-torch-adamw: x{before:.2f}")
     if "reef-sao" in med and "hf-step" in med:
         actor = med["reef-sao"]["actor"] / med["hf-step"]["total"]
         ratios["reef-sao-actor/hf-step"] = actor
@@ -312,5 +314,6 @@ def run(args) -> dict:
     load_end = round(os.getloadavg()[0], 2)
     print(f"load avg at end {load_end}")
     return {"machine": machine, "model": args.model, "batch": args.batch, "prompt": args.prompt,
-            "response": args.response, "lora": not args.full, "hf_fused": args.hf_fused, "critic_steps": args.critic_steps,
+            "response": args.response, "lora": not args.full, "hf_fused": args.hf_fused,
+            "critic_steps": args.critic_steps,
             "load_avg_1m_at_end": load_end, **result, "median": med, "ratios": ratios, "problems": []}
