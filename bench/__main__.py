@@ -22,6 +22,7 @@ BENCHMARKS = {
     "batch": "bench.batch",
     "ready": "bench.ready",
     "learn-smollm2": "bench.learn_smollm2",
+    "train": "bench.train",
 }
 
 

@@ -124,6 +124,7 @@ _LAZY = {
     "length_adaptive_lambda": "reef_core.grow.losses",
     "skip_observation_gae": "reef_core.grow.losses",
     "TorchTrainer": "reef_core.grow.torch_backend",
+    "adamw": "reef_core.grow.optim",
     "build_tiny_model": "reef_core.grow.models",
     "build_tiny_tokenizer": "reef_core.grow.models",
 }
@@ -147,6 +148,7 @@ if TYPE_CHECKING:
     from reef_core.grow.losses import dis_weight, explained_variance, length_adaptive_lambda, skip_observation_gae
     from reef_core.grow.models import build_tiny_model, build_tiny_tokenizer
     from reef_core.grow.objective import Objective, Prepared, ValueModel, action_logits, sequence_logprobs, token_sum
+    from reef_core.grow.optim import adamw
     from reef_core.grow.reference import ReferenceModel, ReferenceScores
     from reef_core.grow.token_batch import TokenBatch, TokenDataError, TokenRow, row_from_sample, row_from_tokens
     from reef_core.grow.torch_backend import TorchTrainer
@@ -178,7 +180,7 @@ __all__ = [
     "ReferenceModel", "ReferenceScores",
     "TokenBatch", "TokenRow", "TokenDataError", "row_from_sample", "row_from_tokens",
     "dis_weight", "explained_variance", "length_adaptive_lambda", "skip_observation_gae",
-    "TorchTrainer", "build_tiny_model", "build_tiny_tokenizer",
+    "TorchTrainer", "adamw", "build_tiny_model", "build_tiny_tokenizer",
     # commit: the gate and the release chain
     "Candidate", "Current", "Decision", "EvaluationResult", "Evaluator", "SelectionPolicy",
     "ArtifactStore", "FileValue", "Release", "scenario_key", "scenario_path",

@@ -48,6 +48,7 @@ from torch import Tensor
 
 from reef_core.errors import ConfigError
 from reef_core.grow.objective import Objective, Prepared
+from reef_core.grow.optim import adamw
 
 log = logging.getLogger("reef.grow.ray")
 
@@ -221,7 +222,7 @@ class RayWorker:
         Objective.setup(objective, self.policy, None, self.device, micro_batches=micro_batches)
         self.objective = objective
         self.opt_args = dict(opt_args)
-        self.optimizer = torch.optim.AdamW(self.params, **self.opt_args)
+        self.optimizer = adamw(self.params, **self.opt_args)
         self.max_grad_norm = max_grad_norm
         self.micro_batches = max(1, int(micro_batches))
 
@@ -230,7 +231,7 @@ class RayWorker:
         with torch.no_grad():
             for p, t in zip(self.params, tensors):
                 p.copy_(t.to(p.device))
-        self.optimizer = torch.optim.AdamW(self.params, **self.opt_args)
+        self.optimizer = adamw(self.params, **self.opt_args)
 
     def step(self, prepared: Prepared, objective_state: Any, apply: bool = True, want_grads: bool = False) -> dict:
         """Loss and backward over this rank's share, gradients summed across ranks, clip, optimizer step (``apply``

@@ -64,6 +64,7 @@ from reef_core.errors import ConfigError
 from reef_core.grow.device import resolve_device
 from reef_core.grow.eval_engine import EvalEngine, EvalGeneration
 from reef_core.grow.objective import Objective
+from reef_core.grow.optim import adamw
 from reef_core.grow.reference import AdapterBaseReference, ReferenceModel, SharedBaseReference
 from reef_core.grow.token_batch import TokenBatch
 from reef_core.grow.trainer import CandidateUpdate, TrainContext, Trainer
@@ -331,7 +332,7 @@ class TorchTrainer(Trainer):
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             self._param_names = [n for n, _ in named]
             self._params = [p for _, p in named]
-            self._optimizer = torch.optim.AdamW(self._params, **self._opt_args)
+            self._optimizer = adamw(self._params, **self._opt_args)
             self._export_keys = self._dedup_keys(model) if not self.lora else []
             self._snapshot = self._take_snapshot()
             self._loaded = True
@@ -432,7 +433,7 @@ class TorchTrainer(Trainer):
         with torch.no_grad():
             for p, saved in zip(self._params, snap["params"]):
                 p.copy_(saved)
-        self._optimizer = torch.optim.AdamW(self._params, **self._opt_args)
+        self._optimizer = adamw(self._params, **self._opt_args)
         self.objective.restore(snap["objective"])
         self.steps = snap["steps"]
 
@@ -544,7 +545,7 @@ class TorchTrainer(Trainer):
         if objective_file in files:
             self.objective.load_state_dict(_load_safetensors(files[objective_file]))
         if loaded:
-            self._optimizer = torch.optim.AdamW(self._params, **self._opt_args)  # another lineage: fresh moments
+            self._optimizer = adamw(self._params, **self._opt_args)  # another lineage: fresh moments
             log.info("trainer resumed from release %s", release_id)
         else:
             log.info("release %s holds no %s weights; training continues from the weights in memory", release_id,

@@ -35,6 +35,7 @@ from reef_core.api import (
     TrainerConfig,
     ValidationFailed,
     ValueModel,
+    adamw,
     dis_weight,
     explained_variance,
     length_adaptive_lambda,
@@ -179,7 +180,7 @@ class SAOObjective(DISObjective):
         super().setup(policy, tokenizer, device, micro_batches=micro_batches)
         self.critic = ValueModel.from_policy(policy).to(self.device)
         self.critic.eval()  # no dropout in the value regression either
-        self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.critic_lr,
+        self.critic_optimizer = adamw(self.critic.parameters(), lr=self.critic_lr,
                                                   weight_decay=self.critic_weight_decay)
 
     def state_dict(self) -> dict[str, Tensor]:
@@ -202,7 +203,7 @@ class SAOObjective(DISObjective):
         """Back to the accepted critic; its optimizer's moments restart (as the policy's do)."""
         super().restore(snapshot)
         if self.critic is not None:
-            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=self.critic_lr,
+            self.critic_optimizer = adamw(self.critic.parameters(), lr=self.critic_lr,
                                                       weight_decay=self.critic_weight_decay)
 
     # -- advantages --------------------------------------------------------------------------------------------
