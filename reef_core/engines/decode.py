@@ -26,8 +26,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import ctypes
-
 from reef_core.engines import gemv
 from reef_core.engines.gemv import PackedMatrix
 
