@@ -9,7 +9,7 @@ torch operations of a step. :class:`FastDecoder` computes the same arithmetic ov
 * rotary tables computed once per generation by the model's own rotary module (so every static rope type the
   model supports gives the same angles);
 * the prompt (:meth:`FastDecoder.prefill`) through plain tensor ops (one causal SDPA call per layer);
-* each decode step through every layer in one C call (:func:`reef_core.engines.gemv.decode_layers`: packed
+* each decode step through every layer in one C call (:func:`reef_core.engines.kernels.decode_layers`: packed
   weights, attention of each query head over its shared KV head's cache), for one generation or a batch of them
   (:func:`step_rows`); without the C kernel, the same step in tensor ops;
 * LoRA adapters (``peft``, unmerged) applied as ``base(x) + scale * B(A(x))`` for the slot the engine enabled.
@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from reef_core.engines import gemv
-from reef_core.engines.gemv import PackedMatrix
+from reef_core.engines import kernels
+from reef_core.engines.kernels import PackedMatrix
 
 #: rope types whose angles depend only on the position (not on the sequence length seen so far)
 _STATIC_ROPE = {"default", "linear", "llama3"}
@@ -60,7 +60,7 @@ def supports(model) -> str | None:
 
 
 class Packed:
-    """Copies of the model's float32 weights in the C kernel's layout (:mod:`reef_core.engines.gemv`; bf16 for the
+    """Copies of the model's float32 weights in the C kernel's layout (:mod:`reef_core.engines.kernels`; bf16 for the
     weights that are exactly bf16, float32 for the others), kept across generations; :meth:`clear` after any weight
     change."""
 
@@ -137,7 +137,7 @@ def _c_proj(p: _Proj):
     if p.mat is None or not all(_plain(t) for t in (p.b, p.a, p.bb)):
         return None
     ptr = (lambda t: t.data_ptr() if t is not None else None)
-    return gemv.Proj(p.mat.ptr, ptr(p.b), ptr(p.a), ptr(p.bb), p.mat.n, p.mat.k,
+    return kernels.Proj(p.mat.ptr, ptr(p.b), ptr(p.a), ptr(p.bb), p.mat.n, p.mat.k,
                      p.a.shape[0] if p.a is not None else 0, p.scale, int(p.mat.f32))
 
 
@@ -186,12 +186,12 @@ class FastDecoder:
         self.native = self._native_table()
 
     def _native_table(self):
-        """Every decoder layer's weights as :func:`reef_core.engines.gemv.decode_layers` reads them (pointers into
+        """Every decoder layer's weights as :func:`reef_core.engines.kernels.decode_layers` reads them (pointers into
         the packed copies and the model's own norm and LoRA tensors, valid for this generation), or None when the
         C step cannot run: no kernel, or a projection without a packed copy."""
-        if gemv.decode_layers() is None:
+        if kernels.decode_layers() is None:
             return None
-        table = (gemv.Layer * len(self.layers))()
+        table = (kernels.Layer * len(self.layers))()
         for row, (w1, e1, q_p, k_p, v_p, o_p, w2, e2, g_p, u_p, d_p) in zip(table, self.layers):
             projs = [_c_proj(p) for p in (q_p, k_p, v_p, o_p, g_p, u_p, d_p)]
             if any(p is None for p in projs) or not (_plain(w1) and _plain(w2)):
@@ -257,15 +257,15 @@ class FastDecoder:
 
 def _native_layers(rows: list[tuple[FastDecoder, int]], tokens: torch.Tensor) -> torch.Tensor:
     """Hidden states after every decoder layer for ``tokens[i]`` at position ``rows[i][1]`` of generation
-    ``rows[i][0]``, through the C layers (:func:`reef_core.engines.gemv.decode_layers`), which also write each
+    ``rows[i][0]``, through the C layers (:func:`reef_core.engines.kernels.decode_layers`), which also write each
     token's key and value into its generation's cache; ``[B, H]`` before the final norm. Rows are taken in order, so
     consecutive positions of one generation (a prompt) attend causally to the rows before them."""
     lead = rows[0][0]
     h = F.embedding(tokens, lead.embed_w).contiguous()  # [B, H], a fresh tensor the C step updates in place
-    gens = (gemv.Gen * len(rows))(*[
-        gemv.Gen(d.k.data_ptr(), d.v.data_ptr(), d.k.shape[2], pos, d.cos.data_ptr(), d.sin.data_ptr())
+    gens = (kernels.Gen * len(rows))(*[
+        kernels.Gen(d.k.data_ptr(), d.v.data_ptr(), d.k.shape[2], pos, d.cos.data_ptr(), d.sin.data_ptr())
         for d, pos in rows])
-    if gemv.decode_layers()(lead.native, len(lead.layers), h.data_ptr(), len(rows), lead.hidden, lead.n_heads,
+    if kernels.decode_layers()(lead.native, len(lead.layers), h.data_ptr(), len(rows), lead.hidden, lead.n_heads,
                             lead.n_kv, lead.hd, lead.scale, gens):
         raise MemoryError("decode step: no memory for its buffers")
     return h

@@ -20,7 +20,7 @@ same distribution and their log-probs (``TokenData.top_k``), taken from the log-
 Decode path: for Llama-family models (Llama, Qwen2) in float32 each forward pass is computed by
 :class:`reef_core.engines.decode.FastDecoder` -- a static KV cache, the prompt through plain tensor ops over the
 model's own parameters, each decode step through every layer in one call of a small C kernel
-(:mod:`reef_core.engines.gemv`) over packed copies of the weights (bf16 where they are exactly bf16: a bf16
+(:mod:`reef_core.engines.kernels`) over packed copies of the weights (bf16 where they are exactly bf16: a bf16
 checkpoint, a LoRA base) -- instead of transformers' module stack: same float32 arithmetic, ~2-4x less memory
 traffic and almost no Python work per token. Other models, or a failed warm-up, keep transformers' forward
 (:attr:`LocalEngine.decode_path` says which served the last generation). The engine warms the path up at load, so
@@ -82,8 +82,8 @@ from reef_core.engines.base import (
 )
 from reef_core.engines.chat_body import SamplingParams, chat_messages, sampling_params
 from reef_core.engines.decode import FastDecoder, Packed, step_rows, supports
-from reef_core.engines.gemv import kernel as gemv_kernel
-from reef_core.engines.gemv import set_threads as set_gemv_threads
+from reef_core.engines.kernels import kernel as gemv_kernel
+from reef_core.engines.kernels import set_threads as set_gemv_threads
 from reef_core.engines.toolcalls import ToolCallStream, finish_reason, request_tools, resolve_parser, tool_parser
 from reef_core.engines.local_worker import Worker
 from reef_core.engines.topk import MAX_K, TopK

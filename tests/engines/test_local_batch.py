@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from reef_core.engines.base import EngineRequest
-from reef_core.engines.gemv import PackedMatrix, kernel
+from reef_core.engines.kernels import PackedMatrix, kernel
 from reef_core.engines.local import LocalEngine
 from reef_core.errors import ConfigError
 from reef_core.grow.models import load_model
@@ -226,7 +226,7 @@ def test_bf16_kernel_on_a_batch_of_rows_is_bitwise_each_row_alone():
     fn = kernel()
     if fn is None:
         pytest.skip("no C compiler for the kernel")
-    from reef_core.engines.gemv import set_threads
+    from reef_core.engines.kernels import set_threads
 
     set_threads(2)  # (300, 576) is split across threads: each thread's rows of every input
     torch.manual_seed(2)

@@ -1,4 +1,4 @@
-"""The local engine's lean decode path (reef_core/engines/decode.py, gemv.py) against the trainer's recomputation.
+"""The local engine's lean decode path (reef_core/engines/decode.py, kernels.py) against the trainer's recomputation.
 
 Every sampled token's log-prob (and top-K) must be what ``sequence_logprobs`` computes from the same weights within
 1e-4; the lean path must sample exactly what transformers' forward samples; bf16-stored weights must be used only
@@ -18,7 +18,7 @@ import torch
 
 from reef_core.engines.base import EngineRequest
 from reef_core.engines.decode import FastDecoder, Packed, supports
-from reef_core.engines.gemv import PackedMatrix, bf16_exact, kernel
+from reef_core.engines.kernels import PackedMatrix, bf16_exact, kernel
 from reef_core.engines.local import LocalEngine
 from reef_core.grow.models import build_tiny_model, load_model, save_tokenizer
 from reef_core.grow.logprobs import sequence_logprobs
@@ -164,7 +164,7 @@ def test_bf16_kernel_on_two_threads_and_in_a_forked_child():
     fn = kernel()
     if fn is None:
         pytest.skip("no C compiler for the kernel")
-    from reef_core.engines.gemv import set_threads
+    from reef_core.engines.kernels import set_threads
 
     torch.manual_seed(1)
     w = torch.randn(300, 576).to(torch.bfloat16).float()
