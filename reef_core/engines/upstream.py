@@ -20,6 +20,7 @@ import json
 from typing import AsyncIterator
 
 import aiohttp
+from aiohttp.helpers import basicauth_from_netrc, get_env_proxy_for_url, netrc_from_env
 from multidict import CIMultiDictProxy
 from yarl import URL
 
@@ -65,6 +66,24 @@ def _filter_response_headers(headers: CIMultiDictProxy) -> dict[str, str]:
 
 # Failures to reach the provider at all: no byte of the request was sent, so one re-dial is safe.
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError,)
+
+
+def _env_options(url: URL) -> dict:
+    """What ``aiohttp.ClientSession(trust_env=True)`` would add to a request for ``url``: the ``proxy`` and
+    ``proxy_auth`` of the proxy environment variables (``NO_PROXY`` honoured), and under ``"authorization"`` the
+    Basic credentials of a ~/.netrc (or ``$NETRC``) entry for its host. Read at start: a later change to the
+    environment is not seen."""
+    options: dict = {}
+    if url.host is not None and url.user is None:  # credentials in the URL win over netrc, as in aiohttp
+        try:
+            options["authorization"] = basicauth_from_netrc(netrc_from_env(), url.host).encode()
+        except LookupError:
+            pass
+    try:
+        options["proxy"], options["proxy_auth"] = get_env_proxy_for_url(url)
+    except LookupError:
+        pass
+    return options
 
 
 class UpstreamEngine(Engine):
@@ -124,6 +143,8 @@ class UpstreamEngine(Engine):
         self._trust_env = trust_env
         self._client: aiohttp.ClientSession | None = None
         self._urls = {path: URL(self.url + path) for path in ROUTE_PATHS.values()}
+        #: per path, the proxy and netrc options the environment gives its URL (see :func:`_env_options`)
+        self._env_options: dict[str, dict] = {path: {} for path in self._urls}
         self._auth = self._auth_headers()
 
     def _auth_headers(self) -> dict[str, str]:
@@ -147,7 +168,12 @@ class UpstreamEngine(Engine):
         # a whole non-streamed call is bounded by asyncio.timeout in complete().
         timeout = aiohttp.ClientTimeout(total=None, connect=self.timeout_s, sock_connect=self._connect_timeout,
                                         sock_read=self.timeout_s)
-        self._client = aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=self._trust_env,
+        if self._trust_env:
+            self._env_options = await asyncio.to_thread(
+                lambda: {path: _env_options(url) for path, url in self._urls.items()})
+        # trust_env=False: the environment was read above, once. aiohttp's own trust_env reads the proxy variables
+        # and ~/.netrc again on every request, in two thread-pool hops that cost each call a thread wake-up.
+        self._client = aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False,
                                              auto_decompress=True, raise_for_status=False,
                                              cookie_jar=aiohttp.DummyCookieJar())
 
@@ -185,11 +211,16 @@ class UpstreamEngine(Engine):
     async def _post(self, client: aiohttp.ClientSession, path: str, content: bytes,
                     headers: dict[str, str]) -> aiohttp.ClientResponse:
         """Send the request; a failed dial (nothing sent yet) is retried once, a sent request never."""
-        url = self._urls[path]
+        url, env = self._urls[path], self._env_options[path]
+        if env:
+            env = dict(env)
+            netrc = env.pop("authorization", None)
+            if netrc is not None and "authorization" not in headers:  # a provider key wins over netrc
+                headers["Authorization"] = netrc
         try:
-            return await client.post(url, data=content, headers=headers, allow_redirects=False)
+            return await client.post(url, data=content, headers=headers, allow_redirects=False, **env)
         except _CONNECT_ERRORS:
-            return await client.post(url, data=content, headers=headers, allow_redirects=False)
+            return await client.post(url, data=content, headers=headers, allow_redirects=False, **env)
 
     async def _read_limited(self, resp: aiohttp.ClientResponse) -> bytes:
         declared = resp.headers.get("content-length")

@@ -335,3 +335,72 @@ def test_closing_a_stream_early_releases_it(fake, api_key):
 
     took, status = asyncio.run(go())
     assert took < 1.0 and status == 200
+
+
+class _Recorder:
+    """A one-thread HTTP server that records each request's head and answers a minimal chat completion."""
+
+    def __init__(self):
+        import threading
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.heads: list[str] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        import json
+        body = json.dumps({"id": "c", "object": "chat.completion", "model": "m", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}).encode()
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, rest = data.split(b"\r\n\r\n", 1)
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                while len(rest) < length:
+                    rest += conn.recv(65536)
+                self.heads.append(head.decode())
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                             b"content-length: %d\r\n\r\n" % len(body) + body)
+
+    def close(self):
+        self.sock.close()
+
+
+@pytest.mark.parametrize("trust_env", [True, False])
+def test_proxy_variables_and_netrc_are_read_at_start(tmp_path, monkeypatch, trust_env):
+    # The environment is read once at start (not per request), with aiohttp's trust_env meaning.
+    proxy = _Recorder()
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine upstream.test login user password secret\n")
+    netrc.chmod(0o600)
+    for name in ("NO_PROXY", "no_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.port}")
+    monkeypatch.setenv("NETRC", str(netrc))
+
+    async def go():
+        async with UpstreamEngine("http://upstream.test:9/v1", trust_env=trust_env, timeout_s=5,
+                                  connect_timeout_s=2) as eng:
+            return [await eng.complete(_req("openai")) for _ in range(2)]
+
+    try:
+        if not trust_env:  # upstream.test does not resolve: without the proxy the dial fails
+            with pytest.raises(UpstreamError):
+                asyncio.run(go())
+            assert proxy.heads == []
+            return
+        results = asyncio.run(go())
+    finally:
+        proxy.close()
+    assert [r.body["choices"][0]["message"]["content"] for r in results] == ["hi", "hi"]
+    assert len(proxy.heads) == 2
+    for head in proxy.heads:
+        assert head.startswith("POST http://upstream.test:9/v1/chat/completions HTTP/1.1")
+        assert "\r\nAuthorization: Basic dXNlcjpzZWNyZXQ=\r\n" in head  # user:secret from the netrc
