@@ -68,6 +68,7 @@ class ServeMetrics:
         if not isinstance(max_scenarios, int) or isinstance(max_scenarios, bool) or max_scenarios < 1:
             raise ConfigError(f"server.metrics_max_scenarios must be a positive integer (got {max_scenarios!r})")
         self.registry = CollectorRegistry(auto_describe=False)
+        self._children: dict[tuple, object] = {}  # see _child
         self.scenario_label = ScenarioLabels(max_scenarios)
         labels = ("route", "dialect", "status", "scenario")
         self.requests = Counter("reef_requests", "HTTP requests answered", labels, registry=self.registry)
@@ -83,16 +84,26 @@ class ServeMetrics:
     def observe(self, route: str, dialect: str, status: int, seconds: float, facts: dict | None) -> None:
         """Count one answered request; ``facts`` is what the inference call left in the request state."""
         scenario = self.scenario_label(facts.get("scenario") if facts else None)
-        self.requests.labels(route, dialect, str(status), scenario).inc()
+        self._child(self.requests, route, dialect, status, scenario).inc()
         if not facts or "engine_ms" not in facts:
             return
         engine_s = facts["engine_ms"] / 1000
-        self.upstream.labels(route).observe(engine_s)
-        self.added.labels(route).observe(max(seconds - engine_s, 0.0))
+        self._child(self.upstream, route).observe(engine_s)
+        self._child(self.added, route).observe(max(seconds - engine_s, 0.0))
         if facts.get("tokens_in"):
-            self.tokens.labels("in", scenario).inc(facts["tokens_in"])
+            self._child(self.tokens, "in", scenario).inc(facts["tokens_in"])
         if facts.get("tokens_out"):
-            self.tokens.labels("out", scenario).inc(facts["tokens_out"])
+            self._child(self.tokens, "out", scenario).inc(facts["tokens_out"])
+
+    def _child(self, metric, *labels):
+        """``metric.labels(*labels)``, remembered: the library's look-up (a lock, string conversion, a tuple) runs
+        once per label set instead of on every request. Label sets are bounded as the series are (the scenario
+        label is capped); series are never removed, so a remembered child stays the one a scrape reads."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*(str(label) for label in labels))
+        return child
 
     def render(self) -> bytes:
         return render_text(self.registry)
