@@ -332,3 +332,34 @@ def test_engine_num_threads_reaches_the_engine_and_bad_values_are_refused(tiny_m
     for bad in (0, -2, 1.5, True, "2", 10_000):
         with pytest.raises(ConfigError, match=r"^engine\.num_threads"):
             make_local_engine(EngineConfig(model=str(tiny_model_dir), num_threads=bad), tmp_path)
+
+
+def test_sampler_draws_from_the_softmax_and_its_top_p_nucleus():
+    """The engine's sampler (one uniform per token against the cumulative mass, the nucleus from a widening topk):
+    frequencies follow softmax(logits / T), top-p keeps the smallest prefix reaching p, renormalised; greedy at
+    T = 0; a seed repeats its draws."""
+    from reef_core.engines.local import _sample
+
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5])
+    gen = torch.Generator().manual_seed(0)
+    n = 20_000
+
+    def freqs(t: float, p: float) -> torch.Tensor:
+        counts = torch.zeros(5)
+        for _ in range(n):
+            counts[_sample(logits, t, p, gen)] += 1
+        return counts / n
+
+    probs = torch.softmax(logits, -1)  # 0.076, 0.207, 0.563, 0.028, 0.126
+    assert (freqs(1.0, 1.0) - probs).abs().max() < 0.015
+    hot = torch.softmax(logits / 2.0, -1)
+    assert (freqs(2.0, 1.0) - hot).abs().max() < 0.015
+    nucleus = torch.tensor([0.0, probs[1], probs[2], 0.0, probs[4]])  # 0.563, +0.207 = 0.770 < 0.8, +0.126
+    assert (freqs(1.0, 0.8) - nucleus / nucleus.sum()).abs().max() < 0.015
+    assert {_sample(logits, 1.0, 0.0, gen) for _ in range(200)} == {2}  # top_p 0: the most likely token only
+    assert _sample(logits, 0.0, 1.0, gen) == 2
+    wide = torch.randn(49_152) * 0.1  # a flat nucleus: the topk widens past its first 64
+    assert len({_sample(wide, 1.0, 0.9, gen) for _ in range(300)}) > 250
+    seq = [[_sample(logits, 1.0, 0.95, g) for _ in range(30)] for g in (torch.Generator().manual_seed(7),
+                                                                         torch.Generator().manual_seed(7))]
+    assert seq[0] == seq[1] and len(set(seq[0])) > 1
