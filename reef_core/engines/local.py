@@ -82,8 +82,7 @@ from reef_core.engines.base import (
 )
 from reef_core.engines.chat_body import SamplingParams, chat_messages, sampling_params
 from reef_core.engines.decode import FastDecoder, Packed, step_rows, supports
-from reef_core.engines.kernels import kernel as gemv_kernel
-from reef_core.engines.kernels import set_threads as set_gemv_threads
+from reef_core.engines import kernels
 from reef_core.engines.toolcalls import ToolCallStream, finish_reason, request_tools, resolve_parser, tool_parser
 from reef_core.engines.local_worker import Worker
 from reef_core.engines.topk import MAX_K, TopK
@@ -357,9 +356,9 @@ class LocalEngine(Engine):
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._prefill_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._fast_unsupported = supports(model)
-        self._packed = Packed(gemv_kernel() if self.device.type == "cpu" else None)
+        self._packed = Packed(kernels.kernel() if self.device.type == "cpu" else None)
         if self._packed.fn is not None:
-            set_gemv_threads(torch.get_num_threads())  # the C kernel follows torch's thread count
+            kernels.set_threads(torch.get_num_threads())  # the C kernel follows torch's thread count
         self._warm_up()
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
