@@ -71,6 +71,10 @@ class ServerConfig:
     #: is immediate; this polling bounds a lost notification), and how often ``reef learn`` looks for new
     #: records, scenarios and free leases.
     follow_interval_s: float = 2.0
+    #: Processes serving the port (SO_REUSEPORT): this one, which also runs the learners and every route but
+    #: inference, plus ``workers - 1`` serving processes on the same data directory and record store that
+    #: answer inference themselves and hand every other request to this one (see "Workers" in the README).
+    workers: int = 1
 
 
 @dataclass

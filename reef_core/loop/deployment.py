@@ -92,6 +92,11 @@ class Deployment:
         self.shared = store.dialect == "postgresql"
         self._leases: LeaseHolder | None = None
         self._watcher: HeadWatcher | None = None
+        #: ``server.workers`` (:mod:`reef_core.serve.workers`): in a worker, told the scenario of each durable
+        #: batch of records (the primary wakes its learner); in the primary, the channel to its workers, told
+        #: ``{"head": scenario}`` when a head moved and ``{"archived": scenario}`` when a scenario was deleted.
+        self.on_records = None
+        self.tell_workers = None
         self.learner_ports = LearnerPorts(serving=self.serving_ports, records=store, create=plugin_manager.create,
                                           notify=self._notify, pool=self.pool,
                                           commit_log=self._shared_log if self.shared else None)
@@ -377,8 +382,32 @@ class Deployment:
     def _notify(self, hook_name: str, **kwargs) -> None:
         """Lifecycle hooks for plugins; a head move also reaches the replicas listening on PostgreSQL."""
         self.pm.notify(hook_name, **kwargs)
-        if hook_name == "reef_release_published" and self.shared:
-            notify_head_moved(self.store.sql_engine, self.store.schema, kwargs["scenario"])
+        if hook_name == "reef_release_published":
+            if self.shared:
+                notify_head_moved(self.store.sql_engine, self.store.schema, kwargs["scenario"])
+            if self.tell_workers is not None:
+                self.tell_workers({"head": kwargs["scenario"]})
+
+    def records_arrived(self, scenario: str) -> None:
+        """Another process on this record store (a worker) stored records of ``scenario``: wake its learner."""
+        learner = self._learners.get(scenario)
+        if learner is not None and learner.processor is not None:
+            learner.wake()
+
+    def follow_head(self, scenario: str) -> None:
+        """Serve ``scenario``'s head now (its learner's process says it moved), if this process follows it."""
+        follower = self._followers().get(scenario)
+        if follower is not None:
+            follower.refresh()
+
+    def forget_scenario(self, scenario: str) -> None:
+        """Another process deleted (archived) ``scenario``: stop serving it here; its next request finds it
+        archived."""
+        with self._learners_lock:
+            found = self._learners.pop(scenario, None)
+            self._scenarios.pop(scenario, None)
+        if found is not None:
+            found.stop()
 
     def learn_round(self) -> list[str]:
         """One round of the ``learn`` role: take over every free scenario and wake every learner held here (records
@@ -443,6 +472,8 @@ class Deployment:
         if durable.cancelled() or durable.exception() is not None:
             return  # the waiter gets the error, if one still waits
         records = durable.result()
+        if records and self.on_records is not None:
+            self.on_records(records[0].scenario)
         if records and records[0].scenario not in self._scenarios:
             asyncio.get_running_loop().create_task(self._start_new_scenario(records[0].scenario,
                                                                             records[0].record_id))
@@ -487,6 +518,8 @@ class Deployment:
         self.store.archive_scenario(name)
         self._scenarios.pop(name, None)
         self._quarantined.pop(name, None)
+        if self.tell_workers is not None:
+            self.tell_workers({"archived": name})
 
     def scenario_view(self, scenario: Scenario):
         """The :class:`~reef_core.loop.ports.ScenarioView` a recipe's route handler reads (starts the learner)."""

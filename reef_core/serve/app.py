@@ -15,7 +15,9 @@ from .. import __version__
 from ..errors import ReefError
 from .auth import OPEN_PATHS, AuthMiddleware, TokenSet
 from .errors import dialect_for_path, error_body, new_error_id
+from .forward import ForwardToPrimary
 from .inference import InferenceCall
+from .names import scenario_header
 from . import (docs, harness, imports, install, instructions, metrics, reads, releases, reports, scenario_routes,
                skills, ui)
 from .observe import ObserveMiddleware
@@ -27,7 +29,9 @@ log = logging.getLogger("reef.serve")
 ADMIN = {"x-reef-scope": "admin"}
 
 
-def create_app(deployment) -> FastAPI:
+def create_app(deployment, forward_to: str | None = None) -> FastAPI:
+    """The app of ``reef serve``; ``forward_to`` (a worker process of ``server.workers``): the primary's Unix
+    socket, where every request but inference for the scenarios this process serves is handed on."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await deployment.start()
@@ -38,9 +42,15 @@ def create_app(deployment) -> FastAPI:
             try:
                 await app.state.reef_usage.stop(deployment.store)  # the last usage increments, before the store closes
             finally:
-                await deployment.stop()
+                try:
+                    await deployment.stop()
+                finally:
+                    if app.reef_forward is not None:
+                        await app.reef_forward.close()
 
     app = ReefApp(title="Reef", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    if forward_to is not None:
+        app.reef_forward = ForwardToPrimary(forward_to)
     app.state.reef = deployment
     app.state.reef_metrics = metrics.ServeMetrics(deployment, deployment.cfg.server.metrics_max_scenarios)
 
@@ -114,12 +124,16 @@ class ReefApp(FastAPI):
     any other method on these paths, goes through FastAPI as before."""
 
     reef_inference = None  # set by create_app: the authenticated fast-path ASGI app
+    #: In a worker process (``server.workers``): where every request but inference goes (the primary).
+    reef_forward: ForwardToPrimary | None = None
 
     async def __call__(self, scope, receive, send) -> None:
         if (self.reef_inference is not None and scope["type"] == "http" and scope["method"] == "POST"
                 and scope["path"] in INFERENCE_ROUTES):
             scope["app"] = self
             return await self.reef_inference(scope, receive, send)
+        if self.reef_forward is not None and scope["type"] in ("http", "websocket"):
+            return await self.reef_forward(scope, receive, send)
         if scope["type"] != "http":
             return await super().__call__(scope, receive, send)
         answered = False
@@ -139,9 +153,24 @@ class ReefApp(FastAPI):
                 raise
 
 
+async def _served_here(deployment, request: Request) -> bool:
+    """In a worker: whether this process answers the request (its scenario is stored and followed here). A new
+    scenario's first requests, and any request whose scenario header is refused, go to the primary, which creates
+    the scenario (and seeds its first release) or answers the refusal."""
+    try:
+        name = scenario_header(request)
+        if not deployment.is_active(name):
+            await deployment.resolve(name)
+    except ReefError:
+        return False
+    return deployment.is_active(name)
+
+
 def _inference_endpoint(app: FastAPI, deployment):
     async def endpoint(scope, receive, send) -> None:
         request = Request(scope, receive)
+        if app.reef_forward is not None and not await _served_here(deployment, request):
+            return await app.reef_forward(scope, receive, send)
         client_dialect, route = INFERENCE_ROUTES[scope["path"]]
         try:
             response = await InferenceCall(deployment, request, client_dialect, route).run()

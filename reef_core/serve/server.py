@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from ..config.schema import ReefConfig
 from ..errors import ConfigError
 from .auth import TokenSet, is_loopback
 from .logs import configure as configure_logs
+from .workers import WorkerPool, check_workers
 
 log = logging.getLogger("reef.serve")
 
@@ -30,6 +30,7 @@ def serve(cfg: ReefConfig) -> int:
     from .connection import ConnectionLimits, protocol_class, reserve_descriptors
 
     check_bind(cfg)
+    workers = check_workers(cfg.server)
     configure_logs(cfg.server)
     limits = ConnectionLimits.from_config(cfg.server)
     reserve_descriptors(limits.max_connections)
@@ -45,8 +46,18 @@ def serve(cfg: ReefConfig) -> int:
                             # JSON: uvicorn's own lines go through the root handler too, one object a line.
                             **({"log_config": None} if cfg.server.log_format == "json" else {}),
                             timeout_graceful_shutdown=30)
-    server = _announcing_server(config, ready_banner(cfg))
-    server.run()
+    if workers == 1:
+        server = _announcing_server(config, ready_banner(cfg))
+        server.run()
+        return 0 if server.started else 1
+    pool = WorkerPool(cfg, deployment)
+    try:
+        sockets = pool.bind()
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {cfg.server.host}:{cfg.server.port}: {exc.strerror or exc}") from None
+    server = _announcing_server(config, ready_banner(cfg, pool.port) + f"\n  workers          {workers} processes",
+                                pool)
+    server.run(sockets=sockets)
     return 0 if server.started else 1
 
 
@@ -67,14 +78,28 @@ def ready_banner(cfg: ReefConfig, port: int | None = None) -> str:
                       f"  model            {model.strip()}"])
 
 
-def _announcing_server(config, banner: str):
-    """uvicorn's server, printing :func:`ready_banner` once it listens (on stdout: it is not a log line)."""
+def _announcing_server(config, banner: str, pool: WorkerPool | None = None):
+    """uvicorn's server, printing :func:`ready_banner` once it listens (on stdout: it is not a log line); with
+    ``server.workers``, it starts the workers once it listens and stops them with itself."""
+    import asyncio
+
     import uvicorn
 
     class AnnouncingServer(uvicorn.Server):
         async def startup(self, sockets=None):
             await super().startup(sockets=sockets)
             if self.started:
+                if pool is not None:
+                    await asyncio.to_thread(pool.start)
                 print(banner, flush=True)
+
+        async def shutdown(self, sockets=None):
+            if pool is not None:
+                pool.signal_stop()  # the workers drain their requests while this process drains its own
+            try:
+                await super().shutdown(sockets=sockets)
+            finally:
+                if pool is not None:
+                    await asyncio.to_thread(pool.wait, config.timeout_graceful_shutdown or 30)
 
     return AnnouncingServer(config)

@@ -1,0 +1,151 @@
+"""``server.workers``: worker processes share the port, answer inference with durable receipts, hand everything
+else to the primary, serve each new release at once, are started again when they die and end with the primary."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import subprocess
+
+import psutil
+from reef_core.testing.fixtures import REEF, wait_until
+
+STEPS = ["recipe.name=steps", "recipe.processor=per_report", "+recipe.processor_options.batch_size=1",
+         "recipe.trainer=reef_core.testing.step_trainer:StepTrainer", "recipe.surface=harness",
+         # Far beyond the test's deadlines: a worker serving a new release in time was told, not polling.
+         "server.follow_interval_s=60"]
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def workers_of(server) -> list[psutil.Process]:
+    return [p for p in psutil.Process(server.proc.pid).children()
+            if "reef_core.serve.worker" in " ".join(p.cmdline())]
+
+
+def owner(server, conn: http.client.HTTPConnection) -> int:
+    """The pid of the process that accepted ``conn`` (the server side of its TCP connection)."""
+    local_port = conn.sock.getsockname()[1]
+
+    def holder():
+        for proc in [psutil.Process(server.proc.pid), *workers_of(server)]:
+            for c in proc.net_connections("tcp"):
+                if c.laddr and c.laddr.port == server.port and c.raddr and c.raddr.port == local_port:
+                    return proc.pid
+        return None
+
+    return wait_until(holder, timeout=10, what="a server process accepting the connection")
+
+
+def post(conn, path: str, body: dict, scenario: str = "w") -> tuple[int, dict, dict]:
+    conn.request("POST", path, json.dumps(body), {"content-type": "application/json", "x-reef-scenario": scenario})
+    answer = conn.getresponse()
+    return answer.status, {k.lower(): v for k, v in answer.getheaders()}, json.loads(answer.read() or b"null")
+
+
+def connection_to_a_worker(server) -> http.client.HTTPConnection:
+    """A kept-alive connection that a worker accepted (the kernel spreads new connections over the processes)."""
+    workers = {p.pid for p in workers_of(server)}
+    for _ in range(64):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.connect()
+        if owner(server, conn) in workers:
+            return conn
+        conn.close()
+    raise AssertionError("64 connections, none accepted by a worker")
+
+
+def serving_workers(server, count: int) -> list[psutil.Process]:
+    """The workers, once ``count`` of them listen on the port."""
+    def listening():
+        found = workers_of(server)
+        ready = [p for p in found if any(c.status == psutil.CONN_LISTEN and c.laddr.port == server.port
+                                         for c in p.net_connections("tcp"))]
+        return ready if len(ready) == count else None
+
+    return wait_until(listening, timeout=90, what=f"{count} workers listening")
+
+
+def test_bad_worker_counts_are_refused_at_start_naming_the_key(tmp_path):
+    for value in ("0", "true", "257", "two"):
+        run = subprocess.run([*REEF, "serve", f"storage.data_dir={tmp_path}", "engine.kind=upstream",
+                              "engine.upstream_url=http://127.0.0.1:9", f"server.workers={value}"],
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and "server.workers" in run.stderr, (value, run.stderr)
+    assert not (tmp_path / "records.db").exists()
+
+
+def test_workers_answer_inference_hand_on_the_rest_and_serve_new_releases_at_once(reef_server, fake_upstream_url):
+    server = reef_server("engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}", *STEPS,
+                         "server.workers=2")
+    (worker,) = serving_workers(server, 1)
+    # A new scenario's first request is answered by the primary (it creates the scenario and its seed release)
+    # whichever process accepted it.
+    conn = connection_to_a_worker(server)
+    status, headers, _ = post(conn, "/v1/chat/completions", CHAT)
+    assert status == 200
+    seed = headers["x-reef-release-id"]
+    receipts = [headers["x-reef-agent-record-id"]]
+    cpu_before = sum(worker.cpu_times()[:2])
+    for _ in range(30):  # the scenario exists now: the worker answers, each receipt a stored record
+        status, headers, _ = post(conn, "/v1/chat/completions", CHAT)
+        assert status == 200 and headers["x-reef-release-id"] == seed
+        receipts.append(headers["x-reef-agent-record-id"])
+    assert sum(worker.cpu_times()[:2]) > cpu_before
+    for receipt in receipts:  # read through the worker's connection: handed to the primary, which finds it
+        conn.request("GET", f"/reef/scenarios/w/records/{receipt}")
+        answer = conn.getresponse()
+        assert answer.status == 200 and json.loads(answer.read())["agent_record_id"] == receipt
+
+    # A report through the worker reaches the primary's learner; its step's release serves on the worker's
+    # connection within a second (follow_interval_s is 60: the primary told the worker).
+    status, _, body = post(conn, "/reef/report", {"score": 1.0, "references": [receipts[-1]]})
+    assert status == 200, body
+
+    def release():
+        return post(conn, "/v1/chat/completions", CHAT)[1]["x-reef-release-id"]
+
+    trained = wait_until(lambda: (r := release()) != seed and r, timeout=10, what="the trained release")
+    # An admin operation through the worker runs on the primary (a replica alone would refuse it, 409).
+    status, _, body = post(conn, "/reef/scenarios/w/rollback", {"release_id": seed})
+    assert status == 200, body
+    rolled = body["release_id"]
+    assert rolled not in (seed, trained)
+    wait_until(lambda: release() == rolled, timeout=1, what="the worker serving the rollback")
+    # Errors keep their dialect when handed on: an unknown route, a refused scenario name.
+    conn.request("GET", "/reef/nothing-here")
+    answer = conn.getresponse()
+    assert answer.status == 404 and "error" in json.loads(answer.read())
+    status, _, body = post(conn, "/v1/messages", {"model": "m", "max_tokens": 5, "messages": []}, scenario="bad/name")
+    assert status == 400 and body["type"] == "error"
+
+    # Deleting the scenario (on the primary) stops the worker serving it: the name is refused everywhere.
+    conn.request("DELETE", "/reef/scenarios/w")
+    answer = conn.getresponse()
+    assert answer.status == 200, answer.read()
+    answer.read()
+    status, _, body = post(conn, "/v1/chat/completions", CHAT)
+    assert status == 404 and "archived" in body["error"]["message"]
+    conn.close()
+
+
+def test_a_dead_worker_is_started_again_and_workers_end_with_their_primary(reef_server, fake_upstream_url):
+    server = reef_server("engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}", "server.workers=3")
+    first = serving_workers(server, 2)
+    first[0].send_signal(signal.SIGKILL)
+    again = serving_workers(server, 2)
+    assert first[0].pid not in {p.pid for p in again}
+    conn = connection_to_a_worker(server)
+    status, headers, _ = post(conn, "/v1/chat/completions", CHAT, scenario="again")
+    assert status == 200 and headers["x-reef-agent-record-id"]
+    conn.close()
+    server.kill()  # SIGKILL: no chance to stop them; their channel closes
+    gone, alive = psutil.wait_procs(again, timeout=60)
+    assert not alive, [p.pid for p in alive]
+
+
+def test_stopping_the_primary_stops_its_workers(reef_server, fake_upstream_url):
+    server = reef_server("engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}", "server.workers=2")
+    workers = serving_workers(server, 1)
+    server.stop(signal.SIGTERM)  # graceful: the primary asks its workers to drain and waits for them
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers)
