@@ -94,14 +94,38 @@ class Child:
             self.proc.wait()
 
 
+def wait_for_workers(child: "Child", count: int, timeout: float = 180) -> None:
+    """Wait until ``count`` worker processes of a ``reef serve server.workers=N`` listen on its port."""
+    import psutil
+
+    port = int(child.url.rsplit(":", 1)[1])
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        listening = 0
+        for pid in _tree(child.pid)[1:]:
+            try:
+                proc = psutil.Process(pid)
+                if "reef_core.serve.worker" in " ".join(proc.cmdline()) and any(
+                        c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in proc.net_connections("tcp")):
+                    listening += 1
+            except psutil.Error:
+                continue
+        if listening >= count:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{child.name}: {count} workers not listening within {timeout:g} s:\n{child.log_tail()}")
+
+
 def _tree(pid: int) -> list[int]:
     pids, frontier = [pid], [pid]
     while frontier:
         parent = frontier.pop()
-        try:
-            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-        except OSError:
-            continue
+        children = []  # each thread's own children: a process started from a thread is listed under it
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children += (task / "children").read_text().split()
+            except OSError:
+                continue
         for child in map(int, children):
             pids.append(child)
             frontier.append(child)

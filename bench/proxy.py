@@ -29,6 +29,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--duration", type=float, default=6.0, help="seconds per wrk run (default 6)")
     parser.add_argument("--connections", default="1,16,64", help="wrk concurrencies (default 1,16,64)")
     parser.add_argument("--no-throughput", action="store_true", help="latency only")
+    throughput.add_workers_argument(parser)
     parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM proxy")
     parser.add_argument("--scoped-tokens", type=int, default=0, metavar="N",
                         help="also measure a second Reef ('reef-scoped') with N scoped tokens (rate limits on), "
@@ -135,7 +136,11 @@ def run(args) -> dict:
         runs: list[dict] = []
         if not args.no_throughput:
             connections = [int(c) for c in str(args.connections).split(",")]
-            runs = throughput.measure(targets, workdir / "data", connections, args.duration)
+            data_dirs = {"reef": workdir / "data"}
+            extra = throughput.start_workers_target(targets, data_dirs, workdir, args.workers)
+            if extra is not None:
+                children.append(extra)
+            runs = throughput.measure(targets, data_dirs, connections, args.duration)
         rss = {c.name: c.peak_rss_mib() for c in children}
     finally:
         for child in reversed(children):
@@ -166,6 +171,9 @@ def run(args) -> dict:
         print(f"Throughput (wrk, {args.duration:g} s per run)")
         print(common.table(throughput.HEADERS, throughput.table_rows(runs)))
         problems = throughput.check(runs)
+        ratio = throughput.workers_ratio(runs)
+        if ratio:
+            print(f"{ratio[0]} / reef (one process) at 64 connections: x{ratio[1]} req/s")
     if lat.get("reef_receipts") != lat.get("reef_requests"):
         problems.append("a Reef response came back without a receipt")
     print()

@@ -27,6 +27,35 @@ def add_arguments(parser) -> None:
     parser.add_argument("--duration", type=float, default=6.0, help="seconds per wrk run (default 6)")
     parser.add_argument("--connections", default=",".join(map(str, CONNECTIONS)), help="e.g. 1,16,64")
     parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM proxy")
+    add_workers_argument(parser)
+
+
+def add_workers_argument(parser) -> None:
+    parser.add_argument("--workers", type=int, default=2,
+                        help="also measure Reef with server.workers=N (target reef-wN; default 2; 1: skip)")
+
+
+def start_workers_target(targets: dict, data_dirs: dict, workdir: Path, workers: int) -> common.Child | None:
+    """Reef with ``server.workers=N`` beside the one-process Reef (its own data directory), once its workers
+    listen: the primary's children, counted in its CPU time (process tree)."""
+    if workers <= 1:
+        return None
+    name = f"reef-w{workers}"
+    data_dirs[name] = workdir / f"data-w{workers}"
+    child = common.start_reef(targets["stub"].url, data_dirs[name], f"server.workers={workers}", name=name)
+    common.wait_for_workers(child, workers - 1)
+    targets[name] = child
+    return child
+
+
+def workers_ratio(rows: list[dict], connections: int = 64) -> tuple[str, float] | None:
+    """(target, its req/s over one-process Reef's) at ``connections``, for the reef-wN target."""
+    by_target = {r["target"]: r for r in rows if r["connections"] == connections}
+    one = by_target.get("reef")
+    for name, row in by_target.items():
+        if name.startswith("reef-w") and one and one["rps"]:
+            return name, round(row["rps"] / one["rps"], 2)
+    return None
 
 
 def wrk(url: str, connections: int, duration: float, scenario: str, receipts_dir: Path | None = None) -> dict:
@@ -68,9 +97,10 @@ def read_receipts(receipts_dir: Path) -> list[str]:
     return ids
 
 
-def measure(targets: dict[str, common.Child], reef_data_dir: Path | None, connections: list[int],
+def measure(targets: dict[str, common.Child], data_dirs: dict[str, Path], connections: list[int],
             duration: float) -> list[dict]:
-    """wrk each target at each concurrency (targets interleaved per concurrency); Reef runs get the store check.
+    """wrk each target at each concurrency (targets interleaved per concurrency); Reef runs (the targets named in
+    ``data_dirs``, each with its data directory) get the store check.
 
     Each row also carries the server's CPU time per request (process tree, all threads): unlike requests/s, it
     hardly depends on what else the machine is running."""
@@ -81,11 +111,11 @@ def measure(targets: dict[str, common.Child], reef_data_dir: Path | None, connec
             scenario = f"bench-{name}-c{conns}-{uuid.uuid4().hex[:8]}"
             wrk(url, max(conns, 4), 1, f"warmup-{scenario}")  # connections, pools and the scenario row
             cpu_before = child.cpu_seconds()
-            if name == "reef":
+            if name in data_dirs:
                 with tempfile.TemporaryDirectory() as tmp:
                     result = wrk(url, conns, duration, scenario, Path(tmp))
                     receipts = read_receipts(Path(tmp))
-                stored = stored_ids(reef_data_dir, scenario)
+                stored = stored_ids(data_dirs[name], scenario)
                 missing = [r for r in receipts if r not in stored]
                 result.update({
                     "records_stored": len(stored),
@@ -108,18 +138,18 @@ def check(rows: list[dict]) -> list[str]:
     """Problems with the Reef rows: a receipt without a record, a record beyond abandoned requests, a non-200."""
     problems = []
     for row in rows:
-        if row["target"] != "reef":
+        if "records_stored" not in row:  # not a Reef run
             continue
-        c = row["connections"]
+        c = f"{row['target']} c={row['connections']}"
         if row["receipts_missing_from_store"]:
-            problems.append(f"c={c}: {row['receipts_missing_from_store']} receipts are not in the store")
+            problems.append(f"{c}: {row['receipts_missing_from_store']} receipts are not in the store")
         if row["receipts"] != row["receipt_ids_logged"] or row["duplicate_receipts"]:
-            problems.append(f"c={c}: receipts counted {row['receipts']} vs logged {row['receipt_ids_logged']} "
+            problems.append(f"{c}: receipts counted {row['receipts']} vs logged {row['receipt_ids_logged']} "
                             f"({row['duplicate_receipts']} duplicates)")
-        if row["records_without_receipt"] > c:
-            problems.append(f"c={c}: {row['records_without_receipt']} records have no receipt (> {c} in flight)")
+        if row["records_without_receipt"] > row["connections"]:
+            problems.append(f"{c}: {row['records_without_receipt']} records have no receipt (> {row['connections']} in flight)")
         if row["bad"] or sum(row["errors"].values()):
-            problems.append(f"c={c}: {row['bad']} non-200 answers, errors {row['errors']}")
+            problems.append(f"{c}: {row['bad']} non-200 answers, errors {row['errors']}")
     return problems
 
 
@@ -142,8 +172,12 @@ def run(args) -> dict:
     try:
         started, targets = common.start_systems(workdir, not args.no_litellm)
         children.extend(started)
+        data_dirs = {"reef": workdir / "data"}
+        extra = start_workers_target(targets, data_dirs, workdir, args.workers)
+        if extra is not None:
+            children.append(extra)
         connections = [int(c) for c in str(args.connections).split(",")]
-        rows = measure(targets, workdir / "data", connections, args.duration)
+        rows = measure(targets, data_dirs, connections, args.duration)
         rss = {c.name: c.peak_rss_mib() for c in children}
     finally:
         for child in reversed(children):
@@ -151,6 +185,9 @@ def run(args) -> dict:
         shutil.rmtree(workdir, ignore_errors=True)
     problems = check(rows)
     print(common.table(HEADERS, table_rows(rows)))
+    ratio = workers_ratio(rows)
+    if ratio:
+        print(f"{ratio[0]} / reef (one process) at 64 connections: x{ratio[1]} req/s")
     for problem in problems:
         print("PROBLEM:", problem)
     return {"machine": machine, "duration_s": args.duration, "runs": rows,

@@ -22,6 +22,7 @@ import threading
 from fastapi import APIRouter, Request
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.samples import Sample
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 from starlette.responses import Response
@@ -39,6 +40,65 @@ NO_SCENARIO = ""
 # Reef's own cost is a millisecond or less; an upstream model call is seconds.
 _ADDED_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _UPSTREAM_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+#: Families a worker process (``server.workers``) reports to its primary, whose scrape shows their sums over the
+#: processes: the per-request series and the record writer's counters (each process writes its own records).
+SUMMED = frozenset({"reef_requests", "reef_added_latency_seconds", "reef_upstream_latency_seconds", "reef_tokens",
+                    "reef_record_writer_batches", "reef_record_writer_appends", "reef_record_writer_commit_seconds",
+                    "reef_record_writer_failed_requests", "reef_record_writer_queue_depth"})
+#: Of those, the ones that are not counters: a worker gone takes its value with it.
+_GAUGES = frozenset({"reef_record_writer_queue_depth"})
+
+
+class WorkerSeries:
+    """The primary's copy of what its workers counted: each worker's latest report, plus the counts of workers
+    that exited (so that a sum never goes down when a worker is started again)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._latest: dict[int, dict[str, dict[tuple, float]]] = {}
+        self._retired: dict[str, dict[tuple, float]] = {}
+
+    def report(self, worker: int, families: dict) -> None:
+        """Take a worker's report: ``{family: [[sample name, {label: value}, value], ...]}``."""
+        parsed = {family: {(name, tuple(sorted(labels.items()))): float(value) for name, labels, value in samples}
+                  for family, samples in families.items() if family in SUMMED}
+        with self._lock:
+            self._latest[worker] = parsed
+
+    def retire(self, worker: int) -> None:
+        """A worker exited: keep its counters' last values."""
+        with self._lock:
+            gone = self._latest.pop(worker, {})
+            for family, samples in gone.items():
+                if family in _GAUGES:
+                    continue
+                kept = self._retired.setdefault(family, {})
+                for key, value in samples.items():
+                    kept[key] = kept.get(key, 0.0) + value
+
+    def merged(self, family: str, samples: list) -> list:
+        """``family``'s samples of this process plus the workers'; a label set only a worker has is appended."""
+        with self._lock:
+            extra = [self._retired.get(family, {})] + [latest.get(family, {}) for latest in self._latest.values()]
+        if not any(extra):
+            return samples
+        sums: dict[tuple, list] = {(s.name, tuple(sorted(s.labels.items()))): [s, s.value] for s in samples}
+        for part in extra:
+            for key, value in part.items():
+                found = sums.get(key)
+                if found is None:
+                    sums[key] = [Sample(key[0], dict(key[1]), 0.0), value]
+                else:
+                    found[1] += value
+        return [sample._replace(value=value) for sample, value in sums.values()]
+
+
+def worker_report(registry: CollectorRegistry) -> dict:
+    """What a worker sends its primary: its :data:`SUMMED` families' samples."""
+    return {family.name: [[sample.name, sample.labels, sample.value] for sample in family.samples]
+            for family in registry.collect() if family.name in SUMMED}
 
 
 class ScenarioLabels:
@@ -80,6 +140,8 @@ class ServeMetrics:
         self.tokens = Counter("reef_tokens", "Tokens in (prompt) and out (completion) of inference requests",
                               ("direction", "scenario"), registry=self.registry)
         self.registry.register(DeploymentCollector(deployment, self.scenario_label))
+        #: In a primary with workers (``server.workers``): their series, summed into each scrape.
+        self.workers: WorkerSeries | None = None
 
     def observe(self, route: str, dialect: str, status: int, seconds: float, facts: dict | None) -> None:
         """Count one answered request; ``facts`` is what the inference call left in the request state."""
@@ -106,15 +168,17 @@ class ServeMetrics:
         return child
 
     def render(self) -> bytes:
-        return render_text(self.registry)
+        return render_text(self.registry, self.workers)
 
 
-def render_text(registry: CollectorRegistry) -> bytes:
+def render_text(registry: CollectorRegistry, workers: WorkerSeries | None = None) -> bytes:
     """The Prometheus text format of ``registry``, as ``generate_latest`` writes it for the series Reef has
     (counters, gauges, histograms; label names fixed here, so only values need escaping), at a third of its
-    cost: a scrape of 100 scenarios is about a thousand lines."""
+    cost: a scrape of 100 scenarios is about a thousand lines. ``workers``: their series added in."""
     out: list[str] = []
     for family in registry.collect():
+        if workers is not None and family.name in SUMMED:
+            family.samples = workers.merged(family.name, family.samples)
         name, kind = family.name, family.type
         if kind == "counter":
             name += "_total"

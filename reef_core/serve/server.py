@@ -50,7 +50,7 @@ def serve(cfg: ReefConfig) -> int:
         server = _announcing_server(config, ready_banner(cfg))
         server.run()
         return 0 if server.started else 1
-    pool = WorkerPool(cfg, deployment)
+    pool = WorkerPool(cfg, deployment, app.state.reef_metrics)
     try:
         sockets = pool.bind()
     except OSError as exc:

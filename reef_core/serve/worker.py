@@ -2,8 +2,9 @@
 
 Started by the primary with one end of a socket pair as file descriptor ``FD``. The first line on it carries
 the configuration (serving only), the port and the primary's Unix socket; later lines name scenarios whose head
-moved or that were deleted. The worker sends back the scenarios it stored records for, coalesced over a few milliseconds. When the
-channel closes (the primary stopped or died), the worker finishes its requests and exits.
+moved or that were deleted. The worker sends back the scenarios it stored records for, coalesced over a few
+milliseconds, and its metrics every second while they change. When the channel closes (the primary stopped or
+died), the worker finishes its requests and exits.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ import pickle
 import socket
 import sys
 import threading
+import time
 
 log = logging.getLogger("reef.serve")
 
 #: Records stored within this many seconds are reported to the primary in one line.
 _COALESCE_S = 0.005
+#: How often a worker sends its series to the primary (when they changed): a scrape is at most this stale.
+_METRICS_S = 1.0
 
 
 class _Channel:
@@ -98,7 +102,19 @@ def main(argv: list[str] | None = None) -> int:
                 deployment.forget_scenario(message["archived"])
         server.should_exit = True  # the primary is gone or stopping: finish what runs, then exit
 
+    def report_metrics() -> None:
+        from .metrics import worker_report
+
+        last = None
+        while not server.should_exit:
+            report = worker_report(app.state.reef_metrics.registry)
+            if report != last:
+                channel.send({"metrics": report})
+                last = report
+            time.sleep(_METRICS_S)
+
     threading.Thread(target=listen, name="reef-primary-channel", daemon=True).start()
+    threading.Thread(target=report_metrics, name="reef-worker-metrics", daemon=True).start()
     log.info("worker %s serving port %d", hello.get("index"), cfg.server.port)
     server.run(sockets=[sock])
     return 0

@@ -12,9 +12,10 @@ way to more throughput. ``reef serve server.workers=N`` runs the usual process (
   requests) it hands to the primary over a private Unix socket (:mod:`reef_core.serve.forward`).
 * The primary runs the learners. Each worker has a channel to it (a socket pair inherited at spawn): the primary
   sends the configuration, then a line per head move (the worker serves the new release at once) and per deleted
-  scenario (the worker stops serving it); the worker
-  sends the scenarios it stored records for (the primary wakes their learners). A worker's channel closing means
-  its primary is gone: the worker shuts down. A worker that dies is started again.
+  scenario (the worker stops serving it); the worker sends the scenarios it stored records for (the primary wakes
+  their learners) and, every second while they change, its request and record-writer series (the primary's
+  ``/metrics`` shows the sums). A worker's channel closing means its primary is gone: the worker shuts down. A
+  worker that dies is started again.
 """
 
 from __future__ import annotations
@@ -95,9 +96,15 @@ class _Worker:
 class WorkerPool:
     """The primary's side: the sockets, the worker processes, their channels."""
 
-    def __init__(self, cfg, deployment):
+    def __init__(self, cfg, deployment, metrics=None):
+        from .metrics import WorkerSeries
+
         self.cfg = cfg
         self.deployment = deployment
+        #: What the workers counted (``/metrics`` on the primary shows the sums).
+        self.series = WorkerSeries()
+        if metrics is not None:
+            metrics.workers = self.series
         self.count = check_workers(cfg.server) - 1
         self._dir = tempfile.mkdtemp(prefix="reef-workers-")  # short: a Unix socket path is at most ~107 bytes
         self.primary_path = os.path.join(self._dir, "primary.sock")
@@ -153,8 +160,11 @@ class WorkerPool:
                         continue
                     for scenario in message.get("stored", ()):
                         self.deployment.records_arrived(scenario)
+                    if isinstance(message.get("metrics"), dict):
+                        self.series.report(worker.index, message["metrics"])
             code = worker.proc.wait()
             worker.channel.close()
+            self.series.retire(worker.index)
             if self._stopping.is_set():
                 return
             # A worker that keeps dying right after its start is retried less and less often.

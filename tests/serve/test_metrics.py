@@ -7,6 +7,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from reef_core.config import compose_config
@@ -137,11 +138,13 @@ def test_scrape_of_100_scenarios_is_cheap_and_bounded():
     assert value(found, "reef_learner_steps_total", scenario=OVERFLOW) == sum(range(100, 110))
     assert value(found, "reef_learner_publish_latency_seconds", scenario="scenario-007") == pytest.approx(0.031)
     assert value(found, "reef_requests_total", scenario=OVERFLOW) == 10
-    costs = []
-    for _ in range(20):
-        started = time.thread_time()  # CPU time: wall time on a shared test machine mostly measures the queue
-        metrics.render()
-        costs.append(time.thread_time() - started)
-    costs.sort()
-    # The budget is 5 ms (about 4 ms of CPU here, 1100 lines); twice that absorbs a contended machine.
-    assert costs[len(costs) // 2] < 0.010, f"median scrape {costs[len(costs) // 2] * 1000:.1f} ms of CPU"
+    # Cheap: Reef's renderer against prometheus-client's own writer on the same series, interleaved, in CPU time
+    # (a ratio stays put on a loaded machine where an absolute budget does not; x0.3-0.6 seen, 1100 lines).
+    ours, library = [], []
+    for _ in range(15):
+        for costs, render in ((ours, metrics.render), (library, lambda: generate_latest(metrics.registry))):
+            started = time.thread_time()
+            render()
+            costs.append(time.thread_time() - started)
+    ratio = sorted(ours)[len(ours) // 2] / sorted(library)[len(library) // 2]
+    assert ratio < 0.9, f"a scrape costs x{ratio:.2f} of prometheus-client's generate_latest"

@@ -19,8 +19,14 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def workers_of(server) -> list[psutil.Process]:
-    return [p for p in psutil.Process(server.proc.pid).children()
-            if "reef_core.serve.worker" in " ".join(p.cmdline())]
+    found = []
+    for proc in psutil.Process(server.proc.pid).children():
+        try:
+            if "reef_core.serve.worker" in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.Error:  # exiting (a zombie until its primary reaps it)
+            continue
+    return found
 
 
 def owner(server, conn: http.client.HTTPConnection) -> int:
@@ -58,9 +64,14 @@ def connection_to_a_worker(server) -> http.client.HTTPConnection:
 def serving_workers(server, count: int) -> list[psutil.Process]:
     """The workers, once ``count`` of them listen on the port."""
     def listening():
-        found = workers_of(server)
-        ready = [p for p in found if any(c.status == psutil.CONN_LISTEN and c.laddr.port == server.port
-                                         for c in p.net_connections("tcp"))]
+        ready = []
+        for proc in workers_of(server):
+            try:
+                if any(c.status == psutil.CONN_LISTEN and c.laddr.port == server.port
+                       for c in proc.net_connections("tcp")):
+                    ready.append(proc)
+            except psutil.Error:
+                continue
         return ready if len(ready) == count else None
 
     return wait_until(listening, timeout=90, what=f"{count} workers listening")
@@ -97,6 +108,16 @@ def test_workers_answer_inference_hand_on_the_rest_and_serve_new_releases_at_onc
         answer = conn.getresponse()
         assert answer.status == 200 and json.loads(answer.read())["agent_record_id"] == receipt
 
+    # /metrics (answered by the primary) counts what the worker answered too, within its report interval.
+    def counted() -> float:
+        conn.request("GET", "/metrics")
+        answer = conn.getresponse()
+        text = answer.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("reef_requests_total{") and 'scenario="w"' in line
+                   and 'route="chat"' in line)
+
+    wait_until(lambda: counted() == len(receipts), timeout=5, what="the primary's /metrics counting every request")
     # A report through the worker reaches the primary's learner; its step's release serves on the worker's
     # connection within a second (follow_interval_s is 60: the primary told the worker).
     status, _, body = post(conn, "/reef/report", {"score": 1.0, "references": [receipts[-1]]})
