@@ -78,6 +78,17 @@ def ready_banner(cfg: ReefConfig, port: int | None = None) -> str:
                       f"  model            {model.strip()}"])
 
 
+def freeze_startup_objects() -> None:
+    """What start-up built (modules, config, the engine, plugins) lives as long as the server process: moved out of
+    the cyclic collector's sight, a full collection walks only what requests leave behind, so it no longer adds
+    milliseconds to the request it lands on (the latency tail). Only for a server process: objects frozen here are
+    never collected as cycles."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def _announcing_server(config, banner: str, pool: WorkerPool | None = None):
     """uvicorn's server, printing :func:`ready_banner` once it listens (on stdout: it is not a log line); with
     ``server.workers``, it starts the workers once it listens and stops them with itself."""
@@ -89,6 +100,7 @@ def _announcing_server(config, banner: str, pool: WorkerPool | None = None):
         async def startup(self, sockets=None):
             await super().startup(sockets=sockets)
             if self.started:
+                freeze_startup_objects()
                 if pool is not None:
                     await asyncio.to_thread(pool.start)
                 print(banner, flush=True)

@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     from .app import create_app
     from .connection import ConnectionLimits, protocol_class, reserve_descriptors
     from .logs import configure as configure_logs
+    from .server import freeze_startup_objects
     from .workers import listening_socket
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -88,7 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(app, http=protocol_class(limits), log_level=cfg.server.log_level, access_log=False,
                             **({"log_config": None} if cfg.server.log_format == "json" else {}),
                             timeout_graceful_shutdown=30)
-    server = uvicorn.Server(config)
+    class WorkerServer(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if self.started:
+                freeze_startup_objects()
+
+    server = WorkerServer(config)
 
     def listen() -> None:
         for line in channel.lines:
