@@ -170,3 +170,64 @@ def test_stopping_the_primary_stops_its_workers(reef_server, fake_upstream_url):
     workers = serving_workers(server, 1)
     server.stop(signal.SIGTERM)  # graceful: the primary asks its workers to drain and waits for them
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers)
+
+
+def test_a_worker_reports_the_scenarios_it_stored_for_once_per_interval():
+    import asyncio
+    import socket
+
+    from reef_core.serve.worker import _Channel
+
+    mine, theirs = socket.socketpair()
+    channel = _Channel(theirs.detach())
+
+    async def store_some():
+        for name in ("b", "a", "b", "a"):
+            channel.stored(name)
+        await asyncio.sleep(0.05)  # past the coalescing interval: the flush has run
+        channel.stored("c")
+        await asyncio.sleep(0.05)
+
+    asyncio.run(store_some())
+    lines = mine.makefile("rb")
+    assert json.loads(lines.readline()) == {"stored": ["a", "b"]}
+    assert json.loads(lines.readline()) == {"stored": ["c"]}
+    mine.close()
+
+
+def test_the_primary_wakes_the_learner_of_records_a_worker_stored():
+    from reef_core.loop.deployment import Deployment
+
+    class Learner:
+        processor = object()
+        woken = 0
+
+        def wake(self):
+            self.woken += 1
+
+    deployment = Deployment.__new__(Deployment)  # only the learners' table is used
+    deployment._learners = {"s": Learner()}
+    deployment.records_arrived("s")
+    deployment.records_arrived("unknown")  # not trained here: nothing to wake
+    assert deployment._learners["s"].woken == 1
+
+
+def test_worker_series_add_up_and_never_go_down_when_a_worker_is_replaced():
+    from prometheus_client.samples import Sample
+
+    from reef_core.serve.metrics import WorkerSeries
+
+    series = WorkerSeries()
+    mine = [Sample("reef_requests_total", {"scenario": "s"}, 2.0)]
+    series.report(1, {"reef_requests": [["reef_requests_total", {"scenario": "s"}, 5.0],
+                                        ["reef_requests_total", {"scenario": "t"}, 1.0]],
+                      "reef_record_writer_queue_depth": [["reef_record_writer_queue_depth", {}, 3.0]],
+                      "not_summed": [["not_summed", {}, 9.0]]})
+    totals = {s.labels["scenario"]: s.value for s in series.merged("reef_requests", mine)}
+    assert totals == {"s": 7.0, "t": 1.0}
+    series.retire(1)  # the worker exited; its replacement starts counting from zero
+    series.report(1, {"reef_requests": [["reef_requests_total", {"scenario": "s"}, 1.0]]})
+    totals = {s.labels["scenario"]: s.value for s in series.merged("reef_requests", mine)}
+    assert totals == {"s": 8.0, "t": 1.0}
+    # A gauge of a worker that exited is gone with it.
+    assert [s.value for s in series.merged("reef_record_writer_queue_depth", [])] == []
