@@ -171,6 +171,11 @@ class Engine(ABC):
     name: str = "engine"
     dialects: tuple[Dialect, ...] = ()
 
+    def preload(self) -> None:
+        """Begin acquiring what :meth:`start` needs in the background (an embedded model's weights), so that it
+        overlaps the rest of start-up; :meth:`start` then waits for it, :meth:`close` ends it. Optional: the default
+        does nothing."""
+
     async def start(self) -> None:
         """Acquire resources (connection pool, model weights). Idempotent."""
 

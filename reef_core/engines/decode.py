@@ -75,6 +75,14 @@ class Packed:
         """How many weights are served from a bf16 copy now."""
         return sum(1 for _, mat in self._mats.values() if mat is not None and not mat.f32)
 
+    def put(self, w: torch.Tensor, mat: PackedMatrix) -> None:
+        """Serve ``w`` from ``mat``, a packed copy of its current values made elsewhere (read from a cache)."""
+        self._mats[id(w)] = (w, mat)
+
+    def items(self) -> list[tuple[torch.Tensor, PackedMatrix]]:
+        """Every weight packed so far, with its packed copy."""
+        return list(self._mats.values())
+
     def get(self, w: torch.Tensor) -> PackedMatrix | None:
         if self.fn is None or w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
             return None

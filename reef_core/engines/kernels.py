@@ -490,6 +490,19 @@ class PackedMatrix:
         _lib().reef_pack(w.data_ptr(), self.n, self.k, self.w.data_ptr(), int(self.f32))
         self.fn, self.ptr = fn, self.w.data_ptr()
 
+    @classmethod
+    def adopt(cls, packed: torch.Tensor, n: int, fn) -> "PackedMatrix":
+        """A matrix over ``packed``, a copy already in the kernel's layout (``[ceil(n / 16), k, 16]``, bf16 or float32,
+        as :attr:`w` holds it) of a weight with ``n`` rows: nothing is checked or reordered."""
+        if packed.dim() != 3 or packed.shape[2] != 16 or packed.shape[0] != -(-n // 16) \
+                or packed.dtype not in (torch.bfloat16, torch.float32) or not packed.is_contiguous():
+            raise ValueError(f"not a packed weight of {n} rows: {packed.dtype} {tuple(packed.shape)}")
+        self = cls.__new__(cls)
+        self.n, self.k = n, int(packed.shape[1])
+        self.f32 = packed.dtype == torch.float32
+        self.w, self.fn, self.ptr = packed, fn, packed.data_ptr()
+        return self
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         """``out[:] = x @ w.T + bias`` for float32 rows ``x`` ([m, k], contiguous); returns ``out`` ([m, n]). Each row's
         result is bitwise the same whatever m is (a batch equals its rows computed one by one)."""

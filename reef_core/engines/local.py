@@ -81,8 +81,8 @@ from reef_core.engines.base import (
     TokenData,
 )
 from reef_core.engines.chat_body import SamplingParams, chat_messages, sampling_params
+from reef_core.engines import kernels, packcache
 from reef_core.engines.decode import FastDecoder, Packed, step_rows, supports
-from reef_core.engines import kernels
 from reef_core.engines.toolcalls import ToolCallStream, finish_reason, request_tools, resolve_parser, tool_parser
 from reef_core.engines.local_worker import Worker
 from reef_core.engines.topk import MAX_K, TopK
@@ -297,6 +297,7 @@ class LocalEngine(Engine):
         self.version = version
         self.num_threads = num_threads
         self._worker: Worker | None = None
+        self._loading: concurrent.futures.Future | None = None  # the load :meth:`preload` queued, until started
         self._model = None
         self._tok = None
         self._gen: torch.Generator | None = None
@@ -322,15 +323,24 @@ class LocalEngine(Engine):
         self.decode_path: str | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
+    def preload(self) -> None:
+        """Start loading the model on the worker thread now; :meth:`start` waits for that load (``reef serve`` calls
+        this as soon as the engine exists, so the load runs beside the record store's opening and the app's set-up)."""
+        if self._worker is None:
+            self._worker = Worker(self)
+            self._loading = self._worker.call(self._load)
+
     async def start(self) -> None:
-        if self._worker is not None:
+        self.preload()
+        loading, self._loading = self._loading, None
+        if loading is None:  # started already
             return
-        self._worker = Worker(self)
         try:
-            await self._run(self._load)
+            await asyncio.wrap_future(loading)
         except BaseException:
             worker, self._worker = self._worker, None
-            await asyncio.to_thread(worker.stop)
+            if worker is not None:
+                await asyncio.to_thread(worker.stop)
             raise
 
     def _load(self) -> None:
@@ -359,7 +369,11 @@ class LocalEngine(Engine):
         self._packed = Packed(kernels.kernel() if self.device.type == "cpu" else None)
         if self._packed.fn is not None:
             kernels.set_threads(torch.get_num_threads())  # the C kernel follows torch's thread count
+        lean = not self._fast_unsupported and self._packed.fn is not None
+        cached = lean and packcache.load(self.model_dir, model, self._packed)
         self._warm_up()
+        if lean and not cached and not self._fast_unsupported:
+            packcache.save(self.model_dir, model, self._packed)  # what the warm-up packed, for the next start
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
 
@@ -380,6 +394,7 @@ class LocalEngine(Engine):
 
     async def close(self) -> None:
         worker, self._worker = self._worker, None
+        self._loading = None
         if worker is None:
             return
         for ev in list(self._active):

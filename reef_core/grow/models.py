@@ -252,13 +252,15 @@ def ensure_smollm2(cache_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Path
     The result is a plain safetensors directory (``dtype``, bf16 by default: 273 MB) with the
     tokenizer and chat template, loadable by :func:`load_model` and by serving engines.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     target = Path(cache_dir) / SMOLLM2_DIRNAME
     expected = {"kind": "smollm2", "source": SMOLLM2_GGUF, "dtype": str(dtype).removeprefix("torch.")}
     if _check_existing(target, expected):
         _add_generation_defaults(target)  # a conversion made before the defaults were written
         return target
+    # Only a conversion needs transformers here: a cached model is found without importing it (about a second of
+    # `reef serve`'s start-up, which the engine then pays on its loading thread, beside the rest of start-up).
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     gguf = smollm2_gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))

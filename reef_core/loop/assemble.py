@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from ..config.schema import ReefConfig
 
 
-def build_deployment(cfg: ReefConfig, plugin_manager=None, role: str | None = None):
-    """The deployment ``cfg`` describes; ``role`` as in :class:`~reef_core.loop.deployment.Deployment`."""
+def build_deployment(cfg: ReefConfig, plugin_manager=None, role: str | None = None, preload: bool = False):
+    """The deployment ``cfg`` describes; ``role`` as in :class:`~reef_core.loop.deployment.Deployment`.
+
+    ``preload``: the engine starts loading (:meth:`~reef_core.engines.base.Engine.preload`) as soon as it exists,
+    so a model loads while the record store opens and the caller builds its app; for a caller outside an event
+    loop (``reef serve``), which then starts the deployment."""
     from ..grow.device import check_devices
     from ..observe.records import RecordStore
     from ..plugins import get_plugin_manager
@@ -20,11 +25,18 @@ def build_deployment(cfg: ReefConfig, plugin_manager=None, role: str | None = No
     data_dir = Path(cfg.storage.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     engine = pm.create("engine", cfg.engine.kind, config=cfg.engine, data_dir=data_dir)
-    artifacts = pm.create("artifact_store", cfg.storage.artifact_store, config=cfg.storage, data_dir=data_dir)
-    options = {"schema": cfg.storage.records_schema} if cfg.storage.records_schema else {}
-    store = RecordStore.open(cfg.storage.records_url, data_dir, **options)
+    if preload:
+        engine.preload()
     try:
-        return Deployment(cfg, pm, store, engine, artifacts, role=role)
+        artifacts = pm.create("artifact_store", cfg.storage.artifact_store, config=cfg.storage, data_dir=data_dir)
+        options = {"schema": cfg.storage.records_schema} if cfg.storage.records_schema else {}
+        store = RecordStore.open(cfg.storage.records_url, data_dir, **options)
+        try:
+            return Deployment(cfg, pm, store, engine, artifacts, role=role)
+        except BaseException:
+            store.close()
+            raise
     except BaseException:
-        store.close()
+        if preload:
+            asyncio.run(engine.close())  # ends the load begun above
         raise

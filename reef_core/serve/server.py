@@ -22,11 +22,8 @@ def check_bind(cfg: ReefConfig) -> None:
 
 
 def serve(cfg: ReefConfig) -> int:
-    import uvicorn
-
     from ..loop.assemble import build_deployment
 
-    from .app import create_app
     from .connection import ConnectionLimits, protocol_class, reserve_descriptors
 
     check_bind(cfg)
@@ -37,7 +34,13 @@ def serve(cfg: ReefConfig) -> int:
     # One log line per proxied request would cost more than the proxying itself.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    deployment = build_deployment(cfg)
+    # The engine loads its model from here on, on a thread of its own: the app's modules are imported and the app
+    # built meanwhile (start-up, issue #23).
+    deployment = build_deployment(cfg, preload=True)
+    import uvicorn
+
+    from .app import create_app
+
     deployment.pm.notify("reef_startup", config=cfg)
     app = create_app(deployment)
     # The httptools protocol with Reef's connection limits (header size and count, read timeouts, connection cap).
