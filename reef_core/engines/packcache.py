@@ -36,10 +36,15 @@ MIN_BYTES = 16 << 20
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
+def cache_dir() -> Path:
+    """The directory of the packed-weight files (``packed/`` beside the compiled kernel)."""
+    return kernels._cache_dir() / "packed"
+
+
 def cache_path(model_dir: Path) -> Path:
     """Where the packed weights of ``model_dir`` are kept."""
     name = hashlib.sha256(str(Path(model_dir).resolve()).encode()).hexdigest()[:16]
-    return kernels._cache_dir() / "packed" / f"{name}.safetensors"
+    return cache_dir() / f"{name}.safetensors"
 
 
 def _key(model_dir: Path, weights: dict[str, torch.Tensor]) -> str:

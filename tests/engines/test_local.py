@@ -363,3 +363,59 @@ def test_sampler_draws_from_the_softmax_and_its_top_p_nucleus():
     seq = [[_sample(logits, 1.0, 0.95, g) for _ in range(30)] for g in (torch.Generator().manual_seed(7),
                                                                          torch.Generator().manual_seed(7))]
     assert seq[0] == seq[1] and len(set(seq[0])) > 1
+
+
+def test_preload_loads_once_and_start_waits_for_that_load(tiny_model_dir, monkeypatch):
+    import reef_core.engines.local as local
+
+    loads = []
+    real = local._load_model
+
+    def counted(model_dir):
+        loads.append(model_dir)
+        time.sleep(0.2)  # still loading when start() is called: start must wait for this load, not begin another
+        return real(model_dir)
+
+    monkeypatch.setattr(local, "_load_model", counted)
+
+    async def go():
+        eng = _engine(tiny_model_dir)
+        eng.preload()
+        eng.preload()  # a second call queues nothing more
+        await eng.start()
+        assert eng._model is not None  # loaded when start returns
+        await eng.start()  # idempotent
+        r = await eng.complete(_req(seed=1, max_tokens=3))
+        await eng.close()
+        return r
+
+    r = asyncio.run(go())
+    assert len(loads) == 1 and r.tokens.output_ids
+
+
+def test_a_preloaded_engine_closes_without_starting_and_a_failed_preload_raises_at_start(tiny_model_dir,
+                                                                                        monkeypatch):
+    import reef_core.engines.local as local
+
+    async def closed_unstarted():
+        eng = _engine(tiny_model_dir)
+        eng.preload()
+        await eng.close()  # waits for the load, then ends the worker
+        return eng
+
+    eng = asyncio.run(closed_unstarted())
+    assert eng._worker is None and eng._model is None
+
+    def broken(model_dir):
+        raise OSError("weights unreadable")
+
+    monkeypatch.setattr(local, "_load_model", broken)
+
+    async def failed():
+        eng = _engine(tiny_model_dir)
+        eng.preload()
+        with pytest.raises(OSError, match="weights unreadable"):
+            await eng.start()
+        return eng
+
+    assert asyncio.run(failed())._worker is None
