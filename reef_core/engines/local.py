@@ -81,7 +81,7 @@ from reef_core.engines.base import (
     TokenData,
 )
 from reef_core.engines.chat_body import SamplingParams, chat_messages, sampling_params
-from reef_core.engines import kernels, packcache
+from reef_core.engines import kernels, lean_model, packcache
 from reef_core.engines.decode import FastDecoder, Packed, step_rows, supports
 from reef_core.engines.toolcalls import ToolCallStream, finish_reason, request_tools, resolve_parser, tool_parser
 from reef_core.engines.local_worker import Worker
@@ -97,7 +97,11 @@ _UNKNOWN = object()  # which adapter the model applies is not known (a slot was 
 
 
 def _load_model(model_dir: Path):
-    """(model, tokenizer) from a local directory, through Reef's model factory."""
+    """(model, tokenizer) from a local directory: a bf16 Llama checkpoint through the lean loader (no transformers
+    modeling code: :mod:`reef_core.engines.lean_model`), anything else through Reef's model factory."""
+    model = lean_model.load(model_dir)
+    if model is not None:
+        return model, lean_model.load_tokenizer(model_dir)
     from reef_core.grow.models import load_model
 
     return load_model(model_dir)
@@ -361,10 +365,8 @@ class LocalEngine(Engine):
         self._max_len = getattr(model.config, "max_position_embeddings", None)
         # The most characters one token can stand for: a prompt longer than context x this cannot fit.
         self._max_token_chars = max((len(t) for t in tok.get_vocab()), default=1) or 1
-        # transformers 5 renamed the KV-cache argument/output `past_key_values` -> `cache`.
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._prefill_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        if not isinstance(model, lean_model.LeanLlama):
+            self._forward_kw(model)
         self._fast_unsupported = supports(model)
         self._packed = Packed(kernels.kernel() if self.device.type == "cpu" else None)
         if self._packed.fn is not None:
@@ -376,6 +378,39 @@ class LocalEngine(Engine):
             packcache.save(self.model_dir, model, self._packed)  # what the warm-up packed, for the next start
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
+
+    def _forward_kw(self, model) -> None:
+        """The keyword arguments transformers' forward of ``model`` takes for its KV cache and the prompt's logits."""
+        # transformers 5 renamed the KV-cache argument/output `past_key_values` -> `cache`.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._prefill_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+    def _transformers(self):
+        """Worker thread: the served model as a transformers model, for transformers' forward and peft. A model the
+        lean loader built is replaced the first time (loaded through transformers, its current weights copied over,
+        their packed copies kept); requests before and after see the same weights."""
+        model = self._model
+        if not isinstance(model, lean_model.LeanLlama):
+            return model
+        from reef_core.grow.models import load_model
+
+        full, _ = load_model(self.model_dir)
+        full.load_state_dict(model.state_dict())
+        full.to(self.device)
+        full.eval()
+        ours = dict(model.named_parameters())
+        mats = {id(w): mat for w, mat in self._packed.items()} if self._packed is not None else {}
+        if self._packed is not None:
+            self._packed.clear()
+            for name, w in full.named_parameters():
+                if name in ours and id(ours[name]) in mats:
+                    self._packed.put(w, mats[id(ours[name])])  # equal values: the copy stays valid
+        self._forward_kw(full)
+        self._model = full
+        self._lean_slots.clear()
+        log.info("local engine: transformers' model loaded (for its forward or an adapter)")
+        return full
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
@@ -495,6 +530,7 @@ class LocalEngine(Engine):
         self._slots += 1
         slot = f"reef_{self._slots}"
         if self._peft is None:
+            self._transformers()
             self._peft = get_peft_model(self._model, peft_config, adapter_name=slot)
             self._peft.eval()
         else:
@@ -668,7 +704,7 @@ class LocalEngine(Engine):
         if dec is not None:
             row.logits = dec.prefill(res.prompt_ids)
         else:
-            row.out = self._model(input_ids=torch.tensor([res.prompt_ids], device=self.device), use_cache=True,
+            row.out = self._transformers()(input_ids=torch.tensor([res.prompt_ids], device=self.device), use_cache=True,
                                   **self._prefill_kw)
             row.logits = row.out.logits[0, -1].float()
         return row
