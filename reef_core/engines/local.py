@@ -26,6 +26,12 @@ traffic and almost no Python work per token. Other models, or a failed warm-up, 
 (:attr:`LocalEngine.decode_path` says which served the last generation). The engine warms the path up at load, so
 the first request pays no one-time cost.
 
+Loading: a Llama checkpoint stored in bf16 (SmolLM2) is read by :mod:`reef_core.engines.lean_model`, without
+transformers' modeling code (seconds of imports at start-up); the transformers model replaces it the first time its
+forward or peft is needed. Anything else loads through :func:`reef_core.grow.models.load_model`. The decode kernel's
+packed weights are mapped in from :mod:`reef_core.engines.packcache` when an earlier start wrote them.
+:meth:`LocalEngine.preload` begins all this on the worker before :meth:`LocalEngine.start` waits for it.
+
 Stop handling: generation ends at an end-of-sequence token (kept in ``TokenData.output_ids``, not in the
 text), at a stop string (the text is cut before it; the token that completed it stays in ``output_ids``),
 or at the token budget (``finish_reason="length"``).
