@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     limits = ConnectionLimits.from_config(cfg.server)
     reserve_descriptors(limits.max_connections)
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    deployment = build_deployment(cfg, role="serve")
+    deployment = build_deployment(cfg, role="serve", preload=True)
     deployment.on_records = channel.stored
     app = create_app(deployment, forward_to=hello["primary"])
     sock = listening_socket(cfg.server.host, cfg.server.port)
