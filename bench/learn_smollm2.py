@@ -53,6 +53,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="task stream, engine and trainer seed (default 0)")
     parser.add_argument("--cache", default=None,
                         help="model cache directory (default: REEF_MODEL_CACHE or one in the temporary data dir)")
+    parser.add_argument("--log", default=None, help="copy the server's log to this file at the end")
     parser.add_argument("--ready-timeout", type=float, default=900,
                         help="seconds to wait for the server to become healthy (default 900: a first SmolLM2 "
                              "conversion)")
@@ -185,6 +186,9 @@ def run(args) -> dict:
         if poller is not None:
             poller.halt.set()
         reef.stop()
+        log_tail = reef.log_tail()
+        if args.log and reef.log_path.exists():
+            shutil.copyfile(reef.log_path, args.log)
         shutil.rmtree(workdir, ignore_errors=True)
 
     rewards, times = result["rewards"], result["times"]
@@ -221,8 +225,12 @@ def run(args) -> dict:
     problems = []
     if not rewards:
         problems.append("no rollout was reported")
+    if not steps:
+        problems.append("no training step was committed")
     for problem in problems:
         print("PROBLEM:", problem)
+    if not steps:
+        print(f"--- reef log tail ---\n{log_tail}")
     machine["load_avg_1m_at_end"] = load_end
     return {"machine": machine, "model": args.model, "minutes": args.minutes, "concurrency": args.concurrency,
             "window": window, "overrides": args.overrides, "ready_s": ready_s, "client_s": client_s,

@@ -42,6 +42,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds over all contenders (default 3)")
     parser.add_argument("--full", action="store_true", help="train every weight instead of a LoRA adapter")
     parser.add_argument("--critic-steps", type=int, default=2, help="SAO critic steps per actor step (default 2)")
+    parser.add_argument("--critic-lora", action="store_true",
+                        help="reef-sao's critic trains a LoRA adapter (r8/alpha 16) over its frozen body, not every "
+                             "weight (recipe.options.critic_lora)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--contenders", default="reef-sao,hf-sao,reef-grpo-dis,hf-step",
                         help="comma-separated contenders (default: reef-sao,hf-sao,reef-grpo-dis,hf-step; also "
@@ -226,7 +229,9 @@ def _measure(model_dir: Path, args) -> dict:
     for name in wanted:
         if name in ("reef-sao", "reef-sao-torch-adamw"):
             runners[name] = _reef(SAOObjective(eps_clip=0.3, eps_clip_high=5.0, critic_lr=CRITIC_LR,
-                                               critic_steps_per_actor=args.critic_steps), loader, args, batch,
+                                               critic_steps_per_actor=args.critic_steps,
+                                               critic_lora=(8, 16.0, None) if args.critic_lora else None),
+                                  loader, args, batch,
                                   torch_adamw=name != "reef-sao")[0]
         elif name == "reef-grpo-dis":
             runners[name] = _reef(GRPODISObjective(eps_clip=0.3, eps_clip_high=5.0, group_size=2),
@@ -298,7 +303,8 @@ def run(args) -> dict:
                      f"x{cpu_ratio:.2f}" if cpu_ratio is not None else "-"])
     mode = "full weights" if args.full else "LoRA r8"
     print(f"Training step, {args.model}, batch {args.batch} x ({args.prompt} prompt + {args.response} action) tokens, "
-          f"{mode}, AdamW{' (HF fused)' if args.hf_fused else ''}, {args.critic_steps} critic step(s) for SAO, "
+          f"{mode}, AdamW{' (HF fused)' if args.hf_fused else ''}, {args.critic_steps} critic step(s) for SAO"
+          f"{' (LoRA critic)' if args.critic_lora else ''}, "
           f"{args.rounds} interleaved rounds, {result['threads']} thread(s); "
           f"load avg at start {machine['load_avg_1m_at_start']}")
     print(common.table(["contender", "s median", "s best", "critic s", "actor s", "cpu s", "ratio to", "cpu ratio"],

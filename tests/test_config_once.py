@@ -92,11 +92,12 @@ def _spy_trainer_class():
 def test_torch_trainer_takes_every_backend_knob_from_the_trainer_section():
     from reef_core.grow.trainer import TrainerSetup
 
-    section = TrainerConfig(lr=0.125, lora=True, lora_rank=3, lora_alpha=5, grad_accumulation=2, device="meta")
+    section = TrainerConfig(lr=0.125, lora=True, lora_rank=3, lora_alpha=5, lora_layers=4, grad_accumulation=2,
+                            device="meta")
     setup = TrainerSetup(data_dir=None, load_base_model=lambda: None, seed=7)
     built = _spy_trainer_class().from_config(object(), setup, section, who="test")
-    knobs = {"lr": 0.125, "lora": True, "lora_rank": 3, "lora_alpha": 5, "grad_accumulation": 2, "device": "meta",
-             "seed": 7}
+    knobs = {"lr": 0.125, "lora": True, "lora_rank": 3, "lora_alpha": 5, "lora_layers": 4, "grad_accumulation": 2,
+             "device": "meta", "seed": 7}
     assert {k: built.settings[k] for k in knobs} == knobs
     # The rest is the gate's private evaluation engine, from the engine (none here) and evaluation sections.
     assert set(built.settings) - set(knobs) == {"eval_model_dir", "eval_max_new_tokens", "eval_generation"}
@@ -109,7 +110,7 @@ def test_torch_trainer_defaults_are_the_trainer_sections():
 
     params = inspect.signature(TorchTrainer.__init__).parameters
     defaults = {f.name: f.default for f in dataclasses.fields(TrainerConfig)}
-    for knob in ("lr", "lora", "lora_rank", "lora_alpha", "grad_accumulation", "device"):
+    for knob in ("lr", "lora", "lora_rank", "lora_alpha", "lora_layers", "grad_accumulation", "device"):
         assert params[knob].default is defaults[knob], knob
 
 

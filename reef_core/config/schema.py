@@ -194,6 +194,9 @@ class TrainerConfig:
     lora: bool = False
     lora_rank: int = 8
     lora_alpha: int = 16
+    #: LoRA on the last N transformer layers only (null: every layer). The backward pass then stops at the lowest
+    #: adapted layer, so a step costs a forward pass plus the backward of N layers.
+    lora_layers: Optional[int] = None
     grad_accumulation: int = 1
     #: Make every N-th published version durable in the artifact store; others live in memory.
     checkpoint_every_n_versions: int = 1

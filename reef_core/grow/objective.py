@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from reef_core.errors import ConfigError
 from reef_core.grow.logprobs import action_logits, sequence_logprobs  # noqa: F401 - part of this module's API
 from reef_core.grow.token_batch import TokenBatch
 
@@ -145,6 +146,27 @@ def text_config(model: nn.Module):
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
+def lora_targets(model: nn.Module, targets: str | list[str], layers: int | None) -> dict[str, Any]:
+    """``LoraConfig`` arguments adapting ``targets`` in the last ``layers`` transformer layers of ``model``
+    (``None``: every layer). peft takes a layer subset only with named modules, so ``"all-linear"`` becomes the
+    names of the model's linear layers (the output head excluded)."""
+    if layers is None:
+        return {"target_modules": targets}
+    total = int(text_config(model).num_hidden_layers)
+    if layers > total:
+        raise ConfigError(f"trainer lora_layers is {layers} but the model has {total} layers")
+    if targets == "all-linear":
+        targets = linear_names(model)
+    return {"target_modules": list(targets), "layers_to_transform": list(range(total - layers, total))}
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """Names (last component) of the linear layers inside ``model``'s transformer, its output head excluded."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, nn.Linear) and module is not head and "." in name})
+
+
 class ValueModel(nn.Module):
     """A critic: a copy of the policy's transformer body plus a zero-initialised scalar head.
 
@@ -161,8 +183,15 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     @classmethod
-    def from_policy(cls, policy: nn.Module) -> "ValueModel":
-        """Deep-copy the body of a causal LM (``model.model`` for Llama/Qwen-style models) into a critic."""
+    def from_policy(cls, policy: nn.Module, *, lora_rank: int = 0, lora_alpha: float = 16.0,
+                    lora_layers: int | None = None, seed: int = 0) -> "ValueModel":
+        """Deep-copy the body of a causal LM (``model.model`` for Llama/Qwen-style models) into a critic.
+
+        Every weight of the copy trains, or with ``lora_rank`` > 0 a LoRA adapter (rank, ``lora_alpha``, every
+        linear layer of the body, or of its last ``lora_layers`` layers, initialised from ``seed``) over the frozen
+        copy: the backward pass then skips
+        the weight gradients of the body and the optimizer holds a few hundred thousand parameters, not the whole
+        model. The head trains in full either way."""
         base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
         prefix = getattr(base, "base_model_prefix", "model")
         body = getattr(base, prefix, None)
@@ -171,7 +200,20 @@ class ValueModel(nn.Module):
         critic = cls(copy.deepcopy(body), int(text_config(base).hidden_size))
         param = next(body.parameters())
         critic.head.to(device=param.device)  # the head stays float32 for a stable regression
-        critic.body.requires_grad_(True)
+        if lora_rank > 0:
+            from peft import LoraConfig, inject_adapter_in_model
+
+            critic.body.requires_grad_(False)
+            config = LoraConfig(r=int(lora_rank), lora_alpha=float(lora_alpha), lora_dropout=0.0, bias="none",
+                                **lora_targets(base, linear_names(base), lora_layers))
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                # Into the critic, not its body: peft finds a layer's index only under a parent (``body.layers.N``).
+                inject_adapter_in_model(config, critic)
+            for name, weight in critic.named_parameters():
+                weight.requires_grad_("lora_" in name or name.startswith("head."))
+        else:
+            critic.body.requires_grad_(True)
         return critic
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:

@@ -63,7 +63,7 @@ from reef_core.config.schema import EngineConfig, TrainerConfig
 from reef_core.errors import ConfigError
 from reef_core.grow.device import resolve_device
 from reef_core.grow.eval_engine import EvalEngine, EvalGeneration
-from reef_core.grow.objective import Objective
+from reef_core.grow.objective import Objective, lora_targets
 from reef_core.grow.optim import adamw
 from reef_core.grow.reference import AdapterBaseReference, ReferenceModel, SharedBaseReference
 from reef_core.grow.token_batch import TokenBatch
@@ -177,6 +177,8 @@ class TorchTrainer(Trainer):
         lr, weight_decay, betas: AdamW settings (constant learning rate).
         lora, lora_rank, lora_alpha, lora_dropout, lora_target_modules: train a LoRA adapter instead of every
             weight (``peft``; ``"all-linear"`` adapts every linear layer but the output head).
+        lora_layers: adapt only the last N transformer layers (``None``: every layer); the backward pass stops at
+            the lowest adapted one.
         grad_accumulation: micro-batches per step (capped at the batch size).
         max_grad_norm: clip the global gradient norm (``None``: no clipping; the norm is still reported).
         device: ``trainer.device`` (see :mod:`reef_core.grow.device`): where the policy, the objective's models and
@@ -215,6 +217,7 @@ class TorchTrainer(Trainer):
         if context is None or getattr(context, "load_base_model", None) is None:
             raise ConfigError(f"{who} needs a local base model to train (engine.kind=local)")
         settings = dict(lr=trainer.lr, lora=trainer.lora, lora_rank=trainer.lora_rank, lora_alpha=trainer.lora_alpha,
+                        lora_layers=trainer.lora_layers,
                         grad_accumulation=trainer.grad_accumulation,
                         device=trainer.device if trainer.device is not None else getattr(context, "device", None),
                         seed=int(getattr(context, "seed", 0) or 0))
@@ -244,6 +247,7 @@ class TorchTrainer(Trainer):
         lora_alpha: float = TrainerConfig.lora_alpha,
         lora_dropout: float = 0.0,
         lora_target_modules: str | list[str] = "all-linear",
+        lora_layers: int | None = TrainerConfig.lora_layers,
         grad_accumulation: int = TrainerConfig.grad_accumulation,
         max_grad_norm: float | None = 1.0,
         device: str | None = TrainerConfig.device,
@@ -265,6 +269,9 @@ class TorchTrainer(Trainer):
             raise ConfigError(f"trainer grad_accumulation must be a positive integer, got {grad_accumulation}")
         if lora and int(lora_rank) < 1:
             raise ConfigError(f"trainer lora_rank must be positive, got {lora_rank}")
+        if lora_layers is not None and (isinstance(lora_layers, bool) or not isinstance(lora_layers, int)
+                                        or lora_layers < 1):
+            raise ConfigError(f"trainer lora_layers must be a positive integer or null, got {lora_layers!r}")
         self.objective = objective
         self.lr = float(lr)
         self.lora = bool(lora)
@@ -280,7 +287,8 @@ class TorchTrainer(Trainer):
         self._reference_loader = load_reference_model if load_reference_model is not None else load_base_model
         self._reference_key = reference_key if reference_key is not None else self._reference_loader
         self._reference: ReferenceModel | None = None
-        self._lora_args = (int(lora_rank), float(lora_alpha), float(lora_dropout), lora_target_modules, int(seed))
+        self._lora_args = (int(lora_rank), float(lora_alpha), float(lora_dropout), lora_target_modules, int(seed),
+                           lora_layers)
         self._opt_args = {"lr": self.lr, "betas": tuple(betas), "weight_decay": float(weight_decay)}
         self._loaded = False
         self._load_lock = threading.Lock()
@@ -382,12 +390,12 @@ class TorchTrainer(Trainer):
                 tokenizer.save_pretrained(root)
             return _read_dir(root)
 
-    def _attach_lora(self, model, rank, alpha, dropout, targets, seed):
+    def _attach_lora(self, model, rank, alpha, dropout, targets, seed, layers=None):
         from peft import LoraConfig, get_peft_model
 
-        config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
-                            target_modules=list(targets) if not isinstance(targets, str) else targets,
-                            bias="none", task_type="CAUSAL_LM")
+        targets = list(targets) if not isinstance(targets, str) else targets
+        config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, bias="none", task_type="CAUSAL_LM",
+                            **lora_targets(model, targets, layers))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             peft_model = get_peft_model(model, config)

@@ -376,6 +376,34 @@ def test_trainer_device_follows_the_engine_and_holds_policy_batches_and_payload(
         TorchTrainer(Reinforce(), loader(tok), device="gpu")
 
 
+def test_lora_layers_adapts_only_the_top_layers_and_the_served_adapter_says_so(tok):
+    trainer = TorchTrainer(Reinforce(), loader(tok), lr=1e-2, lora=True, lora_rank=4, lora_alpha=8, lora_layers=1)
+    adapted = {n.split(".layers.")[1].split(".")[0] for n, _ in trainer.policy.named_parameters() if "lora_" in n}
+    last = str(trainer.policy.get_base_model().config.num_hidden_layers - 1)
+    assert adapted == {last}
+    update = trainer.step(TokenBatch.from_rows(rows(tok)))
+    assert update.payload.config["layers_to_transform"] == [int(last)]
+    # peft rebuilds the same adapter from the release's config (the engine loads it this way)
+    from peft import PeftConfig, get_peft_model, set_peft_model_state_dict
+
+    fresh, _ = build_tiny_model(seed=0, tokenizer=tok)
+    fresh = get_peft_model(fresh, PeftConfig.from_peft_type(**update.payload.config))
+    set_peft_model_state_dict(fresh, dict(update.payload.tensors))
+    assert torch.allclose(logits(fresh.eval()), logits(trainer.policy), atol=1e-6)
+
+
+@pytest.mark.parametrize("layers", [0, -1, True, 2.5])
+def test_lora_layers_is_validated(tok, layers):
+    with pytest.raises(ConfigError, match="lora_layers"):
+        TorchTrainer(Reinforce(), loader(tok), lr=1e-2, lora=True, lora_layers=layers)
+
+
+def test_lora_layers_beyond_the_model_is_an_error_naming_the_key(tok):
+    trainer = TorchTrainer(Reinforce(), loader(tok), lr=1e-2, lora=True, lora_layers=99)
+    with pytest.raises(ConfigError, match="lora_layers is 99"):
+        trainer.load()
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_rollback_to_the_creation_release_resyncs_the_policy_to_the_base(tok, lora):
     trainer = TorchTrainer(Reinforce(), loader(tok), lr=1e-2, lora=lora, lora_rank=4, lora_alpha=8)

@@ -51,6 +51,11 @@ def _pad_to(x: Tensor, width: int) -> Tensor:
     return F.pad(x, (0, width - x.shape[1])) if x.shape[1] < width else x
 
 
+def _trained(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters an optimizer steps: a LoRA critic's adapter and head, else every weight."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
 def _number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
         raise ConfigError(f"sao: {name} must be a finite number, got {value!r}")
@@ -131,6 +136,9 @@ class SAOObjective(DISObjective):
         critic_lambda: λ of the critic's targets (paper 1.0: Monte-Carlo returns).
         gamma: discount (paper 1.0).
         critic_lr, critic_weight_decay, critic_max_grad_norm: the critic's AdamW and clipping.
+        critic_lora: ``(rank, alpha, layers)`` trains the critic as a LoRA adapter (on its last ``layers`` layers;
+            ``None``: every layer) over its frozen copy of the body, plus its full head; ``None`` (the paper) trains
+            every weight of the critic.
     """
 
     name = "sao"
@@ -143,7 +151,8 @@ class SAOObjective(DISObjective):
                  lambda_alpha: float = SAOOptions.lambda_alpha, lam: float = SAOOptions.lam,
                  critic_lambda: float = SAOOptions.critic_lambda, gamma: float = SAOOptions.gamma,
                  critic_lr: float = TrainerConfig.critic_lr, critic_weight_decay: float = 0.0,
-                 critic_max_grad_norm: float | None = SAOOptions.critic_max_grad_norm):
+                 critic_max_grad_norm: float | None = SAOOptions.critic_max_grad_norm,
+                 critic_lora: tuple[int, float, int | None] | None = None):
         super().__init__(eps_clip=eps_clip, eps_clip_high=eps_clip_high)
         if isinstance(critic_steps_per_actor, bool) or not isinstance(critic_steps_per_actor, int) \
                 or critic_steps_per_actor < 1:
@@ -168,6 +177,11 @@ class SAOObjective(DISObjective):
         self.length_adaptive = bool(length_adaptive_lambda)
         self.critic_weight_decay = float(critic_weight_decay)
         self.critic_max_grad_norm = critic_max_grad_norm
+        if critic_lora is not None and (isinstance(critic_lora[0], bool) or not isinstance(critic_lora[0], int)
+                                        or critic_lora[0] < 1):
+            raise ConfigError(f"sao: the critic's LoRA rank (trainer.lora_rank) must be a positive integer, got "
+                              f"{critic_lora[0]!r}")
+        self.critic_lora = critic_lora
         self.critic: ValueModel | None = None
         self.critic_optimizer: torch.optim.Optimizer | None = None
         self.batches = 0
@@ -178,10 +192,12 @@ class SAOObjective(DISObjective):
 
     def setup(self, policy, tokenizer, device, *, micro_batches: int = 1) -> None:
         super().setup(policy, tokenizer, device, micro_batches=micro_batches)
-        self.critic = ValueModel.from_policy(policy).to(self.device)
+        rank, alpha, layers = self.critic_lora or (0, 0.0, None)
+        self.critic = ValueModel.from_policy(policy, lora_rank=rank, lora_alpha=alpha,
+                                             lora_layers=layers).to(self.device)
         self.critic.eval()  # no dropout in the value regression either
-        self.critic_optimizer = adamw(self.critic.parameters(), lr=self.critic_lr,
-                                                  weight_decay=self.critic_weight_decay)
+        self.critic_optimizer = adamw(_trained(self.critic), lr=self.critic_lr,
+                                      weight_decay=self.critic_weight_decay)
 
     def state_dict(self) -> dict[str, Tensor]:
         return dict(self.critic.state_dict()) if self.critic is not None else {}
@@ -203,8 +219,8 @@ class SAOObjective(DISObjective):
         """Back to the accepted critic; its optimizer's moments restart (as the policy's do)."""
         super().restore(snapshot)
         if self.critic is not None:
-            self.critic_optimizer = adamw(self.critic.parameters(), lr=self.critic_lr,
-                                                      weight_decay=self.critic_weight_decay)
+            self.critic_optimizer = adamw(_trained(self.critic), lr=self.critic_lr,
+                                          weight_decay=self.critic_weight_decay)
 
     # -- advantages --------------------------------------------------------------------------------------------
 
@@ -253,7 +269,7 @@ class SAOObjective(DISObjective):
                 loss.backward()
                 total += float(loss.detach())
             if self.critic_max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), float(self.critic_max_grad_norm))
+                torch.nn.utils.clip_grad_norm_(_trained(self.critic), float(self.critic_max_grad_norm))
             self.critic_optimizer.step()
             self.critic_optimizer.zero_grad(set_to_none=True)
             critic_losses.append(total)
@@ -345,8 +361,12 @@ class GRPODISObjective(DISObjective):
         self.steps = int((state or {}).get("steps", 0) or 0)
 
 
-def objective_for(opts: SAOOptions, critic_lr: float) -> Objective:
-    """The objective validated options describe: SAO, or the GRPO-with-DIS control arm."""
+def objective_for(opts: SAOOptions, critic_lr: float,
+                  critic_lora: tuple[int, float, int | None] | None = None) -> Objective:
+    """The objective validated options describe: SAO, or the GRPO-with-DIS control arm.
+
+    ``critic_lora`` (rank, alpha, layers: the trainer section's) is the adapter a critic gets when
+    ``opts.critic_lora`` is set."""
     if opts.advantage == "grpo":
         return GRPODISObjective(eps_clip=opts.eps_clip, eps_clip_high=opts.eps_clip_high,
                                 group_size=opts.group_size, normalize_std=opts.normalize_std)
@@ -356,4 +376,5 @@ def objective_for(opts: SAOOptions, critic_lr: float) -> Objective:
         length_adaptive_lambda=opts.length_adaptive_lambda, lambda_alpha=opts.lambda_alpha, lam=opts.lam,
         critic_lambda=opts.critic_lambda, gamma=opts.gamma, critic_lr=critic_lr,
         critic_max_grad_norm=opts.critic_max_grad_norm,
+        critic_lora=critic_lora if opts.critic_lora else None,
     )

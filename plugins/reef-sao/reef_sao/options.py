@@ -41,6 +41,9 @@ class SAOOptions:
     gamma: float = 1.0
     #: ``None``: the trainer section's ``critic_lr``.
     critic_lr: float | None = None
+    #: Train the critic as a LoRA adapter (the trainer section's ``lora_rank``, ``lora_alpha``, ``lora_layers``) over
+    #: its frozen copy of the policy's body, plus its full head. Off (the paper): every weight of the critic trains.
+    critic_lora: bool = False
     critic_max_grad_norm: float | None = 1.0
     max_grad_norm: float | None = 1.0
     weight_decay: float = 0.0
@@ -64,6 +67,8 @@ class SAOOptions:
 
     def validate(self, raw: Mapping[str, Any] | None = None) -> None:
         """Check the knobs that need no model; ``raw`` holds processor options to cross-check."""
+        if not isinstance(self.critic_lora, bool):
+            raise ConfigError(f"sao: critic_lora must be true or false, got {self.critic_lora!r}")
         if self.advantage not in ADVANTAGES:
             raise ConfigError(f"sao: advantage must be one of {', '.join(ADVANTAGES)}, got {self.advantage!r}")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:

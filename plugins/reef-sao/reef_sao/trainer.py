@@ -33,7 +33,8 @@ def make_sao_trainer(*, scenario: str, recipe: RecipeConfig, trainer: TrainerCon
         raise ConfigError(f"sao: batch_size {opts.batch_size} must be a multiple of trainer.grad_accumulation "
                           f"{grad_accumulation} (equal micro-batches; one optimizer step per batch)")
     critic_lr = opts.critic_lr if opts.critic_lr is not None else trainer.critic_lr
-    objective = objective_for(opts, critic_lr=float(critic_lr))
+    objective = objective_for(opts, critic_lr=float(critic_lr), critic_lora=(trainer.lora_rank, trainer.lora_alpha,
+                                                                          trainer.lora_layers))
     return TorchTrainer.from_config(
         objective, context, trainer, who="sao",
         max_grad_norm=opts.max_grad_norm,

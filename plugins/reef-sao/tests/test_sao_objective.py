@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from reef_core.api import (
+    ConfigError,
     Prepared,
     Sample,
     Segment,
@@ -211,6 +212,35 @@ def test_rejection_rolls_the_critic_back_with_the_policy(tok):
     trainer.rejected(update)
     assert all(torch.equal(v, trainer.objective.critic.state_dict()[k]) for k, v in critic0.items())
     assert trainer.objective.json_state() == {"batches": 0, "actor_steps": 0, "critic_updates": 0}
+
+
+def test_a_lora_critic_trains_its_adapter_and_head_over_a_frozen_body(tok):
+    trainer = TorchTrainer(sao(critic_lr=1e-2, critic_lora=(4, 8.0, None)),
+                           lambda: build_tiny_model(seed=0, tokenizer=tok), lr=1e-2)
+    batch = TokenBatch.from_rows([row_from_tokens([1, 2, 3], [4, 5], [-6.0, -6.0], 1.0)])
+    trainer.load()
+    critic = trainer.objective.critic
+    trained = {n for n, p in critic.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n or n.startswith("head.") for n in trained)
+    assert {"head.weight", "head.bias"} <= trained
+    before = {n: p.detach().clone() for n, p in critic.named_parameters()}
+    trainer.step(batch)
+    moved = {n for n, p in critic.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and moved <= trained and "head.weight" in moved
+    assert any("lora_" in n for n in moved)  # the adapter learned too (its B factor leaves zero)
+    with pytest.raises(ConfigError, match="critic's LoRA rank"):
+        sao(critic_lora=(0, 8.0, None))
+
+
+def test_a_lora_critic_on_the_top_layer_leaves_the_layers_below_it_alone(tok):
+    trainer = TorchTrainer(sao(critic_lr=1e-2, critic_lora=(4, 8.0, 1)),
+                           lambda: build_tiny_model(seed=0, tokenizer=tok), lr=1e-2, lora=True, lora_layers=1)
+    trainer.load()
+    critic = trainer.objective.critic
+    last = critic.body.config.num_hidden_layers - 1
+    adapted = {n for n, _ in critic.named_parameters() if "lora_" in n}
+    assert adapted and all(f"layers.{last}." in n for n in adapted)
+    trainer.step(TokenBatch.from_rows([row_from_tokens([1, 2, 3], [4, 5], [-6.0, -6.0], 1.0)]))
 
 
 def test_grpo_advantages_by_key_or_consecutive_groups():
