@@ -47,7 +47,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--concurrency", type=int, default=8,
                         help="concurrent example clients (default 8 = engine.max_batch_size's default)")
     parser.add_argument("--window", type=int, default=None,
-                        help="rollouts per window of the curve (default: 16 = the recipe's batch for smollm2, "
+                        help="rollouts per window of the curve (default: 16 = two client rounds of 8 for smollm2, "
                              "48 for tiny)")
     parser.add_argument("--max-tokens", type=int, default=None, help="max_tokens per request (default: the engine's)")
     parser.add_argument("--seed", type=int, default=0, help="task stream, engine and trainer seed (default 0)")

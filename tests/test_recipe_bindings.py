@@ -87,7 +87,7 @@ def test_a_routed_recipe_gets_its_own_sections_and_its_route_overrides(pm):
 
 
 def test_real_recipes_keep_their_gate_and_trainer_sections_when_routed():
-    # GEPA's gate (python evaluator with its verifier, score_comparison) and SAO's trainer.grad_accumulation used to
+    # GEPA's gate (python evaluator with its verifier, score_comparison) and SAO's trainer choices (LoRA) used to
     # be read from the top level for routed scenarios; each now comes with its recipe.
     cfg = compose_config(["+recipe=sao", "routes=[{pattern: 'support-*', recipe: gepa}]"])
     bindings = recipe_bindings(cfg)
@@ -96,7 +96,7 @@ def test_real_recipes_keep_their_gate_and_trainer_sections_when_routed():
     assert gepa.evaluation.options["evaluator"]["path"] == gepa.config.options["verifier"]
     assert gepa.trainer.grad_accumulation == 1 and gepa.config.surface_options["inject"] == "system"
     assert (sao.evaluation.policy, sao.evaluation.evaluator) == ("always", None)
-    assert sao.trainer.grad_accumulation == 4
+    assert sao.trainer.lora is True and sao.trainer.lora_layers == 8
 
 
 @pytest.mark.parametrize("override, key", [
@@ -232,7 +232,7 @@ def test_reef_config_shows_what_a_routed_recipe_runs_with():
     assert shown["trainer"]["lr"] == 0.5
     sao = shown["routed_recipes"]["sao"]
     assert sao["patterns"] == ["math-*"] and sao["overrides"] == ["trainer.lora=true"]
-    assert sao["trainer"]["lora"] is True and sao["trainer"]["lr"] == 1.0e-6
-    assert sao["trainer"]["grad_accumulation"] == 4 and sao["recipe"]["trainer"] == "sao"
+    assert sao["trainer"]["lora"] is True and sao["trainer"]["lr"] == 3.0e-3
+    assert sao["trainer"]["lora_layers"] == 8 and sao["recipe"]["trainer"] == "sao"
     refused = reef("config", "routes=[{pattern: 'math-*', recipe: sao, overrides: ['engine.model=tiny']}]")
     assert refused.returncode == 2 and "routes[0]" in refused.stderr and "'engine.model'" in refused.stderr

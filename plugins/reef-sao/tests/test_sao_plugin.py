@@ -21,6 +21,9 @@ from reef_sao.schema import validate_sao_report
 from reef_sao.tasks import Task, score, task_stream
 from reef_sao.trainer import SAOOptions
 
+#: sao.yaml's shipped choices for the default deployment (SmolLM2 on CPU; see its header).
+LR, CRITIC_LR, BATCH, GRAD_ACCUMULATION = 3e-3, 2e-4, 4, 1
+
 
 @pytest.fixture(scope="module")
 def pm():
@@ -44,11 +47,25 @@ def test_sao_recipe_composes_with_the_paper_knobs(pm):
         "sao", "per_report", "sao", "weights", "sao")
     opts = recipe["options"]
     assert (opts["eps_clip"], opts["eps_clip_high"], opts["critic_steps_per_actor"], opts["lambda_alpha"],
-            opts["critic_lambda"], opts["gamma"], opts["critic_lr"]) == (0.3, 5.0, 2, 1.5, 1.0, 1.0, 5e-6)
+            opts["critic_lambda"], opts["gamma"]) == (0.3, 5.0, 2, 1.5, 1.0, 1.0)
     assert recipe["processor_options"] == {"batch_size": opts["batch_size"], "max_staleness": 2}
-    assert cfg.trainer.lr == 1e-6 and opts["batch_size"] % cfg.trainer.grad_accumulation == 0
+    assert opts["batch_size"] % cfg.trainer.grad_accumulation == 0
     assert cfg.engine.model == "smollm2"  # the README's main command runs SmolLM2 on CPU
+    # The CPU choices sao.yaml's header states (each with the paper's value to restore): LoRA adapters on the last
+    # 8 layers for the policy and the critic, learning rates for adapters, short replies, one thread.
+    assert (cfg.trainer.lora, cfg.trainer.lora_layers, opts["critic_lora"]) == (True, 8, True)
+    assert (cfg.trainer.lr, cfg.trainer.critic_lr, opts["critic_lr"]) == (LR, CRITIC_LR, CRITIC_LR)
+    assert (opts["batch_size"], cfg.trainer.grad_accumulation) == (BATCH, GRAD_ACCUMULATION)
+    assert (cfg.engine.max_new_tokens, cfg.engine.num_threads) == (24, 1)
     SAOOptions.from_options(recipe["options"], recipe["processor_options"])  # valid as shipped
+
+
+def test_the_paper_values_restore_with_the_overrides_the_header_names(pm):
+    cfg = compose_config(["+recipe=sao", "trainer.lora=false", "recipe.options.critic_lora=false",
+                          "trainer.lora_layers=null", "trainer.lr=1e-6", "trainer.critic_lr=5e-6"], pm)
+    assert (cfg.trainer.lora, cfg.trainer.lora_layers, cfg.recipe.options["critic_lora"]) == (False, None, False)
+    assert (cfg.trainer.lr, cfg.recipe.options["critic_lr"]) == (1e-6, 5e-6)
+    assert SAOOptions.from_options(cfg.recipe.options).critic_lora is False
 
 
 def test_batch_size_follows_the_environment(pm, monkeypatch):
@@ -62,6 +79,8 @@ def test_tiny_profile_and_grpo_control_compose(pm):
     assert cfg.engine.model == "tiny" and cfg.engine.max_new_tokens == 8
     assert cfg.recipe.options["batch_size"] == 4 and cfg.recipe.processor_options["batch_size"] == 4
     assert cfg.trainer.grad_accumulation == 1
+    # full weights: the tiny model has 2 layers, none of the recipe's LoRA choices apply
+    assert (cfg.trainer.lora, cfg.trainer.lora_layers, cfg.recipe.options["critic_lora"]) == (False, None, False)
     grpo = compose_config(["+recipe=sao", "+sao_arm=grpo", "+sao_profile=tiny_grpo"], pm)
     opts = dataclasses.asdict(grpo.recipe)
     assert opts["processor"] == "grouped" and opts["options"]["advantage"] == "grpo"
@@ -82,6 +101,7 @@ def test_tiny_profile_and_grpo_control_compose(pm):
     ({"eps_clip_high": 5.0, "advantage": "grpo", "batch_size": 6}, "multiple of group_size"),
     ({"eps_clip_high": 5.0, "critic_lambda": 1.5}, r"critic_lambda must lie in \[0, 1\]"),
     ({"eps_clip_high": 5.0, "batch_size": 0}, "batch_size must be a positive integer"),
+    ({"eps_clip_high": 5.0, "critic_lora": "yes"}, "critic_lora must be true or false"),
 ])
 def test_options_are_validated_at_construction(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -179,7 +199,7 @@ def test_composed_options_carry_the_dataclass_defaults(pm):
     for knob in ("advantage", "eps_clip", "critic_steps_per_actor", "num_critic_only_steps", "length_adaptive_lambda",
                  "lambda_alpha", "critic_lambda", "gamma", "save_critic"):
         assert options[knob] == getattr(defaults, knob), knob
-    assert options["critic_lr"] == TrainerConfig().critic_lr  # SAO's critic_lr is the trainer section's
+    assert options["critic_lr"] == compose_config(["+recipe=sao"], pm).trainer.critic_lr  # the trainer section's
 
 
 def test_objective_defaults_are_read_from_sao_options():
