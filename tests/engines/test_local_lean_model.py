@@ -148,18 +148,21 @@ def test_a_swap_reaches_the_lean_model_and_survives_the_switch_to_transformers(b
     _same(lean[1], full[1])  # the transformers model took the swapped weights over
 
 
-def test_a_lora_adapter_on_the_lean_model_is_served_as_on_transformers(bf16_dir, monkeypatch):
+@pytest.mark.parametrize("layers", [None, 1])  # every layer, or the top one only (trainer.lora_layers)
+def test_a_lora_adapter_on_the_lean_model_is_served_as_on_transformers(bf16_dir, monkeypatch, layers):
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
+    from reef_core.grow.objective import lora_targets
+
     base, _ = load_model(bf16_dir)
+    targets = lora_targets(base, "all-linear", layers)
     torch.manual_seed(2)
-    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                                task_type="CAUSAL_LM"))
+    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", **targets))
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM").to_dict()
+    config = LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", **targets).to_dict()
     config = {k: (v.value if hasattr(v, "value") else sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
     adapter = AdapterWeights(config, {k: v.clone() for k, v in get_peft_model_state_dict(peft_model).items()})
     lean, kinds = _serve(bf16_dir, monkeypatch, lean=True, adapter=adapter)
