@@ -43,7 +43,11 @@ def start_workers_target(targets: dict, data_dirs: dict, workdir: Path, workers:
     name = f"reef-w{workers}"
     data_dirs[name] = workdir / f"data-w{workers}"
     child = common.start_reef(targets["stub"].url, data_dirs[name], f"server.workers={workers}", name=name)
-    common.wait_for_workers(child, workers - 1)
+    try:
+        common.wait_for_workers(child, workers - 1)
+    except BaseException:
+        child.stop()
+        raise
     targets[name] = child
     return child
 
