@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 
+from .workers import send_line
+
 log = logging.getLogger("reef.serve")
 
 #: Records stored within this many seconds are reported to the primary in one line.
@@ -44,12 +46,7 @@ class _Channel:
         return json.loads(line)
 
     def send(self, message: dict) -> None:
-        data = (json.dumps(message) + "\n").encode()
-        try:
-            with self._lock:
-                self.sock.sendall(data)
-        except OSError:
-            pass  # the primary is gone: the reader sees the channel close and stops the server
+        send_line(self.sock, self._lock, message)  # the primary gone: the reader sees the channel close
 
     def stored(self, scenario: str) -> None:
         """Called on the event loop for each durable batch of records: tell the primary, a few at a time."""

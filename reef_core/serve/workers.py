@@ -69,6 +69,16 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def send_line(sock: socket.socket, lock: threading.Lock, message: dict) -> None:
+    """One JSON line on a channel (either end); a closed channel is left for its reader to notice."""
+    data = (json.dumps(message) + "\n").encode()
+    try:
+        with lock:
+            sock.sendall(data)
+    except OSError:
+        pass
+
+
 def worker_config(cfg, port: int):
     """A worker's configuration: the primary's, serving only, on the port the primary bound."""
     server = dataclasses.replace(cfg.server, learner=False, workers=1, port=port)
@@ -85,12 +95,7 @@ class _Worker:
         self.lock = threading.Lock()
 
     def send(self, message: dict) -> None:
-        data = (json.dumps(message) + "\n").encode()
-        try:
-            with self.lock:
-                self.channel.sendall(data)
-        except OSError:
-            pass  # the worker is gone; its reader restarts it
+        send_line(self.channel, self.lock, message)  # a worker gone is started again by its reader
 
 
 class WorkerPool:
