@@ -6,6 +6,13 @@ bound, never closes a connection that has not finished sending its headers, and 
 ``limit_concurrency`` once a request's headers are complete (so idle sockets still count against it).
 :class:`LimitedHttpProtocol` adds those limits; every refusal is a complete response in the endpoint's error
 dialect (the path is known once the request line is parsed) with ``connection: close``.
+
+Closing a socket whose receive queue still holds the client's bytes makes the kernel send a reset, and a reset can
+discard the answer before the client has read it (a client still sending a large body sees a broken pipe and no
+answer). So a connection closed while its request is unread *lingers*: the answer and a FIN go out, what the client
+still sends is read and dropped, and the socket closes when the client closes its end or after
+:data:`LINGER_S`. This covers the refusals here and the application's own (a 413 with ``connection: close``, an
+early answer to a request that asked to close).
 """
 
 from __future__ import annotations
@@ -49,6 +56,10 @@ class ConnectionLimits:
         return cls(**values)
 
 
+#: Longest a closing connection keeps reading (and dropping) the rest of an unread request.
+LINGER_S = 5.0
+
+
 class _Refused(Exception):
     """Raised inside a parser callback to abandon the request (the parser re-raises it from ``feed_data``)."""
 
@@ -71,12 +82,15 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         #: Between the parser's message-begin and message-complete (body bytes are not header bytes).
         self._message_open = False
         self._refusal: tuple[int, str, str] | None = None
+        #: Closing after an answer while the request is unread (see the module's docstring).
+        self._lingering = False
+        self._linger_timer: asyncio.TimerHandle | None = None
 
     # -- connection --------------------------------------------------------------------------------------------
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         over_cap = len(self.connections) >= self.limits.max_connections
-        super().connection_made(transport)
+        super().connection_made(_LingeringTransport(transport, self))
         if over_cap:
             self._refuse(503, "too many open connections; retry later", "overloaded")
             return
@@ -84,6 +98,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc) -> None:
         self._cancel_timers()
+        self._cancel(self._linger_timer)
+        self._linger_timer = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -195,7 +211,32 @@ class LimitedHttpProtocol(HttpToolsProtocol):
                 b"content-length: %d\r\n" % len(body), b"connection: close\r\n", b"\r\n"]
         log.debug("refused a request from %s: %s", self.client, message)  # a flood must not flood the log
         self.transport.write(b"".join(head) + body)
-        self.transport.close()
+        self.transport.close()  # lingers when the client may still be sending
+
+    def _request_unread(self) -> bool:
+        """Whether the client may still be sending the current request (headers or body)."""
+        return self._message_open or (self._in_headers and self._header_bytes > 0)
+
+    def _linger(self) -> None:
+        """Close after what was written, reading and dropping what the client still sends (module docstring)."""
+        transport = self.transport.raw
+        if self._lingering or transport.is_closing():
+            return
+        self._lingering = True
+        self._cancel_timers()
+        self._unset_keepalive_if_required()
+        self.pipeline.clear()  # requests sent after this one are not answered
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # an application still running writes nowhere and reads a disconnect
+            cycle.message_event.set()
+        try:
+            transport.write_eof()  # FIN after the buffered answer; reading goes on
+        except (NotImplementedError, RuntimeError, OSError):
+            transport.close()
+            return
+        self.flow.resume_reading()
+        self._linger_timer = self.loop.call_later(LINGER_S, transport.close)
 
     def _cancel_timers(self) -> None:
         self._cancel(self._header_timer)
@@ -206,6 +247,35 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def _cancel(timer: asyncio.TimerHandle | None) -> None:
         if timer is not None:
             timer.cancel()
+
+
+class _LingeringTransport:
+    """The connection's transport as its protocol and request cycles see it: ``close()`` lingers while the request
+    is unread, writes after that are dropped, and it reads as closing from then on."""
+
+    __slots__ = ("raw", "_protocol")
+
+    def __init__(self, raw: asyncio.Transport, protocol: LimitedHttpProtocol):
+        self.raw, self._protocol = raw, protocol
+
+    def write(self, data) -> None:
+        if not self._protocol._lingering:
+            self.raw.write(data)
+
+    def close(self) -> None:
+        protocol = self._protocol
+        if protocol._lingering:
+            return  # the client's close or the linger timer ends it
+        if self.raw.is_closing() or not protocol._request_unread():
+            self.raw.close()
+        else:
+            protocol._linger()
+
+    def is_closing(self) -> bool:
+        return self._protocol._lingering or self.raw.is_closing()
+
+    def __getattr__(self, name):  # everything else is the socket transport's own
+        return getattr(self.raw, name)
 
 
 #: File descriptors kept free beside the connections: the record store, git, model files, logs.

@@ -168,6 +168,55 @@ def test_a_body_over_the_inference_limit_is_refused_before_it_is_read(server):
     assert "big" not in [s.get("name") for s in httpx.get(f"{server.url}/reef/scenarios").json().get("data", [])]
 
 
+def _send_all_then_answer(server, head: bytes, body_size: int) -> tuple[int, dict, bytes]:
+    """Send a whole request with a ``body_size`` body (the server answers before reading it), then read the
+    answer: a server that closes with the body unread resets the connection and the send or the read fails."""
+    sock = _connect(server)
+    try:
+        sock.sendall(head + b"content-length: %d\r\n\r\n" % body_size + b" " * body_size)
+        return _answer(sock)
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("what, head, size, status", [
+    ("a header the parser refuses", b"POST /v1/messages HTTP/1.1\r\nhost: x\r\nx-odd: a\x01b\r\n", 8 << 20, 400),
+    ("a declared body over the limit", b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                                       b"x-reef-scenario: linger\r\ncontent-type: application/json\r\n", 8 << 20, 413),
+    ("an answer that leaves the body unread, to a request that asks to close",
+     b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n", 8 << 20, 200),
+])
+def test_an_answer_given_before_the_body_is_read_reaches_a_client_still_sending(server, what, head, size, status):
+    for _ in range(3):  # the reset this guards against depends on timing: several rounds
+        got, headers, body = _send_all_then_answer(server, head, size)
+        assert got == status, (what, body[:300])
+        assert headers["connection"] == "close" and json.loads(body)
+    assert "linger" not in httpx.get(f"{server.url}/reef/scenarios").text
+
+
+def test_a_lingering_connection_closes_once_the_answer_is_out(server):
+    """After a refusal the server half-closes at once (the answer then EOF), even while the client keeps its end
+    open; it stops reading after LINGER_S."""
+    from reef_core.serve.connection import LINGER_S
+
+    sock = _connect(server)
+    sock.sendall(b"POST /v1/messages HTTP/1.1\r\nhost: x\r\nx-odd: a\x01b\r\ncontent-length: 100000\r\n\r\n")
+    started = time.monotonic()
+    status, headers, _ = _answer(sock, timeout=5)
+    assert status == 400 and time.monotonic() - started < 2  # EOF follows the answer: the read above returned
+    sock.sendall(b" " * 1000)  # still read (and dropped) while lingering: no reset
+    assert wait_until(lambda: _reset_or_closed(sock), timeout=LINGER_S + 5)
+    sock.close()
+
+
+def _reset_or_closed(sock: socket.socket) -> bool:
+    try:
+        sock.sendall(b" " * 1000)
+    except OSError:
+        return True
+    return False
+
+
 def test_report_and_admin_bodies_have_smaller_limits(server):
     report = httpx.post(f"{server.url}/reef/report", headers={"x-reef-scenario": "r"},
                         content=b"{" + b" " * (2 * 1024 * 1024) + b"}")
