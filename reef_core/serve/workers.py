@@ -116,7 +116,6 @@ class WorkerPool:
         self.port: int | None = None
         self._workers: dict[int, _Worker] = {}
         self._stopping = threading.Event()
-        self._threads: list[threading.Thread] = []
 
     def bind(self) -> list[socket.socket]:
         """The public socket (the configured address) and the private one the workers hand requests to."""
@@ -136,9 +135,7 @@ class WorkerPool:
 
     def _spawn(self, index: int) -> None:
         worker = self._launch(index)
-        thread = threading.Thread(target=self._listen, args=(worker,), name=f"reef-worker-{index}", daemon=True)
-        self._threads.append(thread)
-        thread.start()
+        threading.Thread(target=self._listen, args=(worker,), name=f"reef-worker-{index}", daemon=True).start()
 
     def _launch(self, index: int) -> _Worker:
         mine, theirs = socket.socketpair()
@@ -185,9 +182,6 @@ class WorkerPool:
     def _tell(self, message: dict) -> None:
         for worker in list(self._workers.values()):
             worker.send(message)
-
-    def pids(self) -> list[int]:
-        return [worker.proc.pid for worker in self._workers.values() if worker.proc.poll() is None]
 
     def signal_stop(self) -> None:
         """Ask every worker to finish its requests and exit (its channel closes)."""
