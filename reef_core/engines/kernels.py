@@ -389,11 +389,16 @@ int reef_decode_layers(const layer_t *layers, long nl, float *h, long m, long H,
 }
 """
 
+#: Digest of the kernel source: anything laid out for these kernels (packed weights) is tied to it.
+SOURCE_DIGEST = hashlib.sha256(_SOURCE.encode()).hexdigest()
+
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavailable
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """Where compiled kernels (and, under ``packed/``, packed weights) are kept: ``$REEF_KERNEL_CACHE`` or
+    ``~/.cache/reef/kernels``."""
     return Path(os.environ.get("REEF_KERNEL_CACHE") or Path.home() / ".cache" / "reef" / "kernels")
 
 
@@ -405,7 +410,7 @@ def _build() -> ctypes.CDLL | None:
     flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-shared", "-fPIC"]
     libs = ["-lm"]
     key = hashlib.sha256((_SOURCE + " ".join(flags) + cc + os.uname().machine).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"reef_gemv_{key}.so"
+    target = cache_dir() / f"reef_gemv_{key}.so"
     if not target.is_file():
         try:
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 def cache_dir() -> Path:
     """The directory of the packed-weight files (``packed/`` beside the compiled kernel)."""
-    return kernels._cache_dir() / "packed"
+    return kernels.cache_dir() / "packed"
 
 
 def cache_path(model_dir: Path) -> Path:
@@ -54,7 +54,7 @@ def _key(model_dir: Path, weights: dict[str, torch.Tensor]) -> str:
             st = path.stat()
             files.append([path.name, st.st_size, st.st_mtime_ns, st.st_ino])
     shapes = sorted([name, list(w.shape), str(w.dtype)] for name, w in weights.items())
-    blob = json.dumps([hashlib.sha256(kernels._SOURCE.encode()).hexdigest(), files, shapes])
+    blob = json.dumps([kernels.SOURCE_DIGEST, files, shapes])
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
