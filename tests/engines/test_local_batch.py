@@ -16,7 +16,6 @@ from reef_core.errors import ConfigError
 from reef_core.grow.models import load_model
 
 from reef_core.engines.adapter import AdapterWeights
-from reef_core.grow.models import build_tiny_model, save_tokenizer
 
 # eight requests of different lengths and sampling parameters (one with a stop string, two greedy, one nucleus)
 BODIES = [
@@ -52,16 +51,8 @@ async def _batched_and_alone(model_dir, bodies, **kw):
 
 
 @pytest.fixture(scope="module")
-def bf16_dir(tmp_path_factory):
-    """A tiny Llama whose float32 weights are all exact bf16 values: served from bf16 packed copies."""
-    path = tmp_path_factory.mktemp("models") / "tiny-llama-bf16"
-    model, tok = build_tiny_model(seed=3, arch="llama", hidden_size=64, num_layers=2)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).float() * 4)
-    model.save_pretrained(path)
-    save_tokenizer(tok, path)
-    return path
+def bf16_dir(tmp_path_factory, make_bf16_llama):
+    return make_bf16_llama(tmp_path_factory.mktemp("models") / "tiny-llama-bf16", seed=3)
 
 
 def _logprobs(model, prompt_ids, output_ids):

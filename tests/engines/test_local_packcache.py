@@ -8,12 +8,10 @@ import asyncio
 import os
 
 import pytest
-import torch
 
 from reef_core.engines import kernels, packcache
 from reef_core.engines.base import EngineRequest
 from reef_core.engines.local import LocalEngine
-from reef_core.grow.models import build_tiny_model, save_tokenizer
 
 pytestmark = pytest.mark.skipif(kernels.kernel() is None, reason="no C compiler for the kernel")
 
@@ -22,16 +20,8 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "Tell me about th
 
 
 @pytest.fixture
-def model_dir(tmp_path):
-    """A tiny Llama whose weights are exact bf16 values (served from bf16 copies, like SmolLM2)."""
-    path = tmp_path / "tiny-llama-bf16"
-    model, tok = build_tiny_model(seed=4, arch="llama", hidden_size=64, num_layers=2)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).float() * 4)
-    model.save_pretrained(path)
-    save_tokenizer(tok, path)
-    return path
+def model_dir(tmp_path, make_bf16_llama):
+    return make_bf16_llama(tmp_path / "tiny-llama-bf16", seed=4)
 
 
 @pytest.fixture
