@@ -38,7 +38,6 @@ engine copies each tensor onto its own ``engine.device`` when it loads it, so th
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import threading
