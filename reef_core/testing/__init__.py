@@ -25,6 +25,7 @@ _EXPORTS = {
     "serve_fake_vllm": ("reef_core.testing.fake_vllm", "serve_fake_vllm"),
     "ensure_tiny_model": ("reef_core.grow.models", "ensure_tiny_model"),
     "wait_until": ("reef_core.testing.fixtures", "wait_until"),
+    "learn_in_rounds": ("reef_core.testing.fixtures", "learn_in_rounds"),
     "compose_config": ("reef_core.config", "compose_config"),
     "available_recipes": ("reef_core.config", "available_recipes"),
     "PluginManager": ("reef_core.plugins", "PluginManager"),
@@ -64,7 +65,7 @@ if TYPE_CHECKING:
     from reef_core.grow.models import ensure_tiny_model  # noqa: F401
     from reef_core.testing.fake_sglang import FakeSGLang, serve_fake_sglang  # noqa: F401
     from reef_core.testing.fake_vllm import FakeVLLM, serve_fake_vllm  # noqa: F401
-    from reef_core.testing.fixtures import wait_until  # noqa: F401
+    from reef_core.testing.fixtures import learn_in_rounds, wait_until  # noqa: F401
 
 
 def __getattr__(name: str):

@@ -70,6 +70,33 @@ def wait_until(predicate, timeout: float = 300.0, interval: float = 0.1, what: s
         time.sleep(interval)
 
 
+def learner_idle(base_url: str, scenario: str) -> bool:
+    """Whether ``scenario``'s learner has nothing running or scheduled, seen twice 0.2 s apart (a report wakes it
+    as it arrives, so one look right after a report could precede the wake-up)."""
+    url = f"{base_url}/reef/scenarios/{scenario}/status"
+    for look in range(2):
+        if httpx.get(url, timeout=30).json()["learner"] != "idle":
+            return False
+        if look == 0:
+            time.sleep(0.2)
+    return True
+
+
+def learn_in_rounds(run, base_url: str, scenario: str, rounds: int = 10, per_round: int = 48,
+                    timeout: float = 300.0) -> list[float]:
+    """Rewards of ``rounds`` x ``per_round`` rollouts of ``run(base_url, scenario, n, seed=round, quiet=True)`` (an
+    example client's ``run``), waiting after each round until the learner has trained what it got.
+
+    A client that never waits sees as many training steps as the learner manages while it runs, which depends on
+    how fast steps are next to replies (another engine, a slower or faster machine); waiting makes a learning test
+    measure learning per rollout."""
+    rewards: list[float] = []
+    for round_ in range(rounds):
+        rewards += run(base_url, scenario, per_round, seed=round_, quiet=True)["rewards"]
+        wait_until(lambda: learner_idle(base_url, scenario), timeout=timeout, what=f"{scenario}'s learner idle")
+    return rewards
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

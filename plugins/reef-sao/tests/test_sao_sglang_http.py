@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from reef_core.testing import ensure_tiny_model, serve_fake_sglang
+from reef_core.testing import ensure_tiny_model, learn_in_rounds, serve_fake_sglang
 
 pytestmark = pytest.mark.slow
 
@@ -29,14 +29,14 @@ def _example_client():
 def test_sao_learns_over_http_through_sglang(reef_server):
     model_dir = ensure_tiny_model(Path(os.environ["REEF_MODEL_CACHE"]) / "tiny")  # what engine.model=tiny resolves to
     # A server in its own process generates faster than the embedded engine, which shares Reef's CPU with the
-    # learner; a per-token delay keeps the rollout pace near the embedded engine's so the learner keeps up.
-    with serve_fake_sglang(model_dir, mode="process", token_delay_s=0.02) as sglang_url:
+    # learner: rounds that wait for the learner keep the steps per rollout what the embedded-engine test sees.
+    with serve_fake_sglang(model_dir, mode="process") as sglang_url:
         server = reef_server("+recipe=sao", "+sao_profile=tiny", "engine.kind=sglang", f"engine.url={sglang_url}",
                              "engine.seed=0", "seed=0")
-        result = _example_client().run(server.url, "vowels", 480, seed=0, quiet=True)
-        rewards = result["rewards"]
+        rewards = learn_in_rounds(_example_client().run, server.url, "vowels")
         first, last = statistics.mean(rewards[:48]), statistics.mean(rewards[-48:])
         assert last >= 0.2 and last - first >= 0.1, (first, last)
+        print(f"sao over http through sglang: {first:.3f} -> {last:.3f}")
 
         trained = [r for r in httpx.get(f"{server.url}/reef/scenarios/vowels/releases").json()["releases"]
                    if r["operation"] == "training"]
