@@ -2,12 +2,16 @@
 
 SQLite (default, ``<data_dir>/records.db``) runs in WAL mode with ``synchronous=FULL`` so a committed row survives a
 crash or power loss; writers open transactions with ``BEGIN IMMEDIATE`` so two writers queue on the lock instead of
-failing when one upgrades a read snapshot. PostgreSQL is reached through psycopg 3; each store lives in its own
+failing when one upgrades a read snapshot. Processes sharing one SQLite file (``server.workers``, replicas, ``reef
+learn``) also take :func:`write_lock` around each write transaction: SQLite's own busy handler waits by sleeping
+1 to 100 ms between tries, so a writer that commits back to back starved the others for up to a second; a kernel
+file lock wakes the waiter when it is released. PostgreSQL is reached through psycopg 3; each store lives in its own
 schema (default ``reef_records``) so tests and deployments sharing one database never collide.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import zlib
 from dataclasses import dataclass
@@ -21,6 +25,11 @@ from sqlalchemy.engine import make_url
 from reef_core.errors import ConfigError, StorageUnavailable
 from reef_core.extras import require
 from reef_core.observe.schema import VERSION_TABLE
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: SQLite's own busy handler alone
+    fcntl = None
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 DEFAULT_PG_SCHEMA = "reef_records"
@@ -87,6 +96,49 @@ def _sqlite_engine(url: sa.URL, *, begin: str, synchronous: str, busy_timeout_ms
         conn.exec_driver_sql(begin)
 
     return engine
+
+
+class _FileLock:
+    """An exclusive ``flock`` on ``path`` (created if missing), taken by one writer thread around each of its write
+    transactions. The kernel drops it with its process, so a killed writer never leaves it held."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fd: int | None = None
+
+    def __enter__(self):
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class _NoLock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def write_lock(engine: sa.Engine) -> _FileLock | _NoLock:
+    """What a writer holds around each write transaction on ``engine``: a file lock beside a SQLite database
+    (``<file>.writelock``, shared by every process writing it), nothing for PostgreSQL (row locks queue there).
+    Call ``close()`` when done with it."""
+    if engine.url.get_backend_name() != "sqlite" or fcntl is None:
+        return _NoLock()
+    return _FileLock(f"{engine.url.database}.writelock")
 
 
 def create_engines(url: sa.URL, *, schema: str | None, synchronous: str = "FULL",

@@ -30,6 +30,7 @@ import sqlalchemy as sa
 
 from reef_core.errors import ReefError, StorageUnavailable
 from reef_core.observe.batch import AppendRequest, apply_appends
+from reef_core.observe.engine import write_lock
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class Writer:
         self._max_pending = max_pending
         self._retry_attempts = retry_attempts
         self._conn: sa.Connection | None = None  # the writer thread's own connection, held across batches
+        self._lock = write_lock(engine)  # other processes writing the same SQLite file queue here
         self._queue: deque[_Call | _Append] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -200,7 +202,7 @@ class Writer:
                 self._conn = None
             self._conn = self._engine.connect()
         try:
-            with self._conn.begin():
+            with self._lock, self._conn.begin():
                 yield self._conn
         except BaseException:
             # After any failure start the next transaction on a fresh connection, as per-batch checkouts did.
@@ -220,6 +222,7 @@ class Writer:
             self._loop_forever()
         finally:
             self._release_connection()
+            self._lock.close()
 
     def _loop_forever(self) -> None:
         while True:

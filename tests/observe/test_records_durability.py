@@ -168,3 +168,40 @@ def test_bad_locations_are_config_errors(tmp_path):
         RecordStore.open(None, tmp_path, schema="x")
     with pytest.raises(ConfigError):
         RecordStore.open(PG_URL, tmp_path, schema="Bad-Name")
+
+
+HOLD_LOCK = textwrap.dedent("""
+    import fcntl, os, sys
+    fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    print("held", flush=True)
+    sys.stdin.read()  # until killed
+""")
+
+
+def test_sqlite_writers_of_every_process_queue_on_one_file_lock(tmp_path):
+    """Each write transaction on a SQLite store holds ``records.db.writelock``: while another process holds it, an
+    append waits (without SQLite's sleep-and-retry), and a holder that is killed releases it."""
+    import threading
+
+    with RecordStore.open(None, tmp_path) as store:
+        store.append_sync(Record(record_id="before", scenario="s", kind="inference", payload={}))
+        lock_path = tmp_path / "records.db.writelock"
+        assert lock_path.exists()
+        holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock_path)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            stored = []
+            appender = threading.Thread(target=lambda: stored.append(store.append_sync(
+                Record(record_id="during", scenario="s", kind="inference", payload={}))))
+            appender.start()
+            appender.join(timeout=1.0)
+            assert appender.is_alive() and not stored  # queued behind the other process's lock
+            assert [r.record_id for r in store.replay("s")] == ["before"]
+        finally:
+            holder.kill()
+            holder.wait()
+        appender.join(timeout=30)
+        assert not appender.is_alive() and stored[0].record_id == "during"
+        assert [r.record_id for r in store.replay("s")] == ["before", "during"]
