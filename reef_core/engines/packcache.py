@@ -78,14 +78,11 @@ def load(model_dir: Path, model, packed: Packed) -> int:
         with safe_open(str(path), framework="pt") as fh:
             if (fh.metadata() or {}).get("key") != _key(model_dir, weights):
                 return 0
-            found = {name: kernels.PackedMatrix.adopt(fh.get_tensor(name), int(weights[name].shape[0]), packed.fn)
+            found = {name: kernels.PackedMatrix.adopt(fh.get_tensor(name), *weights[name].shape, packed.fn)
                      for name in fh.keys() if name in weights}
     except Exception as exc:  # noqa: BLE001 - a damaged or foreign file: pack afresh (and rewrite it)
         log.warning("packed weights in %s unreadable (%s): packing afresh", path, exc)
         return 0
-    for name, mat in found.items():
-        if mat.k != weights[name].shape[1]:
-            return 0
     for name, mat in found.items():
         packed.put(weights[name], mat)
     return len(found)
