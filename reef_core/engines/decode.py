@@ -250,8 +250,12 @@ class FastDecoder:
         """Logits after the prompt ``ids`` (the cache must be empty)."""
         if self.pos:
             raise RuntimeError("prefill on a cache already in use")
-        if self.native is not None and len(ids) <= MAX_KERNEL_ROWS:  # a short prompt: one C call, as a batch
-            h = _native_layers([(self, p) for p in range(len(ids))], torch.tensor(ids, device=self.k.device))
+        if self.native is not None:  # through the C layers, MAX_KERNEL_ROWS tokens a call (each call's rows attend
+            # causally to the ones before them, and to the cache the earlier calls wrote)
+            tokens = torch.tensor(ids, device=self.k.device)
+            for p0 in range(0, len(ids), MAX_KERNEL_ROWS):
+                h = _native_layers([(self, p) for p in range(p0, min(len(ids), p0 + MAX_KERNEL_ROWS))],
+                                   tokens[p0:p0 + MAX_KERNEL_ROWS])
             self.pos = len(ids)
             return self.head(self._norm(h[-1:], self.norm_w, self.norm_eps))[0].float()
         return self._forward(torch.tensor(ids, device=self.k.device))
