@@ -241,6 +241,19 @@ int reef_amx(int want) {
 #endif
 }
 
+/* What computes the bf16 products here: 2 AMX tiles, 1 AVX-512, 0 portable C (which the compiler vectorises as
+   it can: slow enough that long prompts are better left to torch's matrix products). */
+int reef_isa(void) {
+#ifdef REEF_AMX
+    if (amx_on) return 2;
+#endif
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* y[r*n + j] = sum_i x[r*k + i] * w[j][i] (+ b[j]) for the blocks blk0 <= blk1 and each of the m input rows r;
    float32 products and sums (xa: x's split rows, for AMX). Each (r, j)'s arithmetic does not depend on m or on how
    blocks are split between threads, while the weights are read from memory once per call (a block stays in L1
@@ -410,20 +423,46 @@ static const uint16_t *split_rows(const float *x, int f32, long m, long k) {
 #endif
 }
 
-typedef struct { const float *x; const uint16_t *xa; const void *w; const float *b; float *y; long m, n, k; int f32; } gemv_t;
+/* One job over up to 3 weights that multiply the same rows (a layer's q, k and v; its gate and up): the rows are
+   split once, and the threads share one counter over every weight's blocks (each weight's counted to an even
+   number, so blocks pair up on AMX from the start of each). */
+#define MAX_FUSED 3
+typedef struct {
+    const float *x; const uint16_t *xa; long m, k, count;
+    const void *w[MAX_FUSED]; const float *b[MAX_FUSED]; float *y[MAX_FUSED]; long n[MAX_FUSED]; int f32[MAX_FUSED];
+    long first[MAX_FUSED + 1];  /* item of each weight's first block */
+} gemv_t;
 
-static void gemv_task(const void *ctx, long blk0, long blk1, int thread) {
+static void gemv_task(const void *ctx, long i0, long i1, int thread) {
     const gemv_t *g = ctx;
     (void)thread;
-    rows(g->x, g->xa, g->w, g->f32, g->b, g->y, blk0, blk1, g->n, g->k, g->m);
+    for (long i = 0; i < g->count; i++) {
+        long blocks = (g->n[i] + 15) / 16, lo = i0 > g->first[i] ? i0 - g->first[i] : 0, hi = i1 - g->first[i];
+        if (hi > blocks) hi = blocks;
+        if (lo < hi) rows(g->x, g->f32[i] ? NULL : g->xa, g->w[i], g->f32[i], g->b[i], g->y[i], lo, hi, g->n[i], g->k, g->m);
+    }
+}
+
+static void gemv_run(gemv_t *g) {
+    int all_f32 = 1;
+    long items = 0, weights = 0;
+    for (long i = 0; i < g->count; i++) {
+        g->first[i] = items;
+        items += ((g->n[i] + 15) / 16 + 1) & ~1L;
+        weights += g->n[i] * g->k;
+        all_f32 &= g->f32[i];
+    }
+    g->first[g->count] = items;
+    g->xa = split_rows(g->x, all_f32, g->m, g->k);
+    if (weights < 65536) { gemv_task(g, 0, items, 0); return; }
+    long chunk = items / (nthreads * 4);
+    parallel(gemv_task, g, items, chunk > 2 ? chunk & ~1L : 2);  /* even chunks: blocks go in pairs on AMX */
 }
 
 /* y = x w^T (+ b) for m float32 rows x [m, k] and a packed weight w [n, k] (bf16, or float32 when f32). */
 void reef_gemv(const float *x, const void *w, int f32, const float *b, float *y, long m, long n, long k) {
-    long blocks = (n + 15) / 16, chunk = blocks / (nthreads * 4);
-    gemv_t g = {x, split_rows(x, f32, m, k), w, b, y, m, n, k, f32};
-    if (n * k < 65536) { gemv_task(&g, 0, blocks, 0); return; }
-    parallel(gemv_task, &g, blocks, chunk > 1 ? chunk & ~1L : 1);  /* even chunks: blocks go in pairs on AMX */
+    gemv_t g = {.x = x, .m = m, .k = k, .count = 1, .w = {w}, .b = {b}, .y = {y}, .n = {n}, .f32 = {f32}};
+    gemv_run(&g);
 }
 
 /* 1 when every one of the `count` float32 values is a bf16 value (its low 16 bits are zero). */
@@ -602,13 +641,21 @@ static void rmsnorm(const float *x, const float *w, float eps, float *out, long 
     }
 }
 
-/* y = P x for m rows: the packed product, then the LoRA term scale * B (A x) when the projection has one. */
-static void project(const proj_t *p, const float *x, float *y, long m, float *tmp) {
-    reef_gemv(x, p->w, p->f32, p->b, y, m, p->n, p->k);
-    if (!p->a) return;
-    for (long r = 0; r < m; r++) {
-        for (long s = 0; s < p->r; s++) tmp[s] = dot(p->a + s * p->k, x + r * p->k, p->k);
-        for (long j = 0; j < p->n; j++) y[r * p->n + j] += dot(p->bb + j * p->r, tmp, p->r) * p->scale;
+/* ys[i] = ps[i] x for m rows and `count` projections of the same input (at most MAX_FUSED): the packed products in
+   one job, then each LoRA term scale * B (A x) where the projection has one. */
+static void project(const proj_t *const *ps, int count, const float *x, float *const *ys, long m, float *tmp) {
+    gemv_t g = {.x = x, .m = m, .k = ps[0]->k, .count = count};
+    for (int i = 0; i < count; i++) {
+        g.w[i] = ps[i]->w; g.b[i] = ps[i]->b; g.y[i] = ys[i]; g.n[i] = ps[i]->n; g.f32[i] = ps[i]->f32;
+    }
+    gemv_run(&g);
+    for (int i = 0; i < count; i++) {
+        const proj_t *p = ps[i];
+        if (!p->a) continue;
+        for (long r = 0; r < m; r++) {
+            for (long s = 0; s < p->r; s++) tmp[s] = dot(p->a + s * p->k, x + r * p->k, p->k);
+            for (long j = 0; j < p->n; j++) ys[i][r * p->n + j] += dot(p->bb + j * p->r, tmp, p->r) * p->scale;
+        }
     }
 }
 
@@ -660,9 +707,7 @@ int reef_decode_layers(const layer_t *layers, long nl, float *h, long m, long H,
     for (long l = 0; l < nl; l++) {
         const layer_t *L = layers + l;
         rmsnorm(h, L->ln1, L->eps1, x, m, H);
-        project(&L->p[0], x, q, m, tmp);
-        project(&L->p[1], x, k, m, tmp);
-        project(&L->p[2], x, v, m, tmp);
+        project((const proj_t *[]){&L->p[0], &L->p[1], &L->p[2]}, 3, x, (float *[]){q, k, v}, m, tmp);
         /* Every row's key and value go into its cache first: rows of one generation (a prompt) then attend to the
            rows before them, each only up to its own position. */
         for (long r = 0; r < m; r++) {
@@ -679,13 +724,12 @@ int reef_decode_layers(const layer_t *layers, long nl, float *h, long m, long H,
         at.l = l;
         if (m > 1) parallel(attn_task, &at, m * nkv, 1);
         else attn_task(&at, 0, nkv, 0);
-        project(&L->p[3], att, x, m, tmp);
+        project((const proj_t *[]){&L->p[3]}, 1, att, (float *[]){x}, m, tmp);
         for (long i = 0; i < m * H; i++) h[i] += x[i];
         rmsnorm(h, L->ln2, L->eps2, x, m, H);
-        project(&L->p[4], x, g, m, tmp);
-        project(&L->p[5], x, u, m, tmp);
+        project((const proj_t *[]){&L->p[4], &L->p[5]}, 2, x, (float *[]){g, u}, m, tmp);
         silu_mul(g, u, m * inter);
-        project(&L->p[6], g, x, m, tmp);
+        project((const proj_t *[]){&L->p[6]}, 1, g, (float *[]){x}, m, tmp);
         for (long i = 0; i < m * H; i++) h[i] += x[i];
     }
     free(buf);
@@ -746,6 +790,8 @@ def _build() -> ctypes.CDLL | None:
     lib.reef_pack.restype = None
     lib.reef_amx.argtypes = [ctypes.c_int]
     lib.reef_amx.restype = ctypes.c_int
+    lib.reef_isa.argtypes = []
+    lib.reef_isa.restype = ctypes.c_int
     lib.reef_amx(int(os.environ.get("REEF_AMX", "1") != "0"))
     return lib
 
@@ -780,12 +826,13 @@ def decode_layers():
     return lib.reef_decode_layers if lib else None
 
 
-def amx() -> bool:
-    """Whether bf16 products run on the CPU's AMX tiles (Intel Sapphire Rapids and later, on Linux; ``REEF_AMX=0``
-    keeps AVX-512). Either way a row's result does not depend on the batch it is in; the two paths differ from each
-    other only in the order of the float32 additions."""
+def isa() -> str | None:
+    """What computes the kernel's bf16 products: ``"amx"`` (the CPU's AMX tiles: Intel Sapphire Rapids and later, on
+    Linux; ``REEF_AMX=0`` turns them off), ``"avx512"``, ``"c"`` (portable C), or None without the kernel. On every
+    path a row's result does not depend on the batch it is in; the paths differ from each other only in the order
+    of the float32 additions."""
     lib = _lib()
-    return bool(lib.reef_amx(-1)) if lib else False
+    return ("c", "avx512", "amx")[lib.reef_isa()] if lib else None
 
 
 def use_amx(on: bool) -> bool:
