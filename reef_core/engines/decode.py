@@ -8,7 +8,8 @@ torch operations of a step. :class:`FastDecoder` computes the same arithmetic ov
 * a static KV cache, allocated once per generation for prompt + budget, written in place;
 * rotary tables computed once per generation by the model's own rotary module (so every static rope type the
   model supports gives the same angles);
-* the prompt (:meth:`FastDecoder.prefill`) through plain tensor ops (one causal SDPA call per layer);
+* prompts (:meth:`FastDecoder.prefill`, several at once: :func:`prefill_rows`) through the C layers, 32 tokens a
+  call; without them, through plain tensor ops (one causal SDPA call per layer);
 * each decode step through every layer in one C call (:func:`reef_core.engines.kernels.decode_layers`: packed
   weights, attention of each query head over its shared KV head's cache), for one generation or a batch of them
   (:func:`step_rows`); without the C kernel, the same step in tensor ops;
@@ -248,17 +249,7 @@ class FastDecoder:
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
         """Logits after the prompt ``ids`` (the cache must be empty)."""
-        if self.pos:
-            raise RuntimeError("prefill on a cache already in use")
-        if self.native is not None:  # through the C layers, MAX_KERNEL_ROWS tokens a call (each call's rows attend
-            # causally to the ones before them, and to the cache the earlier calls wrote)
-            tokens = torch.tensor(ids, device=self.k.device)
-            for p0 in range(0, len(ids), MAX_KERNEL_ROWS):
-                h = _native_layers([(self, p) for p in range(p0, min(len(ids), p0 + MAX_KERNEL_ROWS))],
-                                   tokens[p0:p0 + MAX_KERNEL_ROWS])
-            self.pos = len(ids)
-            return self.head(self._norm(h[-1:], self.norm_w, self.norm_eps))[0].float()
-        return self._forward(torch.tensor(ids, device=self.k.device))
+        return prefill_rows([self], [ids])[0]
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Logits after one more token (``token``: a 1-element long tensor)."""
@@ -291,6 +282,37 @@ def _native_step(decoders: list[FastDecoder], tokens: torch.Tensor) -> torch.Ten
     for d in decoders:
         d.pos += 1
     return lead.head(lead._norm(h, lead.norm_w, lead.norm_eps)).float()
+
+
+def prefill_rows(decoders: list[FastDecoder], prompts: list[list[int]]) -> torch.Tensor:
+    """Logits after each prompt, ``prompts[i]`` into ``decoders[i]`` (each cache empty; the decoders share weights and
+    adapter, as for :func:`step_rows`); ``[B, vocab]`` float32.
+
+    Through the C layers, the prompts' tokens go as one sequence of rows, :data:`MAX_KERNEL_ROWS` a call, across
+    prompts (each call's rows attend causally to the rows of their own generation before them, and to what earlier
+    calls cached): several short prompts share the reading of the weights. Each row's arithmetic is what it is
+    alone, so a prompt's logits do not depend on the prompts beside it. Without the C layers, or with portable-C
+    kernels and a long prompt (torch's matrix products are faster then), each prompt goes through torch alone."""
+    if any(d.pos for d in decoders):
+        raise RuntimeError("prefill on a cache already in use")
+    if any(not ids for ids in prompts):
+        raise ValueError("an empty prompt")
+    lead = decoders[0]
+    if lead.native is None or (kernels.isa() == "c" and max(map(len, prompts)) > MAX_KERNEL_ROWS):
+        return torch.stack([d._forward(torch.tensor(ids, device=d.k.device)) for d, ids in zip(decoders, prompts)])
+    rows = [(d, p) for d, ids in zip(decoders, prompts) for p in range(len(ids))]
+    tokens = torch.tensor([t for ids in prompts for t in ids], device=lead.k.device)
+    ends, at = [], -1
+    for ids in prompts:
+        at += len(ids)
+        ends.append(at)
+    last = []  # each prompt's last row after the layers
+    for p0 in range(0, len(rows), MAX_KERNEL_ROWS):
+        h = _native_layers(rows[p0:p0 + MAX_KERNEL_ROWS], tokens[p0:p0 + MAX_KERNEL_ROWS])
+        last.extend(h[e - p0] for e in ends if p0 <= e < p0 + MAX_KERNEL_ROWS)
+    for d, ids in zip(decoders, prompts):
+        d.pos = len(ids)
+    return lead.head(lead._norm(torch.stack(last), lead.norm_w, lead.norm_eps)).float()
 
 
 def step_rows(decoders: list[FastDecoder], tokens: torch.Tensor) -> torch.Tensor:

@@ -88,7 +88,7 @@ from reef_core.engines.base import (
 )
 from reef_core.engines.chat_body import SamplingParams, chat_messages, sampling_params
 from reef_core.engines import kernels, lean_model, packcache
-from reef_core.engines.decode import FastDecoder, Packed, step_rows, supports
+from reef_core.engines.decode import FastDecoder, Packed, prefill_rows, step_rows, supports
 from reef_core.engines.toolcalls import ToolCallStream, finish_reason, request_tools, resolve_parser, tool_parser
 from reef_core.engines.local_worker import Worker
 from reef_core.engines.topk import MAX_K, TopK
@@ -648,16 +648,29 @@ class LocalEngine(Engine):
                 self._lean_slots[slot] = False
         return self._lean_slots[slot]
 
-    def admit(self, job: _Job, key) -> _Row | None:
-        """Tokenize and prefill ``job``: its row, or None when it ended here (refused, failed, or already over)."""
-        try:
-            row = self._guard(self._start_row, job, isinstance(key, tuple))
-            if row.max_new > 0:
-                return row
-            self._end_row(row)
-        except BaseException as exc:  # handed to the request's consumer
-            job.done(exc)
-        return None
+    def admit(self, jobs: list[tuple[_Job, Any]]) -> list[_Row | None]:
+        """Tokenize and prefill ``jobs`` (with their batch keys, all equal): their rows, None for each that ended here
+        (refused, failed, or already over). The prompts of lean rows are prefilled together."""
+        rows: list[_Row | None] = []
+        for job, key in jobs:
+            try:
+                row = self._guard(self._start_row, job, isinstance(key, tuple))
+                if row.max_new <= 0:
+                    self._end_row(row)
+                    row = None
+            except BaseException as exc:  # handed to the request's consumer
+                job.done(exc)
+                row = None
+            rows.append(row)
+        started = [row for row in rows if row is not None]
+        if started:
+            try:
+                self._guard(self._prefill, started)
+            except BaseException as exc:
+                for row in started:
+                    row.job.done(exc)
+                return [None] * len(rows)
+        return rows
 
     def step(self, rows: list[_Row]) -> list[_Row]:
         """One token for every row (from its current logits), then one forward for the rows still going."""
@@ -704,16 +717,22 @@ class LocalEngine(Engine):
         k = min(self.top_k_logprobs, int(self._model.config.vocab_size)) if self.top_k_logprobs else 0
         dec = self._decoder(len(res.prompt_ids) + max_new) if lean else None
         self.decode_path = "transformers" if dec is None else "lean"
-        row = _Row(job, res, _TextStream(self._tok, p.stops), gen, max_new, k, dec)
-        if max_new <= 0:
-            return row
-        if dec is not None:
-            row.logits = dec.prefill(res.prompt_ids)
-        else:
-            row.out = self._transformers()(input_ids=torch.tensor([res.prompt_ids], device=self.device), use_cache=True,
-                                  **self._prefill_kw)
-            row.logits = row.out.logits[0, -1].float()
-        return row
+        return _Row(job, res, _TextStream(self._tok, p.stops), gen, max_new, k, dec)
+
+    @torch.inference_mode()
+    def _prefill(self, rows: list[_Row]) -> None:
+        """Every row's first logits, from its prompt: lean rows together (:func:`prefill_rows`), others one by one
+        through transformers' forward."""
+        lean = [row for row in rows if row.dec is not None]
+        if lean:
+            logits = prefill_rows([row.dec for row in lean], [row.res.prompt_ids for row in lean])
+            for r, row in enumerate(lean):
+                row.logits = logits[r]
+        for row in rows:
+            if row.dec is None:
+                row.out = self._transformers()(input_ids=torch.tensor([row.res.prompt_ids], device=self.device),
+                                               use_cache=True, **self._prefill_kw)
+                row.logits = row.out.logits[0, -1].float()
 
     @torch.inference_mode()
     def _take(self, row: _Row) -> bool:
@@ -967,7 +986,7 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.G
     same tokens on every run (not the tokens the earlier multinomial sampler drew for it)."""
     if temperature <= 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    probs = torch.softmax(_serial(lambda piece: piece.float() / temperature, logits), dim=-1)
     if top_p >= 1.0:
         return _draw(probs, gen)
     n = probs.shape[-1]
@@ -984,9 +1003,22 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.G
 
 def _draw(p: torch.Tensor, gen: torch.Generator) -> int:
     """Index i with probability p[i] / sum(p), from one uniform draw of ``gen`` (inverse of the cumulative mass)."""
-    mass = torch.cumsum(p, dim=-1, dtype=torch.float64)
+    mass = torch.cumsum(_serial(lambda piece: piece.double(), p), dim=-1)
     u = torch.rand((), generator=gen, dtype=torch.float64, device=p.device) * mass[-1]
     return min(int(torch.searchsorted(mass, u, right=True)), p.shape[-1] - 1)
+
+
+#: the most elements one elementwise torch call of the sampler gets: below ATen's grain (32,768) it runs on the
+#: calling thread. A parallel call leaves torch's OpenMP workers spinning for a while afterwards, on the core the C
+#: kernel's threads need for the next decode step (SmolLM2, 2 cores: an 8-row step took 14.4 ms, 16.6 ms after one
+#: division of a 49k-entry vocabulary's logits)
+_SERIAL = 16384
+
+
+def _serial(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``op(x)`` for an elementwise ``op``, computed in pieces of at most :data:`_SERIAL` elements (bitwise the
+    same)."""
+    return op(x) if x.numel() <= _SERIAL else torch.cat([op(piece) for piece in x.split(_SERIAL)])
 
 
 def _lp_entry(tok, tid: int, logp: torch.Tensor, top: int) -> dict:

@@ -3,7 +3,8 @@ generations decoded together as one batch.
 
 Two kinds of work are queued: *calls* (load, weight swaps, adapter changes, token counts: run alone) and
 *generations*. A generation at the head of the queue joins the running batch when the :class:`Batcher` says it fits
-(same adapter, a free row); it is then prefilled and decoded with the others, one forward per step. A call at the
+(same adapter, a free row); the generations joining at one step are prefilled together, then decoded with the
+others, one forward per step. A call at the
 head closes the batch to newcomers: the rows in flight finish, then the call runs. So everything submitted before
 a call is served by what was there before it, everything after it by what it made, and no generation spans two
 weight versions -- the ordering a single-file executor gave, with batching inside each run of generations.
@@ -23,8 +24,9 @@ class Batcher(Protocol):
     def fits(self, keys: list[Any], job: Any) -> Any:
         """``job``'s batch key when it may join rows whose keys are ``keys`` (empty: no batch yet), else None."""
 
-    def admit(self, job: Any, key: Any) -> Any:
-        """Start ``job`` (tokenize, prefill): its row, or None when it ended already (refused, or done)."""
+    def admit(self, jobs: list[tuple[Any, Any]]) -> list[Any]:
+        """Start ``jobs`` (with their batch keys: tokenize, prefill): their rows, None for each that ended already
+        (refused, or done)."""
 
     def step(self, rows: list[Any]) -> list[Any]:
         """Sample one token for every row, then one forward for those still going; returns those."""
@@ -98,11 +100,11 @@ class Worker:
                     except BaseException as exc:  # handed to the caller
                         call.future.set_exception(exc)
                 continue
-            for job, key in admit:
-                row = self._batcher.admit(job, key)
-                if row is not None:
-                    rows.append(row)
-                    keys.append(key)
+            if admit:
+                for row, (_, key) in zip(self._batcher.admit(admit), admit):
+                    if row is not None:
+                        rows.append(row)
+                        keys.append(key)
             if rows:
                 going = self._batcher.step(rows)
                 keys = [k for r, k in zip(rows, keys) if any(r is g for g in going)]

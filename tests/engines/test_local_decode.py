@@ -194,9 +194,9 @@ def _steps(model, slot, native: bool, prompt, tokens, packed):
     assert (dec.native is not None) == (kernel() is not None)
     if not native:
         dec.native = None
-    out = [dec.prefill(prompt)]
+    out = [dec.prefill(prompt).clone()]  # a single row's logits live in the head's buffer until the next call
     for t in tokens:
-        out.append(dec.step(torch.tensor([t])))
+        out.append(dec.step(torch.tensor([t])).clone())
     return torch.stack(out)
 
 
