@@ -59,3 +59,23 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture
 def api_key():
     return API_KEY
+
+
+@pytest.fixture(params=["avx512", "amx"])
+def kernel_isa(request):
+    """The C kernel's bf16 products on one path (each where this machine has it); the path in use is restored
+    afterwards. The packed layout is the same on both, so packed weights serve either."""
+    from reef_core.engines import kernels
+
+    if kernels.kernel() is None:
+        pytest.skip("no C compiler for the kernel")
+    before = kernels.isa() == "amx"
+    if request.param == "amx" and not kernels.use_amx(True):
+        pytest.skip("no AMX on this machine")
+    if request.param == "avx512":
+        kernels.use_amx(False)
+        if kernels.isa() != "avx512":
+            pytest.skip("no AVX-512 on this machine")
+    yield request.param
+    kernels.use_amx(before)
+

@@ -365,6 +365,23 @@ def test_sampler_draws_from_the_softmax_and_its_top_p_nucleus():
     assert seq[0] == seq[1] and len(set(seq[0])) > 1
 
 
+def test_the_samplers_pieces_compute_what_one_call_computes():
+    """The sampler's elementwise ops over a vocabulary run in pieces below ATen's grain (on the calling thread):
+    bitwise what one call gives, and a vocabulary-sized draw is the same token with or without the pieces."""
+    from reef_core.engines import local
+
+    torch.manual_seed(3)
+    logits = torch.randn(49_152) * 3
+    for op in (lambda t: t.float() / 0.7, lambda t: t.double()):
+        for x in (logits, logits[:100]):
+            assert torch.equal(local._serial(op, x), op(x))
+    probs = torch.softmax(logits, -1)
+    whole = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    assert torch.equal(torch.cumsum(local._serial(lambda t: t.double(), probs), dim=-1), whole)
+    u = torch.rand((), generator=torch.Generator().manual_seed(9), dtype=torch.float64) * whole[-1]
+    assert local._draw(probs, torch.Generator().manual_seed(9)) == int(torch.searchsorted(whole, u, right=True))
+
+
 def test_preload_loads_once_and_start_waits_for_that_load(tiny_model_dir, monkeypatch):
     import reef_core.engines.local as local
 

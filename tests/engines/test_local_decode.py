@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -109,21 +111,63 @@ def test_a_swap_to_weights_bf16_cannot_hold_drops_the_bf16_copies(bf16_dir):
     assert torch.allclose(torch.tensor(r.tokens.output_logprobs), expected, atol=1e-4, rtol=0)
 
 
-def test_packed_products_equal_a_float32_product():
-    """bf16-exact weights are packed in bf16, others in float32; both give the float32 product."""
+def test_packed_products_equal_a_float32_product(kernel_isa):
+    """bf16-exact weights are packed in bf16, others in float32; both give the float32 product, on AVX-512 and on
+    AMX tiles (activations split in three bf16 parts), for the row counts of a decode step and of a prompt."""
+    from reef_core.engines.kernels import set_threads
+
     fn = kernel()
-    if fn is None:
-        pytest.skip("no C compiler for the kernel")
+    set_threads(2)
     torch.manual_seed(0)
-    for n, k in [(37, 50), (64, 576), (5, 7), (16, 4)]:  # row counts and widths off the kernel's 16x4 blocking
+    # widths and row counts off the kernel's blocking: 16-row blocks (and pairs of them), 32-wide tiles, 16 split rows
+    for n, k in [(37, 50), (64, 576), (5, 7), (16, 4), (300, 576), (33, 100)]:
         exact = torch.randn(n, k).to(torch.bfloat16).float()
         assert bf16_exact(exact) and not bf16_exact(exact + 1e-3)
         for w, f32 in ((exact, False), (torch.randn(n, k), True)):
-            x, b = torch.randn(3, k), torch.randn(n)
             mat = PackedMatrix(w, fn)
             assert mat.f32 == f32
-            out = mat(x, b, torch.empty(3, n))
-            assert torch.allclose(out, torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
+            for m in (1, 3, 8, 11, 32):
+                x, b = torch.randn(m, k), torch.randn(n)
+                out = mat(x, b, torch.empty(m, n))
+                exact_out = (x.double() @ w.double().T + b.double())
+                scale = x.double().abs() @ w.double().abs().T + b.double().abs()
+                assert ((out.double() - exact_out).abs() / scale).max() <= 1e-6, (n, k, m, f32)
+
+
+def test_the_amx_and_avx512_paths_agree_to_float32_rounding():
+    """The two paths of the bf16 product differ only in the order of float32 additions."""
+    from reef_core.engines import kernels
+
+    fn = kernel()
+    if fn is None or not kernels.use_amx(True):
+        pytest.skip("no AMX on this machine")
+    torch.manual_seed(5)
+    w = torch.randn(200, 576).to(torch.bfloat16).float()
+    mat, x = PackedMatrix(w, fn), torch.randn(8, 576)
+    try:
+        amx = mat(x, None, torch.empty(8, 200)).clone()
+        assert kernels.isa() == "amx"
+        kernels.use_amx(False)
+        assert kernels.isa() == "avx512"
+        avx = mat(x, None, torch.empty(8, 200))
+    finally:
+        kernels.use_amx(True)
+    assert not torch.equal(amx, avx)  # two computations, not one path twice
+    scale = x.abs() @ w.abs().T  # float32 rounding is relative to the sum of the products' magnitudes
+    assert ((amx - avx).abs() / scale).max() <= 1e-6
+
+
+def test_reef_amx_0_keeps_the_avx512_path(tmp_path):
+    """REEF_AMX=0 at load: the kernel never asks for the tile state."""
+    from reef_core.engines import kernels
+
+    if kernel() is None or kernels.isa() == "c":
+        pytest.skip("no SIMD kernel here")
+    code = "from reef_core.engines import kernels; print(kernels.isa())"
+    env = dict(os.environ, REEF_AMX="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "avx512"
 
 
 def test_unsupported_models_keep_transformers_forward(tiny_model_dir):
@@ -158,24 +202,22 @@ def test_smollm2_lean_path_matches_the_trainer(tmp_path):
     assert (torch.tensor(lean.tokens.top_k.logprobs).view(-1, 4) - full.topk(4).values).abs().max() <= 1e-4
 
 
-def test_bf16_kernel_on_two_threads_and_in_a_forked_child():
+def test_bf16_kernel_on_two_threads_and_in_a_forked_child(kernel_isa):
     """Rows split across threads give the single-thread result; a child forked after the workers started (they do
-    not exist there) still computes instead of waiting for them."""
+    not exist there) still computes instead of waiting for them, on AMX with the tile state set up afresh."""
     fn = kernel()
-    if fn is None:
-        pytest.skip("no C compiler for the kernel")
     from reef_core.engines.kernels import set_threads
 
     torch.manual_seed(1)
     w = torch.randn(300, 576).to(torch.bfloat16).float()
-    x = torch.randn(1, 576)
+    x = torch.randn(8, 576)
     mat = PackedMatrix(w, fn)
-    one = mat(x, None, torch.empty(1, 300)).clone()
+    one = torch.cat([mat(x[i:i + 1].contiguous(), None, torch.empty(1, 300)) for i in range(8)])
     assert set_threads(2) >= 2
-    assert torch.equal(mat(x, None, torch.empty(1, 300)), one)
+    assert torch.equal(mat(x, None, torch.empty(8, 300)), one)
     pid = os.fork()
     if pid == 0:  # child: exit 0 only if the product completes and matches
-        ok = torch.equal(mat(x, None, torch.empty(1, 300)), one)
+        ok = torch.equal(mat(x, None, torch.empty(8, 300)), one)
         os._exit(0 if ok else 1)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -200,39 +242,77 @@ def _steps(model, slot, native: bool, prompt, tokens, packed):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("which", ["qwen2", "llama-bf16", "qwen2-lora"])
-def test_the_c_decode_step_computes_what_the_torch_step_computes(which, tiny_model_dir, bf16_dir):
-    """The C layers (float32 or bf16 packed weights, Qwen2's q/k/v biases, a LoRA adapter's B(A x)) give the
-    torch layers' logits; and two generations stepped together give, bitwise, what each gives alone."""
-    if kernel() is None:
-        pytest.skip("no C compiler for the kernel")
+def _c_step_model(which, tiny_model_dir, bf16_dir):
+    """(model, adapter slot) for the C-step tests."""
+    if which == "llama-hd8":  # head size 8: attention off the 16-wide vector path
+        model, _ = build_tiny_model(seed=6, arch="llama", hidden_size=64, num_heads=8, num_kv_heads=2)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16).float() * 4)
+        return model.eval(), None
     model, _ = load_model(bf16_dir if which == "llama-bf16" else tiny_model_dir)
     model.eval()
-    slot = None
-    if which == "qwen2-lora":
-        from peft import LoraConfig, get_peft_model
+    if which != "qwen2-lora":
+        return model, None
+    from peft import LoraConfig, get_peft_model
 
-        torch.manual_seed(4)
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), adapter_name="s")
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.5)
-        model = model.base_model.model
-        slot = "s"
-    packed = Packed(kernel())
-    prompt, tokens = [3, 9, 27, 4, 11], [7, 1, 30, 2, 19, 5, 8]
+    torch.manual_seed(4)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), adapter_name="s")
     with torch.no_grad():
-        c, ref = _steps(model, slot, True, prompt, tokens, packed), _steps(model, slot, False, prompt, tokens, packed)
-        assert (c - ref).abs().max() <= 1e-4 * max(1.0, float(ref.abs().max()))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return model.base_model.model, "s"
+
+
+@pytest.mark.parametrize("which", ["qwen2", "llama-bf16", "qwen2-lora", "llama-hd8"])
+def test_the_c_decode_step_computes_what_the_torch_step_computes(which, kernel_isa, tiny_model_dir, bf16_dir):
+    """The C layers (float32 or bf16 packed weights, Qwen2's q/k/v biases, a LoRA adapter's B(A x), head sizes on
+    and off the vector path) give the torch layers' logits, for a short prompt and for one longer than a C call
+    takes (prefilled 32 tokens a call); and generations stepped together give, bitwise, what each gives alone."""
+    from reef_core.engines.decode import MAX_KERNEL_ROWS, step_rows
+    from reef_core.engines.kernels import set_threads
+
+    set_threads(2)  # products and attention shared between threads
+    model, slot = _c_step_model(which, tiny_model_dir, bf16_dir)
+    packed = Packed(kernel())
+    tokens = [7, 1, 30, 2, 19, 5, 8]
+    long = [(i * 37 + 11) % 200 + 3 for i in range(2 * MAX_KERNEL_ROWS + 7)]
+    with torch.no_grad():
+        for prompt in ([3, 9, 27, 4, 11], long):
+            c = _steps(model, slot, True, prompt, tokens, packed)
+            ref = _steps(model, slot, False, prompt, tokens, packed)
+            assert (c - ref).abs().max() <= 1e-4 * max(1.0, float(ref.abs().max())), len(prompt)
         a = FastDecoder(model, slot, 16, torch.device("cpu"), packed)
         b = FastDecoder(model, slot, 16, torch.device("cpu"), packed)
         alone = FastDecoder(model, slot, 16, torch.device("cpu"), packed)
-        a.prefill(prompt), b.prefill(prompt[:3]), alone.prefill(prompt)
-        from reef_core.engines.decode import step_rows
-
+        a.prefill([3, 9, 27, 4, 11]), b.prefill([3, 9, 27]), alone.prefill([3, 9, 27, 4, 11])
         both = step_rows([a, b], torch.tensor([7, 2]))
         assert torch.equal(both[0], alone.step(torch.tensor([7])))
+
+
+def test_prompts_prefilled_together_give_what_each_gives_alone(kernel_isa, bf16_dir):
+    """prefill_rows runs several prompts' tokens as one sequence of rows (across C calls, one prompt split between
+    two of them): each prompt's logits, and the steps after, are bitwise what it gets prefilled alone."""
+    from reef_core.engines.decode import MAX_KERNEL_ROWS, prefill_rows, step_rows
+
+    model, _ = load_model(bf16_dir)
+    model.eval()
+    packed = Packed(kernel())
+    prompts = [[5, 6, 7], [(i * 13 + 1) % 200 + 3 for i in range(MAX_KERNEL_ROWS + 9)], [9] * 20, [4]]
+    n = max(map(len, prompts)) + 4
+    with torch.no_grad():
+        together = [FastDecoder(model, None, n, torch.device("cpu"), packed) for _ in prompts]
+        joint = prefill_rows(together, prompts)
+        after = step_rows(together, torch.tensor([3, 4, 5, 6]))
+        for i, ids in enumerate(prompts):
+            alone = FastDecoder(model, None, n, torch.device("cpu"), packed)
+            assert torch.equal(joint[i], alone.prefill(ids)), i
+            assert torch.equal(after[i], alone.step(torch.tensor([3 + i]))), i
+        with pytest.raises(RuntimeError):  # each cache is in use now
+            prefill_rows(together[:1], prompts[:1])
+        with pytest.raises(ValueError):
+            prefill_rows([FastDecoder(model, None, n, torch.device("cpu"), packed)], [[]])
 
 
 def test_without_the_kernel_decode_steps_run_in_torch(tiny_model_dir):
