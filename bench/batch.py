@@ -88,8 +88,10 @@ def _measure(model_dir: Path, args) -> dict:
     finally:
         loop.run_until_complete(engine.close())
         loop.close()
+    from reef_core.engines import kernels
+
     return {"threads": threads, "tokens_per_round": tokens, "rates": rates, "same_tokens": same,
-            "max_logprob_diff": max_diff, "max_rows": max_rows}
+            "max_logprob_diff": max_diff, "max_rows": max_rows, "kernel": kernels.isa() or "none (torch)"}
 
 
 def run(args) -> dict:
@@ -104,7 +106,8 @@ def run(args) -> dict:
     rows = [[name, round(statistics.median(v), 1), round(max(v), 1), round(statistics.median(v) / one, 2)]
             for name, v in rates.items()]
     print(f"Embedded engine, {args.model}, {args.concurrency} requests x {args.tokens} tokens, {args.rounds} "
-          f"alternating rounds, {result['threads']} thread(s); load avg at start {machine['load_avg_1m_at_start']}")
+          f"alternating rounds, {result['threads']} thread(s), bf16 products on {result['kernel']} (REEF_AMX=0: "
+          f"AVX-512); load avg at start {machine['load_avg_1m_at_start']}")
     print(common.table(["clients", "tok/s median", "tok/s best", "x 1 client"], rows))
     print(f"most rows in one decode step: {result['max_rows']}; batched = alone (same seeds): tokens "
           f"{'identical' if result['same_tokens'] else 'DIFFER'}, max |log-prob difference| "

@@ -94,8 +94,9 @@ class Packed:
         return hit[1]
 
 
-#: the most rows sent through the kernel at once (a batched decode step; longer inputs, prompts, use torch's
-#: matrix products, whose speed no longer depends on memory traffic)
+#: the most rows sent through the kernel at once (a batched decode step, or a piece of a prompt: longer prompts go
+#: through the C layers this many tokens a call; the kernel's AMX path holds 32 rows' split activations in its
+#: tiles); longer inputs to a single projection use torch's matrix products
 MAX_KERNEL_ROWS = 32
 
 

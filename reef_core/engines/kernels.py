@@ -1,25 +1,36 @@
-"""The local engine's C kernels, on the CPU: products of float32 rows (one decode step, or a batch of them) with
-packed weights, accumulated in float32, and a whole decode step through a Llama/Qwen2 model's layers.
+"""The local engine's C kernels, on the CPU: products of float32 rows (one decode step, a batch of them, or a
+prompt's tokens) with packed weights, accumulated in float32, and a whole decode step through a Llama/Qwen2 model's
+layers.
 
 Why: decoding one token reads every weight once, so on a CPU its time is set by memory traffic, not arithmetic
 (SmolLM2-135M: 538 MB of float32 weights per token), and, once that traffic is cut, by the per-operation cost of
 running a few hundred tiny tensor operations from Python (on 2 threads torch's SDPA alone took ~1 ms per layer).
+Batched rows (concurrent requests, a prompt) then multiply the arithmetic, which float32 FMAs cannot keep up with
+(~29 G multiply-adds/s a core on the 2-vCPU machine of ``bench/``).
 
-* Packed weights: each weight is copied once into blocks of 16 rows (``[ceil(n / 16), k, 16]``), so one block is
-  one sequential stream and every load of 16 weights feeds 16 outputs (measured ~2x the bandwidth of a row-by-row
-  product on this machine). Weights that are *exactly* representable in bfloat16 (a checkpoint shipped in bf16 and
-  loaded as float32, or a LoRA base that never changes) are stored in half the bytes with no loss: widening a bf16
-  value to float32 is exact (a 16-bit shift), so ``y = W x`` from the bf16 copy with float32 products and sums
-  equals the float32 product up to the order of the additions. Other weights (after a full-weight update) are packed
-  in float32. torch's own bf16 kernels cannot be used: they round the activations to bf16 as well (a ~1e-3 relative
-  error, far outside the 1e-4 log-prob contract).
+* Packed weights: each weight is copied once into blocks of 16 rows, so one block is one sequential stream and
+  every load of weights feeds 16 outputs. Weights that are *exactly* representable in bfloat16 (a checkpoint
+  shipped in bf16 and loaded as float32, or a LoRA base that never changes) are stored in half the bytes with no
+  loss, in pairs of inputs (``[blocks, kp / 2, 32]``, k padded to a multiple of 32: the layout of an AMX tile);
+  other weights (after a full-weight update) in float32 (``[blocks, k, 16]``). torch's own bf16 kernels cannot be
+  used: they round the activations to bf16 as well (a ~1e-3 relative error, far outside the 1e-4 log-prob
+  contract).
+* Three paths compute the bf16 products, float32 products and sums on each (:func:`isa`): AMX tiles (Intel Sapphire
+  Rapids and later, on Linux; ~1,500 G bf16 multiply-adds/s a core here), where each activation is split into three
+  bf16 parts whose sum is exactly the float32 value, so every product is exact and only the order of the additions
+  differs from a float32 product; AVX-512; portable C. On each path a row's result does not depend on how many
+  rows share the call or on the thread that computes it, so a batched request gets bitwise what it gets alone.
+  ``REEF_AMX=0`` keeps AVX-512.
 * ``reef_decode_layers``: RMSNorm, the projections (with an adapter's LoRA term), rotary embedding, the KV-cache
-  write, attention over the cache and the SiLU MLP of every layer for m generations in one call; the caller keeps
-  the embedding, the final norm and the head (:mod:`reef_core.engines.decode`).
+  write, attention over the cache and the SiLU MLP of every layer for m rows in one call (one token of each of m
+  generations, or consecutive tokens of a prompt, which attend causally to the rows before them); the caller keeps
+  the embedding, the final norm and the head (:mod:`reef_core.engines.decode`). A layer's products that share an
+  input (q, k, v; gate, up) and its attention heads are jobs shared by the kernel's threads.
 
 The source is compiled once per machine with the system C compiler (``cc -O3 -march=native``, cached under
-``~/.cache/reef/kernels``) and called through :mod:`ctypes`. Without a compiler, or on a machine where the build
-fails, :func:`kernel` and :func:`decode_layers` return None and decoding stays in torch over float32 weights.
+``~/.cache/reef/kernels``, keyed by the CPU model and flags) and called through :mod:`ctypes`. Without a compiler,
+or on a machine where the build fails, :func:`kernel` and :func:`decode_layers` return None and decoding stays in
+torch over float32 weights.
 """
 
 from __future__ import annotations

@@ -18,11 +18,11 @@ same distribution and their log-probs (``TokenData.top_k``), taken from the log-
 ``topk`` per step on the device, one copy to the host per generation, no extra forward pass.
 
 Decode path: for Llama-family models (Llama, Qwen2) in float32 each forward pass is computed by
-:class:`reef_core.engines.decode.FastDecoder` -- a static KV cache, the prompt through plain tensor ops over the
-model's own parameters, each decode step through every layer in one call of a small C kernel
+:class:`reef_core.engines.decode.FastDecoder` -- a static KV cache, the prompt (the prompts of the requests that
+join a batch at one step, together) and each decode step through every layer in calls of a small C kernel
 (:mod:`reef_core.engines.kernels`) over packed copies of the weights (bf16 where they are exactly bf16: a bf16
-checkpoint, a LoRA base) -- instead of transformers' module stack: same float32 arithmetic, ~2-4x less memory
-traffic and almost no Python work per token. Other models, or a failed warm-up, keep transformers' forward
+checkpoint, a LoRA base; products on AMX tiles where the CPU has them) -- instead of transformers' module stack:
+same float32 arithmetic, ~2-4x less memory traffic and almost no Python work per token. Other models, or a failed warm-up, keep transformers' forward
 (:attr:`LocalEngine.decode_path` says which served the last generation). The engine warms the path up at load, so
 the first request pays no one-time cost.
 
