@@ -450,7 +450,8 @@ static void gemv_task(const void *ctx, long i0, long i1, int thread) {
     for (long i = 0; i < g->count; i++) {
         long blocks = (g->n[i] + 15) / 16, lo = i0 > g->first[i] ? i0 - g->first[i] : 0, hi = i1 - g->first[i];
         if (hi > blocks) hi = blocks;
-        if (lo < hi) rows(g->x, g->f32[i] ? NULL : g->xa, g->w[i], g->f32[i], g->b[i], g->y[i], lo, hi, g->n[i], g->k, g->m);
+        if (lo < hi)
+            rows(g->x, g->f32[i] ? NULL : g->xa, g->w[i], g->f32[i], g->b[i], g->y[i], lo, hi, g->n[i], g->k, g->m);
     }
 }
 
@@ -574,7 +575,8 @@ static void silu_mul(float *g, const float *u, long n) {
         __mmask16 mask = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
         __m512 x = _mm512_maskz_loadu_ps(mask, g + i);
         __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        __m512 y = _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(e, _mm512_set1_ps(1.0f))), _mm512_maskz_loadu_ps(mask, u + i));
+        __m512 y = _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(e, _mm512_set1_ps(1.0f))),
+                                 _mm512_maskz_loadu_ps(mask, u + i));
         _mm512_mask_storeu_ps(g + i, mask, y);
     }
 #endif
@@ -595,7 +597,8 @@ static void attend(const float *q, const float *kc, const float *vc, long p, lon
             for (long g = 0; g < groups; g++) {
                 __m512 acc = _mm512_setzero_ps();
                 for (long c = 0; c < c16; c++)
-                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * hd + c * 16), _mm512_loadu_ps(kc + t * hd + c * 16), acc);
+                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * hd + c * 16), _mm512_loadu_ps(kc + t * hd + c * 16),
+                                          acc);
                 sc[g * T + t] = _mm512_reduce_add_ps(acc) * scale;
             }
         float inv[16];
@@ -621,7 +624,8 @@ static void attend(const float *q, const float *kc, const float *vc, long p, lon
             const float *s = sc + g * T;
             for (long t = 0; t < T; t++) {
                 __m512 w = _mm512_set1_ps(s[t]);
-                for (long c = 0; c < c16; c++) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vc + t * hd + c * 16), acc[c]);
+                for (long c = 0; c < c16; c++)
+                    acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vc + t * hd + c * 16), acc[c]);
             }
             __m512 iv = _mm512_set1_ps(inv[g]);
             for (long c = 0; c < c16; c++) _mm512_storeu_ps(out + g * hd + c * 16, _mm512_mul_ps(acc[c], iv));

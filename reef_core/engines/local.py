@@ -22,9 +22,9 @@ Decode path: for Llama-family models (Llama, Qwen2) in float32 each forward pass
 join a batch at one step, together) and each decode step through every layer in calls of a small C kernel
 (:mod:`reef_core.engines.kernels`) over packed copies of the weights (bf16 where they are exactly bf16: a bf16
 checkpoint, a LoRA base; products on AMX tiles where the CPU has them) -- instead of transformers' module stack:
-same float32 arithmetic, ~2-4x less memory traffic and almost no Python work per token. Other models, or a failed warm-up, keep transformers' forward
-(:attr:`LocalEngine.decode_path` says which served the last generation). The engine warms the path up at load, so
-the first request pays no one-time cost.
+same float32 arithmetic, ~2-4x less memory traffic and almost no Python work per token. Other models, or a failed
+warm-up, keep transformers' forward (:attr:`LocalEngine.decode_path` says which served the last generation). The
+engine warms the path up at load, so the first request pays no one-time cost.
 
 Loading: a Llama checkpoint stored in bf16 (SmolLM2) is read by :mod:`reef_core.engines.lean_model`, without
 transformers' modeling code (seconds of imports at start-up); the transformers model replaces it the first time its

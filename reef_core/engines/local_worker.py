@@ -4,10 +4,10 @@ generations decoded together as one batch.
 Two kinds of work are queued: *calls* (load, weight swaps, adapter changes, token counts: run alone) and
 *generations*. A generation at the head of the queue joins the running batch when the :class:`Batcher` says it fits
 (same adapter, a free row); the generations joining at one step are prefilled together, then decoded with the
-others, one forward per step. A call at the
-head closes the batch to newcomers: the rows in flight finish, then the call runs. So everything submitted before
-a call is served by what was there before it, everything after it by what it made, and no generation spans two
-weight versions -- the ordering a single-file executor gave, with batching inside each run of generations.
+others, one forward per step. A call at the head closes the batch to newcomers: the rows in flight finish, then the
+call runs. So everything submitted before a call is served by what was there before it, everything after it by what
+it made, and no generation spans two weight versions -- the ordering a single-file executor gave, with batching
+inside each run of generations.
 """
 
 from __future__ import annotations

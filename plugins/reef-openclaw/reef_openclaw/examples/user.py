@@ -23,8 +23,11 @@ def _learner_idle(http: httpx.Client, scenario: str) -> bool:
     if status.status_code == 404:
         return True
     status.raise_for_status()
-    processor = status.json().get("processor") or {}
-    return not processor.get("ready") and processor.get("batch") is None \
+    body = status.json()
+    processor = body.get("processor") or {}
+    # the learner too: the processor hands a batch over before the step trains and commits it
+    return body.get("learner") not in ("running", "scheduled") and not processor.get("ready") \
+        and processor.get("batch") is None \
         and not processor.get("pairs_waiting_for_judge")
 
 
