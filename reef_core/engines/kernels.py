@@ -130,9 +130,9 @@ static inline __attribute__((always_inline)) void blocks_of(const float *x, cons
    product up to the order of the additions, as the AVX-512 path does (no rounding of the activations to bf16, which
    would cost ~1e-3 relative). The parts are rows of the A tiles: input row r's part p is split row 3r + p, 16 split
    rows a tile (rows past 3m zero). Each output is hi_sum + (mid_sum + lo_sum), then the bias; a split row's sums
-   depend only on that row and the weights, so a batch gives bitwise what its rows give one by one. Tiles: 0-5 sums,
-   6-7 activations or weights (see amx_block). */
-static int amx_on;                          /* AMX usable in this process (reef_amx_init) */
+   depend only on that row and the weights, so a batch gives bitwise what its rows give one by one (amx_rows says
+   which tile holds what). */
+static int amx_on;                          /* AMX usable in this process (reef_amx) */
 static __thread int amx_configured;         /* this thread's tile configuration is loaded */
 
 typedef struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; } tilecfg_t;
@@ -152,31 +152,18 @@ static void amx_split(const float *x, long m, long k, long kp, uint16_t *xa) {
     long rows = (3 * m + 15) & ~15L;
     memset(xa + 3 * m * kp, 0, sizeof(uint16_t) * (rows - 3 * m) * kp);
     for (long r = 0; r < m; r++) {
-        uint16_t *hi = xa + 3 * r * kp, *mid = hi + kp, *lo = mid + kp;
-        memset(hi + k, 0, sizeof(uint16_t) * (kp - k));
-        memset(mid + k, 0, sizeof(uint16_t) * (kp - k));
-        memset(lo + k, 0, sizeof(uint16_t) * (kp - k));
-        long i = 0;
-        for (; i + 16 <= k; i += 16) {
-            __m512 v = _mm512_loadu_ps(x + r * k + i);
-            __m256bh h = _mm512_cvtneps_pbh(v);
-            __m512 rest = _mm512_sub_ps(v, _mm512_cvtpbh_ps(h));
-            __m256bh md = _mm512_cvtneps_pbh(rest);
-            __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(rest, _mm512_cvtpbh_ps(md)));
-            _mm256_storeu_si256((__m256i *)(hi + i), (__m256i)h);
-            _mm256_storeu_si256((__m256i *)(mid + i), (__m256i)md);
-            _mm256_storeu_si256((__m256i *)(lo + i), (__m256i)l);
-        }
-        if (i < k) {
-            __mmask16 mask = (__mmask16)((1u << (k - i)) - 1);
+        uint16_t *part[3] = {xa + 3 * r * kp, xa + (3 * r + 1) * kp, xa + (3 * r + 2) * kp};
+        for (long p = 0; p < 3; p++) memset(part[p] + k, 0, sizeof(uint16_t) * (kp - k));
+        for (long i = 0; i < k; i += 16) {
+            __mmask16 mask = k - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - i)) - 1);
             __m512 v = _mm512_maskz_loadu_ps(mask, x + r * k + i);
-            __m256bh h = _mm512_cvtneps_pbh(v);
-            __m512 rest = _mm512_sub_ps(v, _mm512_cvtpbh_ps(h));
-            __m256bh md = _mm512_cvtneps_pbh(rest);
-            __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(rest, _mm512_cvtpbh_ps(md)));
-            _mm256_mask_storeu_epi16(hi + i, mask, (__m256i)h);
-            _mm256_mask_storeu_epi16(mid + i, mask, (__m256i)md);
-            _mm256_mask_storeu_epi16(lo + i, mask, (__m256i)l);
+            __m256bh hi = _mm512_cvtneps_pbh(v);
+            __m512 rest = _mm512_sub_ps(v, _mm512_cvtpbh_ps(hi));
+            __m256bh mid = _mm512_cvtneps_pbh(rest);
+            __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(rest, _mm512_cvtpbh_ps(mid)));
+            _mm256_mask_storeu_epi16(part[0] + i, mask, (__m256i)hi);
+            _mm256_mask_storeu_epi16(part[1] + i, mask, (__m256i)mid);
+            _mm256_mask_storeu_epi16(part[2] + i, mask, (__m256i)lo);
         }
     }
 }
@@ -324,14 +311,18 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static pthread_mutex_t caller = PTHREAD_MUTEX_INITIALIZER;  /* one job at a time (engines on other threads) */
 
-/* Claim and run chunks of job `e` until none is left. The fields are read before each claim and used only when the
-   claim succeeds, which proves job `e` was still open (its fields, and what its context points to, still valid). */
+/* Claim and run chunks of job `e` until none is left. The fields are read between loading the ticket and claiming
+   from it, and used only when the claim succeeds: the caller moves the ticket to the next epoch (CLOSED) before it
+   writes a job's fields, so a successful claim proves they are job `e`'s, untouched (and what its context points to
+   still valid: the caller waits for every claimed item). */
+#define CLOSED 0xFFFFFFFFu
 static void work(uint32_t e, int thread) {
     for (;;) {
         uint64_t t = __atomic_load_n(&ticket, __ATOMIC_ACQUIRE);
         if ((uint32_t)(t >> 32) != e) return;
-        job_t j = job;
         long next = (long)(t & 0xFFFFFFFFu);
+        if (next == CLOSED) continue;  /* the fields are being written */
+        job_t j = job;
         if (next >= j.items) return;
         long end = next + j.chunk < j.items ? next + j.chunk : j.items;
         if (!__atomic_compare_exchange_n(&ticket, &t, ((uint64_t)e << 32) | (uint64_t)end, 0, __ATOMIC_ACQ_REL,
@@ -377,6 +368,8 @@ static void parallel(task_fn fn, const void *ctx, long items, long chunk) {
     pthread_mutex_lock(&caller);
     uint32_t e = ++epoch_now;
     if (e == 0) e = ++epoch_now;  /* 0 is the workers' initial "seen" */
+    __atomic_store_n(&ticket, ((uint64_t)e << 32) | CLOSED, __ATOMIC_SEQ_CST);  /* no claim succeeds from here */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
     job.fn = fn; job.ctx = ctx; job.items = items; job.chunk = chunk;
     __atomic_store_n(&finished, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&ticket, (uint64_t)e << 32, __ATOMIC_SEQ_CST);  /* publishes the fields; a full fence */

@@ -230,6 +230,26 @@ def test_bf16_kernel_on_two_threads_and_in_a_forked_child(kernel_isa):
     pytest.fail("the forked child's product never finished")
 
 
+def test_back_to_back_jobs_of_growing_size_on_two_threads_give_the_single_thread_results(kernel_isa):
+    """Jobs follow each other within microseconds on the kernel's threads, each larger than the one before (the case
+    where a worker reading a finished job's counter against the next job's fields could claim from it): every
+    product is the single-thread one."""
+    from reef_core.engines.kernels import set_threads
+
+    fn = kernel()
+    torch.manual_seed(7)
+    mats = [PackedMatrix(torch.randn(n, 576).to(torch.bfloat16).float(), fn) for n in (128, 640, 1536)]
+    x = torch.randn(4, 576)
+    expected = [torch.cat([m(x[i:i + 1].contiguous(), None, torch.empty(1, m.n)) for i in range(4)]) for m in mats]
+    assert set_threads(2) >= 2
+    outs = [torch.empty(4, m.n) for m in mats]
+    for _ in range(400):
+        for m, out in zip(mats, outs):
+            m(x, None, out)
+        for out, want in zip(outs, expected):
+            assert torch.equal(out, want)
+
+
 def _steps(model, slot, native: bool, prompt, tokens, packed):
     """Logits of the prompt's next token, then after each of ``tokens``, on one decoder (C layers or torch's)."""
     dec = FastDecoder(model, slot, len(prompt) + len(tokens) + 1, torch.device("cpu"), packed)
