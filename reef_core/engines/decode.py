@@ -68,9 +68,20 @@ class Packed:
     def __init__(self, fn):
         self.fn = fn  # the C kernel, or None: transformers-free decoding on torch's own products
         self._mats: dict[int, tuple[torch.Tensor, PackedMatrix | None]] = {}
+        self._transposed: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
     def clear(self) -> None:
         self._mats.clear()
+        self._transposed.clear()
+
+    def transposed(self, t: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy of ``t.T`` (a LoRA B, which the C step reads by rows of its rank), made again after any
+        in-place change of ``t`` (a new adapter version is copied into the same tensors)."""
+        hit = self._transposed.get(id(t))
+        if hit is None or hit[0] is not t or hit[1] != t._version:
+            hit = (t, t._version, t.detach().t().contiguous())
+            self._transposed[id(t)] = hit
+        return hit[2]
 
     def __len__(self) -> int:
         """How many weights are served from a bf16 copy now."""
@@ -107,20 +118,22 @@ class _Proj:
     through the C kernel; a single row into a buffer of this projection's own (reused every step: each output is
     consumed before the projection runs again)."""
 
-    __slots__ = ("w", "b", "a", "bb", "scale", "mat", "out")
+    __slots__ = ("w", "b", "a", "bb", "bt", "scale", "mat", "out")
 
     def __init__(self, module, slot: str | None, packed: Packed | None = None):
         base = getattr(module, "base_layer", module)  # a peft LoraLayer wraps the original Linear
         self.w, self.b = base.weight, base.bias
         self.mat = packed.get(self.w) if packed is not None else None
         self.out = torch.empty(1, self.w.shape[0]) if self.mat is not None else None
-        self.a = self.bb = None
+        self.a = self.bb = self.bt = None
         self.scale = 0.0
         if slot is not None and slot in getattr(module, "lora_A", {}):
             if getattr(module, "use_dora", {}).get(slot):
                 raise _Unsupported("DoRA adapters")
             self.a, self.bb = module.lora_A[slot].weight, module.lora_B[slot].weight
             self.scale = float(module.scaling[slot])
+            if self.mat is not None and self.bb.device.type == "cpu":
+                self.bt = packed.transposed(self.bb)  # for the C step
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mat is not None and x.shape[0] == 1:
@@ -144,10 +157,10 @@ def _plain(t: torch.Tensor | None) -> bool:
 
 def _c_proj(p: _Proj):
     """``p`` as the C step's projection record, or None when it has no packed copy."""
-    if p.mat is None or not all(_plain(t) for t in (p.b, p.a, p.bb)):
+    if p.mat is None or not all(_plain(t) for t in (p.b, p.a, p.bt)) or (p.a is not None and p.bt is None):
         return None
     ptr = (lambda t: t.data_ptr() if t is not None else None)
-    return kernels.Proj(p.mat.ptr, ptr(p.b), ptr(p.a), ptr(p.bb), p.mat.n, p.mat.k,
+    return kernels.Proj(p.mat.ptr, ptr(p.b), ptr(p.a), ptr(p.bt), p.mat.n, p.mat.k,
                      p.a.shape[0] if p.a is not None else 0, p.scale, int(p.mat.f32))
 
 

@@ -223,14 +223,14 @@ static void amx_rows(const uint16_t *xa, const uint16_t *w, const float *b, floa
 #undef W_TILE
 #endif
 
-/* Whether bf16 products run on AMX tiles in this process: `want` 1 turns them on where the CPU has them (CPUID
-   leaf 7: AMX-TILE and AMX-BF16), the kernel was built for them and Linux grants the tile state (arch_prctl
-   ARCH_REQ_XCOMP_PERM); 0 turns them off; -1 only asks. Never changed while a product runs. */
+/* Turn the AMX path on (`want` 1: where the CPU has the tiles, CPUID leaf 7's AMX-TILE and AMX-BF16, the kernel
+   was built for them and Linux grants the tile state, arch_prctl ARCH_REQ_XCOMP_PERM) or off (0); returns whether it
+   is on. Never called while a product runs. */
 int reef_amx(int want) {
 #ifdef REEF_AMX
     unsigned a, b, c, d;
-    if (want == 0) amx_on = 0;
-    else if (want > 0 && !amx_on && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1))
+    if (!want) amx_on = 0;
+    else if (!amx_on && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1))
         amx_on = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
     return amx_on;
 #else
@@ -501,7 +501,7 @@ typedef struct {
     const void *w;      /* packed weight [n, k] */
     const float *b;     /* bias [n] or NULL */
     const float *a;     /* LoRA A [r, k] (row-major) or NULL */
-    const float *bb;    /* LoRA B [n, r] */
+    const float *bt;    /* LoRA B transposed, [r, n] (row-major) */
     long n, k, r;
     float scale;        /* LoRA scale */
     int f32;            /* w holds float32 (else bf16) */
@@ -649,6 +649,26 @@ static void rmsnorm(const float *x, const float *w, float eps, float *out, long 
     }
 }
 
+/* y[j] += scale * sum_s bt[s][j] * t[s] for j < n: a LoRA adapter's B (transposed, [r, n]) times its A x. */
+static void lora_up(const float *bt, const float *t, long r, long n, float scale, float *y) {
+    long j = 0;
+#ifdef __AVX512F__
+    for (; j < n; j += 16) {
+        __mmask16 mask = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        __m512 acc = _mm512_setzero_ps();
+        for (long s = 0; s < r; s++)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(t[s]), _mm512_maskz_loadu_ps(mask, bt + s * n + j), acc);
+        __m512 out = _mm512_fmadd_ps(acc, _mm512_set1_ps(scale), _mm512_maskz_loadu_ps(mask, y + j));
+        _mm512_mask_storeu_ps(y + j, mask, out);
+    }
+#endif
+    for (; j < n; j++) {
+        float acc = 0.0f;
+        for (long s = 0; s < r; s++) acc += bt[s * n + j] * t[s];
+        y[j] += acc * scale;
+    }
+}
+
 /* ys[i] = ps[i] x for m rows and `count` projections of the same input (at most MAX_FUSED): the packed products in
    one job, then each LoRA term scale * B (A x) where the projection has one. */
 static void project(const proj_t *const *ps, int count, const float *x, float *const *ys, long m, float *tmp) {
@@ -662,7 +682,7 @@ static void project(const proj_t *const *ps, int count, const float *x, float *c
         if (!p->a) continue;
         for (long r = 0; r < m; r++) {
             for (long s = 0; s < p->r; s++) tmp[s] = dot(p->a + s * p->k, x + r * p->k, p->k);
-            for (long j = 0; j < p->n; j++) ys[i][r * p->n + j] += dot(p->bb + j * p->r, tmp, p->r) * p->scale;
+            lora_up(p->bt, tmp, p->r, p->n, p->scale, ys[i] + r * p->n);
         }
     }
 }
@@ -914,7 +934,7 @@ class PackedMatrix:
 
 # The C structures of reef_decode_layers (field for field).
 class Proj(ctypes.Structure):
-    _fields_ = [("w", ctypes.c_void_p), ("b", ctypes.c_void_p), ("a", ctypes.c_void_p), ("bb", ctypes.c_void_p),
+    _fields_ = [("w", ctypes.c_void_p), ("b", ctypes.c_void_p), ("a", ctypes.c_void_p), ("bt", ctypes.c_void_p),
                 ("n", ctypes.c_long), ("k", ctypes.c_long), ("r", ctypes.c_long), ("scale", ctypes.c_float),
                 ("f32", ctypes.c_int)]
 
