@@ -37,6 +37,16 @@ def canonical_json(value: Any) -> str:
         raise ValidationFailed(f"value is not canonical JSON: {exc}") from exc
 
 
+def canonical_bytes(value: Any) -> bytes:
+    """:func:`canonical_json` as UTF-8, what digests are taken over; a lone surrogate (not Unicode text, so not
+    storable either) is a :class:`ValidationFailed` rather than an encoding error."""
+    try:
+        return canonical_json(value).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValidationFailed("value holds a lone surrogate (an unpaired \\ud800-\\udfff escape), "
+                               "which is not Unicode text") from None
+
+
 # Records whose payload went through canonical_json when their content hash was computed, by id and held weakly:
 # the writer may store those with a faster encoder that writes NaN as null instead of refusing it
 # (reef_core.observe.batch.encode_json_columns). A side table rather than an attribute, so that
@@ -51,8 +61,8 @@ def payload_checked(record: Record) -> bool:
 
 def compute_content_hash(kind: str, scenario: str, payload: dict, references: list[str]) -> str:
     """sha256 (hex) of the canonical JSON of the fields that define a record's content."""
-    text = canonical_json({"kind": kind, "scenario": scenario, "payload": payload, "references": references})
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    text = canonical_bytes({"kind": kind, "scenario": scenario, "payload": payload, "references": references})
+    return hashlib.sha256(text).hexdigest()
 
 
 def check_identifier(what: str, value: Any) -> str:

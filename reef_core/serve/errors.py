@@ -33,8 +33,22 @@ def dialect_for_path(path: str) -> Dialect:
     return "reef"
 
 
+def _text(value: str | None) -> str | None:
+    # A message or param may echo a client's string: a lone surrogate in it would fail the UTF-8 encoding of the
+    # answer itself (a 500 in place of the 4xx). Sent as its escape instead.
+    if value is None:
+        return None
+    value = str(value)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
+
+
 def error_body(dialect: Dialect, status: int, message: str, code: str | None = None,
                param: str | None = None) -> dict:
+    message, param = _text(message), _text(param)
     if dialect == "anthropic":
         return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
     if dialect == "openai":

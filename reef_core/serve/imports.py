@@ -25,7 +25,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
 from ..errors import Conflict, PayloadTooLarge, ReefError, ValidationFailed
-from ..observe.model import Record, canonical_json
+from ..observe.model import Record, canonical_bytes
 from ..observe.names import check_record_id
 from ..observe.processors.conversation import UnusableRecord, request_messages, response_message
 from .inference import read_json_body
@@ -114,7 +114,7 @@ def envelope_record(envelope, scenario: str, where: str = "record") -> Record:
     payload = envelope["payload"]
     if not isinstance(payload, dict):
         raise ValidationFailed(f"{where}.payload must be a JSON object", param=f"{where}.payload")
-    if len(canonical_json(envelope).encode()) > MAX_RECORD_BYTES:
+    if len(canonical_bytes(envelope)) > MAX_RECORD_BYTES:
         raise PayloadTooLarge(f"{where} is larger than {MAX_RECORD_BYTES} bytes", param=where)
     if kind == "inference":
         stored, tags = _inference_payload(payload, f"{where}.payload")

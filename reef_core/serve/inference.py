@@ -38,7 +38,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..engines.base import TOKENS_EVENT, DirectResponse, EngineRequest, EngineResponse, StreamEvent, TokenData
 from ..engines.translate import stream_translator, translate_error, translate_request, translate_response
 from ..errors import Conflict, PayloadTooLarge, ReefError, ValidationFailed
-from ..observe.model import Record, canonical_json
+from ..observe.model import Record, canonical_bytes
 from ..engines.sse import encode_event
 from ..observe.names import header_text
 from .aggregate import accumulator_for, receipt_events, synthetic_stream
@@ -140,8 +140,7 @@ class InferenceCall:
         self.scenario = await dep.resolve(name)  # creates nothing: the first stored record does
         # What /metrics and the request log line learn about this call (never a body or a token).
         self.facts = request.scope.setdefault("state", {})["reef_facts"] = {"scenario": self.scenario.name}
-        self.request_hash = hashlib.sha256(
-            canonical_json({"route": self.route, "body": body}).encode()).hexdigest()
+        self.request_hash = hashlib.sha256(canonical_bytes({"route": self.route, "body": body})).hexdigest()
         # An upstream that serves Responses itself gets the request unchanged (a scenario whose surface shapes chat
         # requests is still served through chat); otherwise it runs as the chat request it stands for.
         self.passthrough = (self.responses is not None and getattr(dep.engine, "serves_responses", False)

@@ -4,12 +4,15 @@ Deeply nested input is refused before it reaches code that recurses over it (``j
 itself raises ``RecursionError`` near 1,000 levels; canonical hashing, deep copies and dialect
 translation recurse too). The check costs two ``bytes.count`` calls for ordinary bodies and a
 walk without recursion otherwise. Non-standard constants (``NaN``, ``Infinity``) are refused:
-they are not JSON, and no provider accepts them.
+they are not JSON, and no provider accepts them. So are lone surrogates (``"\\ud800"``, or their bytes): valid JSON
+syntax naming no character, they cannot be encoded as UTF-8, so every later digest, store or answer would fail on
+them. Checked once here, for every route that reads a body, with the field named.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 from ..errors import ValidationFailed
 
@@ -22,6 +25,40 @@ def _refuse_constant(name: str):
 
 
 _DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+#: A ``\\uD800``-``\\uDFFF`` escape in the text: the only way (besides raw surrogate bytes) JSON yields one.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def shown(text: str) -> str:
+    """``text`` safe to quote in an answer or a log line: a lone surrogate as its ``\\udXXX`` escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def lone_surrogate_at(value) -> str | None:
+    """The path (``messages[0].content``, a key as its escape) of the first string or key in ``value`` holding a
+    lone surrogate, or None. Without recursion, like :func:`nesting_depth`."""
+    stack = [(value, "")]
+    while stack:
+        node, path = stack.pop()
+        if type(node) is dict:
+            for key, child in node.items():
+                where = f"{path}.{shown(key)}" if path else shown(key)
+                if not _encodable(key):
+                    return where
+                stack.append((child, where))
+        elif type(node) is list:
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(node))
+        elif type(node) is str and not _encodable(node):
+            return path or "body"
+    return None
 
 
 def nesting_depth(value, limit: int) -> int:
@@ -46,7 +83,9 @@ def parse_json_object(raw: bytes, max_depth: int = MAX_DEPTH) -> dict:
     """``raw`` as a JSON object, or :class:`ValidationFailed` saying why not."""
     try:
         # What json.loads does with bytes, with one decoder built once (loads builds one per call given options).
-        body = _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+        encoding = json.detect_encoding(raw)
+        text = raw.decode(encoding, "surrogatepass")
+        body = _DECODER.decode(text)
     except RecursionError:
         raise ValidationFailed(f"request body is nested deeper than {max_depth} levels") from None
     except (ValueError, UnicodeDecodeError):
@@ -57,4 +96,11 @@ def parse_json_object(raw: bytes, max_depth: int = MAX_DEPTH) -> dict:
     # Fewer brackets than the limit cannot nest deeper than it: skip the walk for ordinary bodies.
     if raw.count(b"[") + raw.count(b"{") > max_depth and nesting_depth(body, max_depth) > max_depth:
         raise ValidationFailed(f"request body is nested deeper than {max_depth} levels")
+    # Ordinary bodies hold neither an escape nor raw surrogates (in UTF-8, a 0xED lead byte): skip the walk.
+    escaped = "\\u" in text and _SURROGATE_ESCAPE.search(text) is not None
+    if escaped or (b"\xed" in raw if encoding.startswith("utf-8") else not _encodable(text)):
+        where = lone_surrogate_at(body)
+        if where is not None:
+            raise ValidationFailed(f"{where}: holds a lone surrogate (an unpaired \\ud800-\\udfff escape), "
+                                   "which is not Unicode text", param=where)
     return body

@@ -23,7 +23,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
 from ..errors import Conflict, ValidationFailed
-from ..observe.model import Record, canonical_json
+from ..observe.model import Record, canonical_bytes
 from ..observe.names import check_record_id
 from .inference import read_json_body
 from .names import RECEIPT_HEADER, scenario_header
@@ -118,7 +118,7 @@ async def post_report(request: Request):
         version=None,
         created_at=time.time(),
         # Under a key, resending this very report is a retry (answered with the stored one); any other is a 409.
-        request_hash=hashlib.sha256(canonical_json(report).encode()).hexdigest() if key is not None else None,
+        request_hash=hashlib.sha256(canonical_bytes(report)).hexdigest() if key is not None else None,
     )
     try:
         stored = await dep.record_stored(record, key, check_references=True)
