@@ -1,4 +1,26 @@
-"""FakeSGLang: a protocol-faithful FAKE SGLang server backed by a real tiny torch model, for CPU tests only.
+"""FakeSGLang: a FAKE SGLang server (not SGLang) backed by a real tiny torch model, for CPU tests only.
+
+Checked against SGLang's source in the search index (sgl-project/sglang; one stored version per file):
+``managers/scheduler.py`` @ 0003215cf1464f44b389cd0b18d0b4c56f2a3da6 (``pause_generation``, ``flush_cache``,
+``is_fully_idle``), ``managers/scheduler_components/weight_updater.py`` @ 00a2ca2e56d59f0a19186d7a8a58bdda5201023f,
+``entrypoints/http_server.py`` @ 0025436eab0556737d615b36a4dd3e1e26e82f3d, ``lora/utils.py`` @
+01235a1633d19644d861f3542011bf35aeaee114 and ``lora/lora_config.py`` @ 0ceb81fe4868b3364267a661da67b5d88aa45fc3.
+Behaviours taken from there:
+
+* A weight update with ``flush_cache`` (the default) asserts that the flush succeeded, and the flush refuses while
+  the scheduler holds any request: running, paused ``in_place``, or ``retract``-ed (retract frees the KV cache but
+  moves the requests back to the waiting queue, which the flush counts too). The assertion kills SGLang's
+  scheduler; the fake then answers every route with 500 (``/health`` 503) and reports ``crashed``. Only ``abort``
+  (which returns once every request has ended) leaves nothing to block the flush. ``/flush_cache`` itself answers
+  400 instead.
+* ``incremental_streaming_output`` (``--incremental-streaming-output``): each stream chunk carries only the new
+  text, ids and log-probs; by default chunks are cumulative.
+* ``sampling_seed`` is used only with ``deterministic_inference`` (``--enable-deterministic-inference``; requests
+  without one then get 42), else the server's own generator samples; the seed goes into an int32 tensor (int64 in
+  newer versions: ``seed_bits``), and one that does not fit kills the scheduler as the tensor constructor raises.
+* Paths (``update_weights_from_disk``'s ``model_path``, ``load_lora_adapter``'s ``lora_path``) are resolved against
+  the server's own working directory (``cwd``); SGLang treats a path that is not a directory there as a hub id.
+* ``/server_info`` (alias ``/get_server_info``, the name before) returns the server arguments.
 
 SGLang serves only on GPUs (see ``ecosystem-notes.md`` §4), so CPU tests drive this stand-in instead. It speaks the
 native routes Reef uses with SGLang's JSON shapes (``sglang-protocol-notes.md``), and its token ids and log-probs are
@@ -93,11 +115,21 @@ class FakeSGLang:
 
     def __init__(self, model_dir: str | Path, *, weight_version: str = "default", original_logprob: bool = True,
                  enable_lora: bool = True, max_loaded_loras: int | None = None, served_model_name: str | None = None,
-                 seed: int = 0):
+                 seed: int = 0, incremental_streaming_output: bool = False, deterministic_inference: bool = False,
+                 seed_bits: int = 32, cwd: str | Path | None = None, dtype: str | None = None,
+                 lora_target_modules: list[str] | None = None):
         from reef_core.grow.models import load_model
 
         self.model_dir = Path(model_dir)
         self.model, self.tok = load_model(self.model_dir)
+        if dtype is not None:  # e.g. "bfloat16": serve at the precision a GPU server would
+            self.model = self.model.to(getattr(torch, dtype))
+        self.incremental_streaming_output = incremental_streaming_output
+        self.deterministic_inference = deterministic_inference
+        self.seed_bits = seed_bits
+        self.cwd = Path(cwd) if cwd is not None else Path.cwd()
+        self.lora_target_modules = lora_target_modules
+        self.crashed: str | None = None  # why the scheduler died (every route fails from then on)
         self.served_model_name = served_model_name or self.model_dir.name
         self.weight_version = weight_version
         self.original_logprob = original_logprob
@@ -139,7 +171,8 @@ class FakeSGLang:
         return list(self._adapters)
 
     def snapshot(self) -> dict:
-        return {"weight_version": self.weight_version, "paused": self.paused, "in_flight": dict(self.in_flight),
+        return {"weight_version": self.weight_version, "paused": self.paused, "crashed": self.crashed,
+                "in_flight": dict(self.in_flight),
                 "loaded_adapters": self.loaded_adapters(), "known_adapters": sorted(self._known),
                 "stats": dict(self.stats), "pending_faults": [dict(f) for f in self._faults]}
 
@@ -153,6 +186,10 @@ class FakeSGLang:
             self._resumed.set()
             self._idle = asyncio.Condition()
         path, method = scope["path"], scope["method"]
+        if self.crashed is not None and path != "/_fake/stats":
+            await _json(send, 503 if path in ("/health", "/health_generate") else 500,
+                        {"error": {"message": f"the scheduler died: {self.crashed}"}})
+            return
         try:
             body = json.loads(raw) if raw else None
         except ValueError:
@@ -165,7 +202,8 @@ class FakeSGLang:
 
     async def _route(self, path: str, method: str, body: Any, send, query: bytes = b"") -> None:
         get = {"/health": self._health, "/health_generate": self._health, "/model_info": self._model_info,
-               "/get_model_info": self._model_info, "/server_info": self._server_info, "/v1/models": self._models,
+               "/get_model_info": self._model_info, "/server_info": self._server_info, "/get_server_info": self._server_info,
+               "/v1/models": self._models,
                "/_fake/stats": self.snapshot}
         post = {"/update_weights_from_disk": self._update_from_disk, "/update_weight_version": self._relabel,
                 "/pause_generation": self._pause, "/continue_generation": self._continue,
@@ -201,7 +239,10 @@ class FakeSGLang:
     def _server_info(self) -> dict:
         return {"model_path": str(self.model_dir), "served_model_name": self.served_model_name,
                 "enable_lora": self.enable_lora, "max_loaded_loras": self.max_loaded_loras,
-                "weight_version": self.weight_version, "version": "fake-0.5"}
+                "weight_version": self.weight_version, "version": "fake-0.5",
+                "incremental_streaming_output": self.incremental_streaming_output,
+                "enable_deterministic_inference": self.deterministic_inference,
+                "lora_target_modules": self.lora_target_modules, "random_seed": 0}
 
     def _models(self) -> dict:
         cards = [{"id": self.served_model_name, "object": "model", "owned_by": "sglang", "root": str(self.model_dir)}]
@@ -222,14 +263,15 @@ class FakeSGLang:
         return {"token_delay_s": self.token_delay_s}
 
     # ---- admission ---------------------------------------------------------------------------------------
-    def _pause(self, body: dict) -> dict:
+    async def _pause(self, body: dict) -> dict:
         mode = body.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             raise _Reject(400, {"success": False, "message": f"unknown pause mode {mode!r}"})
         self.paused = mode
         self._resumed.clear()
-        if mode == "abort":
+        if mode == "abort":  # SGLang's tokenizer manager aborts until no request is left, then answers
             self._aborting.update(self.in_flight)
+            await self._wait_idle()
         return {"success": True, "message": f"paused ({mode})"}
 
     def _continue(self, body: dict) -> dict:
@@ -241,6 +283,15 @@ class FakeSGLang:
         if self.in_flight:
             return 400, {"success": False, "message": "cannot flush the cache while requests are running"}
         return 200, {"success": True, "message": "flushed"}
+
+    def crash(self, reason: str) -> None:
+        """The scheduler process died (SGLang then takes the whole server down)."""
+        self.crashed = reason
+        self._aborting.update(self.in_flight)
+
+    def resolve(self, path: str) -> Path:
+        """A path as the server reads it: relative ones against its own working directory."""
+        return self.cwd / path
 
     def _abort_request(self, body: dict) -> dict:
         rid = body.get("rid")
@@ -278,9 +329,15 @@ class FakeSGLang:
             return 400, {"success": False, "message": fault.get("message", "injected failure: weights not loaded"),
                          "num_paused_requests": 0}
         try:
-            await asyncio.wrap_future(self._worker.submit(self._load_dir, Path(body["model_path"])))
+            await asyncio.wrap_future(self._worker.submit(self._load_dir, self.resolve(body["model_path"])))
         except Exception as exc:  # noqa: BLE001 - the failure is the answer, the old weights stay
             return 400, {"success": False, "message": f"Failed to update weights: {exc}", "num_paused_requests": 0}
+        if body.get("flush_cache", True) and self.in_flight:
+            # SGLang asserts that the flush after an update succeeded; the flush refuses while the scheduler holds
+            # any request (running, paused in place or retracted into the waiting queue): the scheduler dies.
+            self.crash(f"Cache flush failed after updating weights ({len(self.in_flight)} requests held, "
+                       f"pause mode {self.paused})")
+            return 500, {"error": {"message": "Cache flush failed after updating weights"}}
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
         self.stats["updates"] += 1
@@ -328,11 +385,11 @@ class FakeSGLang:
         if fault is not None:
             return 400, {"success": False, "error_message": "injected failure", "loaded_adapters": self._loaded_map()}
         try:
-            await self._materialise(name, Path(path))
+            await self._materialise(name, self.resolve(path))
         except Exception as exc:  # noqa: BLE001
             return 400, {"success": False, "error_message": f"failed to load adapter: {exc}",
                          "loaded_adapters": self._loaded_map()}
-        self._known[name] = Path(path)
+        self._known[name] = self.resolve(path)
         self.stats["loads"] += 1
         return 200, {"success": True, "error_message": None, "loaded_adapters": self._loaded_map()}
 
@@ -377,11 +434,20 @@ class FakeSGLang:
         if unknown:  # SGLang fails inside SamplingParams(**sp): a 500, not a 400
             raise _Reject(500, {"error": {"message": f"SamplingParams got unexpected keyword arguments {unknown}"}})
         stop = sp.get("stop") or []
+        seed = sp.get("sampling_seed")
+        if not self.deterministic_inference:
+            seed = None  # SGLang reads sampling_seed only with --enable-deterministic-inference
+        else:
+            seed = 42 if seed is None else int(seed)  # SGLang's default seed for requests without one
+            bound = 2 ** (self.seed_bits - 1)
+            if not -bound <= seed < bound:  # the seed tensor's constructor overflows inside the scheduler
+                self.crash(f"sampling_seed {seed} does not fit int{self.seed_bits}")
+                raise _Reject(500, {"error": {"message": f"value cannot be converted to int{self.seed_bits}"}})
         return {"max_new": int(sp.get("max_new_tokens", 128)), "temperature": float(sp.get("temperature", 1.0)),
                 "top_p": float(sp.get("top_p", 1.0)), "top_k": int(sp.get("top_k", -1)),
                 "min_p": float(sp.get("min_p", 0.0)), "stops": [stop] if isinstance(stop, str) else list(stop),
                 "stop_ids": set(sp.get("stop_token_ids") or []), "ignore_eos": bool(sp.get("ignore_eos", False)),
-                "seed": sp.get("sampling_seed")}
+                "seed": seed}
 
     def _step(self, model, ids: list[int], p: dict, gen: torch.Generator, top_n: int):
         """Worker thread: one forward over the whole sequence; (token, its log-prob, top list)."""
@@ -469,19 +535,28 @@ class FakeSGLang:
             state["finish"] = {"type": "length", "length": len(state["output_ids"])}
         yield state
 
+    def _prompt_logprobs(self, model, prompt_ids: list[int], start: int) -> list:
+        """Worker thread: ``input_token_logprobs`` from ``start`` (the first prompt token has none)."""
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt_ids])).logits[0].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        return [[None if i == 0 else float(logp[i - 1, tid]), tid, None]
+                for i, tid in enumerate(prompt_ids) if i >= start]
+
     def _native_body(self, state: dict, prompt_ids: list[int], rid: str, version: str, logprob: bool,
-                     top_n: int, started: float) -> dict:
+                     top_n: int, started: float, input_lps: list | None = None, offset: int = 0) -> dict:
         meta = {"id": rid, "finish_reason": state["finish"], "prompt_tokens": len(prompt_ids),
                 "completion_tokens": len(state["output_ids"]), "cached_tokens": 0, "weight_version": version,
                 "e2e_latency": time.monotonic() - started}
         if logprob:
-            meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(state["logprobs"],
-                                                                                 state["output_ids"])]
+            meta["input_token_logprobs"] = list(input_lps or [])
+            meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(state["logprobs"][offset:],
+                                                                                 state["output_ids"][offset:])]
             if top_n:
                 meta["input_top_logprobs"] = []
-                meta["output_top_logprobs"] = list(state["top"])
-        return {"text": state["text"], "output_ids": list(state["output_ids"]), "meta_info": meta}
+                meta["output_top_logprobs"] = list(state["top"][offset:])
+        # offset > 0: an incremental stream chunk carries only what is new since the last one
+        return {"text": state["text"], "output_ids": list(state["output_ids"][offset:]), "meta_info": meta}
 
     async def _generate_route(self, body: Any, send) -> None:
         if not isinstance(body, dict):
@@ -509,20 +584,32 @@ class FakeSGLang:
         self.stats["generate"] += 1
         self.log.append({"route": "generate", "body": body})
         started = time.monotonic()
+        start = body.get("logprob_start_len")
         await self._enter(rid)
         version = self.weight_version
         try:
+            input_lps = None
+            if logprob and isinstance(start, int) and start >= 0:
+                model = await self._model_for(lora)
+                input_lps = await asyncio.wrap_future(self._worker.submit(self._prompt_logprobs, model, prompt,
+                                                                          start))
             runs = self._run(prompt, p, lora, top_n, rid, bool(body.get("stream")))
             if not body.get("stream"):
                 state = None
                 async for state in runs:
                     pass
-                await _json(send, 200, self._native_body(state, prompt, rid, version, logprob, top_n, started))
+                await _json(send, 200, self._native_body(state, prompt, rid, version, logprob, top_n, started,
+                                                         input_lps))
                 return
             await _sse_start(send)
+            sent_ids, sent_text = 0, ""
             try:
                 async for state in runs:
-                    chunk = self._native_body(state, prompt, rid, version, logprob, top_n, started)
+                    chunk = self._native_body(state, prompt, rid, version, logprob, top_n, started, input_lps,
+                                              sent_ids if self.incremental_streaming_output else 0)
+                    if self.incremental_streaming_output:
+                        chunk["text"] = state["text"][len(sent_text):]
+                        sent_ids, sent_text = len(state["output_ids"]), state["text"]
                     if state["finish"] is None:
                         chunk["meta_info"]["finish_reason"] = None
                     await _sse(send, json.dumps(chunk))
@@ -643,10 +730,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--disable-lora", action="store_true")
     parser.add_argument("--token-delay-s", type=float, default=0.0, help="wait this long before each token")
     parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (a tiny model)")
+    parser.add_argument("--incremental-streaming-output", action="store_true")
+    parser.add_argument("--enable-deterministic-inference", action="store_true")
     args, _rest = parser.parse_known_args(argv)  # a launcher may pass SGLang flags the fake ignores
     torch.set_num_threads(args.torch_threads)
     app = FakeSGLang(args.model_dir, weight_version=args.weight_version, max_loaded_loras=args.max_loaded_loras,
-                     original_logprob=not args.no_original_logprob, enable_lora=not args.disable_lora)
+                     original_logprob=not args.no_original_logprob, enable_lora=not args.disable_lora,
+                     incremental_streaming_output=args.incremental_streaming_output,
+                     deterministic_inference=args.enable_deterministic_inference)
     app.token_delay_s = args.token_delay_s
     sock = bound_socket(args.host, args.port)
     print(f"FAKE_SGLANG http://{args.host}:{sock.getsockname()[1]}", flush=True)

@@ -107,3 +107,83 @@ def test_evicted_adapters_reload_implicitly_and_unknown_ones_fail(fake, tmp_path
     for name in ("one", "two"):
         assert client.post("/unload_lora_adapter", json={"lora_name": name}).json()["success"]
     assert client.post("/unload_lora_adapter", json={"lora_name": "one"}).status_code == 400
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract", "abort"])
+def test_a_flushing_update_kills_the_server_unless_the_pause_left_no_request(tiny_model_dir, mode):
+    app = FakeSGLang(tiny_model_dir)
+    app.token_delay_s = 0.05
+    with serve_asgi(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        done = {}
+        thread = threading.Thread(target=lambda: done.setdefault("r", _gen(
+            client, sampling_params={"max_new_tokens": 200, "ignore_eos": True})))
+        thread.start()
+        wait_until(lambda: app.in_flight, timeout=10)
+        assert client.post("/pause_generation", json={"mode": mode}).status_code == 200
+        update = client.post("/update_weights_from_disk", json={"model_path": str(app.model_dir)})
+        if mode == "abort":  # the pause returned once the request had ended: nothing blocks the flush
+            assert update.json()["success"] and app.crashed is None
+            client.post("/continue_generation", json={})
+            thread.join(10)
+            assert done["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+        else:  # in_place keeps it running, retract parks it in the waiting queue: the flush fails
+            assert update.status_code == 500 and "Cache flush failed" in app.crashed
+            assert client.get("/health").status_code == 503
+            thread.join(10)
+            assert done["r"].status_code == 500 or done["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_incremental_streaming_output_sends_only_what_is_new(tiny_model_dir):
+    body = {"input_ids": [1, 2, 3], "stream": True, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 5, "ignore_eos": True, "temperature": 0}}
+    chunks = {}
+    for incremental in (False, True):
+        app = FakeSGLang(tiny_model_dir, incremental_streaming_output=incremental)
+        with serve_asgi(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+            assert client.get("/server_info").json()["incremental_streaming_output"] is incremental
+            with client.stream("POST", "/generate", json=body) as r:
+                chunks[incremental] = [json.loads(line[6:]) for line in r.iter_lines()
+                                       if line.startswith("data: ") and line != "data: [DONE]"]
+    full, deltas = chunks[False][-1], chunks[True]
+    assert [len(c["output_ids"]) for c in deltas] == [1, 1, 1, 1, 1]
+    assert sum((c["output_ids"] for c in deltas), []) == full["output_ids"]
+    assert "".join(c["text"] for c in deltas) == full["text"]
+    assert sum((c["meta_info"]["output_token_logprobs"] for c in deltas), []) == \
+        full["meta_info"]["output_token_logprobs"]
+
+
+def test_seeds_count_only_with_deterministic_inference_and_must_fit_int32(tiny_model_dir):
+    assert FakeSGLang(tiny_model_dir)._params({"sampling_seed": 7})["seed"] is None
+    app = FakeSGLang(tiny_model_dir, deterministic_inference=True)
+    with serve_asgi(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        sp = {"max_new_tokens": 8, "ignore_eos": True, "temperature": 1.0, "sampling_seed": 5}
+        first, again = (_gen(client, sampling_params=sp).json()["output_ids"] for _ in range(2))
+        assert first == again
+        assert _gen(client, sampling_params={**sp, "sampling_seed": 2 ** 31 - 1}).status_code == 200
+        assert _gen(client, sampling_params={**sp, "sampling_seed": 2 ** 31}).status_code == 500
+        assert "int32" in app.crashed and _gen(client).status_code == 500
+
+
+def test_relative_paths_resolve_against_the_servers_working_directory(tiny_model_dir, tmp_path):
+    import shutil
+
+    shutil.copytree(tiny_model_dir, tmp_path / "release")
+    app = FakeSGLang(tiny_model_dir, cwd=tmp_path)
+    with serve_asgi(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        assert client.post("/update_weights_from_disk", json={"model_path": "release"}).json()["success"]
+        assert client.post("/update_weights_from_disk", json={"model_path": "elsewhere"}).status_code == 400
+
+
+def test_input_token_logprobs_from_logprob_start_len(tiny_model_dir):
+    import torch
+
+    app = FakeSGLang(tiny_model_dir)
+    ids = [5, 9, 2, 7]
+    with serve_asgi(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        meta = _gen(client, input_ids=ids, return_logprob=True, logprob_start_len=0).json()["meta_info"]
+        assert _gen(client, input_ids=ids, return_logprob=True).json()["meta_info"]["input_token_logprobs"] == []
+    rows = meta["input_token_logprobs"]
+    assert [r[1] for r in rows] == ids and rows[0][0] is None
+    with torch.no_grad():
+        logp = torch.log_softmax(app.model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+    assert all(abs(rows[i][0] - float(logp[i - 1, ids[i]])) < 1e-4 for i in range(1, len(ids)))
