@@ -2,7 +2,9 @@
 
 Pure Python (no torch, nothing of slime): the config schema validates ``trainer.slime`` with it at load time.
 
-Flag names are slime's own (``slime/utils/arguments.py`` and the Megatron flags it passes through). A job only
+Flag names are checked against slime's real argument list (:mod:`.slime_args`, read from slime's source at the
+commit it names): slime itself ignores a flag it does not know, so Reef refuses unknown and removed flags at config
+load and checks every job's command line before launching it. A job only
 trains: Reef hands it the batch as slime's rollout dump (``--load-debug-rollout-data`` with
 ``--debug-train-only``, so slime starts no SGLang engine of its own) and takes the HF checkpoint back
 (``--save-hf``). Reef keeps serving with its own engine.
@@ -13,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ...errors import ConfigError
+from . import slime_args
 
 #: Reef objective name -> slime loss hook. ``custom_loss`` families name the function slime loads with
 #: ``--custom-loss-function-path`` (``module.function``, slime's ``load_function``) from ``reef_slime_hooks``, the
@@ -59,7 +62,7 @@ ALLOWED = frozenset({
     "--eps-clip", "--eps-clip-high", "--eps-clip-c", "--kl-coef", "--kl-loss-coef", "--kl-loss-type",
     "--use-kl-loss", "--entropy-coef", "--calculate-per-token-loss", "--use-tis",
     "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--attention-backend",
-    "--megatron-to-hf-mode", "--ref-load", "--no-save-optim",
+    "--ref-load", "--no-save-optim",
 })
 
 _SETTINGS = ("launch", "jobs_dir", "flags", "timeout_s")
@@ -71,6 +74,9 @@ def validate_flags(flags: Mapping[str, Any]) -> None:
         key = str(name)
         if not key.startswith("--"):
             raise ConfigError(f"trainer.slime.flags: {key!r} is not a flag (slime flags start with '--')")
+        if key in slime_args.REMOVED:
+            raise ConfigError(f"trainer.slime.flags: {key} was removed from slime ({slime_args.REMOVED[key]}); slime "
+                              "would ignore it silently, remove it")
         if key in REEF_OWNED:
             raise ConfigError(f"trainer.slime.flags: {key} is set by Reef for every job (the loss family, the "
                               "batch, the checkpoints, trainer.lr); remove it")

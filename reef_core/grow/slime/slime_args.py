@@ -1,7 +1,8 @@
 """slime's command line as its source defines it: the data :mod:`.flags` checks Reef's job arguments against.
 
 Read from THUDM/slime at commit ``624b824a898ab0ec1fcb4d373004c7f3852bf515`` (2026-08-21, "[NFC] Add observability
-subfolder (#2298)"), and from the Megatron-LM commit that slime's ``docker/Dockerfile`` pins (``MEGATRON_COMMIT``).
+subfolder (#2298)"), and from the Megatron-LM commit that slime's ``docker/Dockerfile`` pins there
+(``1dcf0dafa884ad52ffb243625717a3471643e087``).
 Files read:
 
 * ``slime/utils/arguments.py``: every ``add_argument`` / ``reset_arg`` flag of ``add_slime_arguments`` and
