@@ -62,7 +62,7 @@ def _inference_payload(payload: dict, where: str) -> tuple[dict, dict]:
         response = payload.get("response")
         dialect = "anthropic" if _anthropic_reply(response) else "openai"
         metadata = payload.get("metadata")
-    if dialect not in DIALECT_ROUTES:
+    if not isinstance(dialect, str) or dialect not in DIALECT_ROUTES:  # an object or a list cannot be looked up
         raise ValidationFailed(f"{where}.dialect must be one of {', '.join(DIALECT_ROUTES)}", param=f"{where}.dialect")
     if not isinstance(request, dict):
         raise ValidationFailed(f"{where}.request must be a JSON object", param=f"{where}.request")

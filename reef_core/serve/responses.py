@@ -80,7 +80,7 @@ def _check_item(item: Any, where: str) -> None:
         _fail(where, "must be an object")
     kind = item.get("type", "message")
     if kind == "message":
-        if item.get("role") not in _ROLES:
+        if not isinstance(item.get("role"), str) or item["role"] not in _ROLES:  # a list or object is unhashable
             _fail(f"{where}.role", f"must be one of {', '.join(sorted(_ROLES))}")
         content = item.get("content")
         if isinstance(content, list):

@@ -118,3 +118,26 @@ def test_sites_behind_the_door_never_fail_on_a_lone_surrogate():
         parse_json_object(b'{"a": [1, {"b\\udc00": 2}]}')
     assert refused.value.param == "a[1].b\\udc00"
     assert parse_json_object(b'{"a": "\\\\ud800"}') == {"a": "\\ud800"}  # an escaped backslash, then text
+
+
+# -- D2: an import's payload.dialect of the wrong type --------------------------------------------------------------
+
+@pytest.mark.parametrize("dialect", ['{"a": 1}', "[1]", "5", "null"])
+def test_import_dialect_of_the_wrong_type_is_400(server, sc, dialect):
+    text = ('{"agent_record_id": "r1", "request_type": "inference", "payload": {"request": {"messages": '
+            '[{"role": "user", "content": "hi"}]}, "response": {"choices": []}, "dialect": %s}}' % dialect)
+    assert_refused_in_dialect(server, post_raw(server, "/reef/records", sc, text), "/reef/records", sc,
+                              "record.payload.dialect")
+    batch = '{"records": [%s]}' % text
+    assert_refused_in_dialect(server, post_raw(server, "/reef/records/batch", sc, batch), "/reef/records/batch", sc,
+                              "records[0].payload.dialect")
+
+
+@pytest.mark.parametrize("path,text,field", [
+    ("/reef/records", '{"agent_record_id": "r1", "request_type": "inference", "payload": {"request": {"messages": '
+                      '[{"role": "user", "content": "hi"}]}, "response": {"choices": [{"message": "x"}]}}}',
+     "record.payload"),
+    (RESPONSES, '{"model": "m", "input": [{"type": "message", "role": {"a": 1}, "content": "hi"}]}', "input[0].role"),
+], ids=["import-message-not-an-object", "responses-role-an-object"])
+def test_objects_where_strings_belong_are_400(server, sc, path, text, field):
+    assert_refused_in_dialect(server, post_raw(server, path, sc, text), path, sc, field)

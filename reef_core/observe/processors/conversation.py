@@ -131,7 +131,10 @@ def response_message(dialect: str, response: Any) -> dict:
     choices = response.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise UnusableRecord("the response has no choices")
-    message = _openai_message({"role": "assistant", **(choices[0].get("message") or {})})
+    found = choices[0].get("message")
+    if found is not None and not isinstance(found, dict):  # an imported answer is client input
+        raise UnusableRecord("the response's choices[0].message is not an object")
+    message = _openai_message({"role": "assistant", **(found or {})})
     if message is None:
         raise UnusableRecord("the response has no message")
     message["role"] = "assistant"
