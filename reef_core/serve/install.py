@@ -21,7 +21,7 @@ from ..observe.names import check_scenario_name, header_text
 from ..surfaces.adapters import ModelBinding
 from .harness import harness_surface, read_release
 from .install_script import render_install_script
-from .names import SCENARIO_HEADER
+from .names import SCENARIO_HEADER, single_header
 
 router = APIRouter()
 PARAMS = ("adapter", "release_id", "scenario")
@@ -46,7 +46,7 @@ def _params(request: Request) -> dict[str, str]:
 
 
 def _scenario(request: Request, params: dict[str, str]) -> str:
-    header = request.headers.get(SCENARIO_HEADER)
+    header = single_header(request, SCENARIO_HEADER)
     from_header = header_text(header, SCENARIO_HEADER) if header is not None and header.strip() else None
     from_query = params.get("scenario")
     if from_header and from_query and from_header != from_query:

@@ -19,10 +19,22 @@ SCENARIO_HEADER = "x-reef-scenario"
 RECEIPT_HEADER = "x-reef-agent-record-id"
 
 
+def single_header(request: Request, header: str) -> str | None:
+    """The value of ``header``, or None when absent. Sent twice with different values, it is a 400: which one a
+    proxy, the token check and the route would each read is not ours to guess (repeated identical ones are one)."""
+    values = request.headers.getlist(header)
+    if not values:
+        return None
+    if any(value != values[0] for value in values[1:]):
+        raise ValidationFailed(f"{header} is sent {len(values)} times with different values; send it once",
+                               param=header)
+    return values[0]
+
+
 def scenario_header(request: Request) -> str:
     """The ``x-reef-scenario`` header, decoded as UTF-8 and checked against the scenario-name rule (400 if not)
     and the token's scenario patterns (403 if outside them)."""
-    raw = request.headers.get(SCENARIO_HEADER)
+    raw = single_header(request, SCENARIO_HEADER)
     if raw is None or not raw.strip():
         raise ValidationFailed(f"missing or empty {SCENARIO_HEADER}", field=SCENARIO_HEADER)
     name = check_scenario_name(header_text(raw, SCENARIO_HEADER), SCENARIO_HEADER)
@@ -32,7 +44,7 @@ def scenario_header(request: Request) -> str:
 
 def optional_id_header(request: Request, header: str) -> str | None:
     """A client-chosen id header (receipt, ``Idempotency-Key``), checked against the id grammar, or None."""
-    raw = request.headers.get(header)
+    raw = single_header(request, header)
     if raw is None:
         return None
     return check_record_id(header_text(raw, header), header)

@@ -141,3 +141,34 @@ def test_import_dialect_of_the_wrong_type_is_400(server, sc, dialect):
 ], ids=["import-message-not-an-object", "responses-role-an-object"])
 def test_objects_where_strings_belong_are_400(server, sc, path, text, field):
     assert_refused_in_dialect(server, post_raw(server, path, sc, text), path, sc, field)
+
+
+# -- D6: two x-reef-scenario headers that disagree -----------------------------------------------------------------
+
+CHAT_BODY = '{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+
+
+@pytest.mark.parametrize("path,text", [
+    (CHAT, CHAT_BODY),
+    (MESSAGES, '{"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}'),
+    ("/reef/report", '{"score": 1}'),
+    ("/reef/records", '{"agent_record_id": "r1", "request_type": "report", "payload": {"score": 1}}'),
+])
+def test_disagreeing_scenario_headers_are_400(server, upstream, sc, path, text):
+    other = sc + "-other"
+    response = post_raw(server, path, sc, text, [("x-reef-scenario", other)])
+    assert_refused_in_dialect(server, response, path, sc, "x-reef-scenario", status=400)
+    assert httpx.get(f"{server.url}/reef/scenarios/{other}/records", timeout=30).status_code == 404
+    assert upstream.stats()["requests"] == 0
+
+
+def test_disagreeing_scenario_headers_on_a_read_are_400(server, sc):
+    response = httpx.get(f"{server.url}/reef/harness", headers=[("x-reef-scenario", sc), ("x-reef-scenario", "b")],
+                         timeout=30)
+    assert response.status_code == 400, response.text
+    assert "x-reef-scenario" in response.json()["error"]["message"]
+
+
+def test_repeated_identical_scenario_headers_are_one(server, sc):
+    response = post_raw(server, CHAT, sc, CHAT_BODY, [("x-reef-scenario", sc)])
+    assert response.status_code == 200, response.text
