@@ -3,7 +3,8 @@
 What a harness release may contain is checked here, once, for every way a tree enters Reef
 (a trainer's candidate, a restore from the artifact store, an HTTP read):
 
-* paths (:func:`validate_harness_path`): relative and ``/``-separated; no empty, ``.`` or ``..``
+* paths (:func:`validate_harness_path`): relative and ``/``-separated; no leading or trailing
+  whitespace; no empty, ``.`` or ``..``
   segment; no ``.git`` segment; no backslash, colon (drive letters, alternate streams), percent
   sign (a path is matched literally and never decoded a second time), NUL or other control
   character; not one of the store's reserved names;
@@ -56,6 +57,8 @@ def validate_harness_path(path: Any) -> str:
     shown = path if len(path) <= 80 else path[:77] + "..."
     if path.startswith("/"):
         raise ValidationFailed(f"harness file path {shown!r} is absolute")
+    if path != path.strip():  # the install script reads paths with `read`, which trims them: no client could install it
+        raise ValidationFailed(f"harness file path {shown!r} has leading or trailing whitespace")
     if _FORBIDDEN_CHARS.search(path):
         raise ValidationFailed(f"harness file path {shown!r} contains a forbidden character "
                                "(backslash, colon, percent sign or control character)")

@@ -27,6 +27,8 @@ PROMPT = "You are the current harness."
     "", "/etc/passwd", "../secret", "a/../b", "a/..", "./a", "a/./b", "a//b", "a/", "a\\b", "..\\x",
     "C:x", "C:\\windows", "a\x00b", "a\nb", "a\x7fb", "%2e%2e/x", "..%2fx", "a%00", ".git/config", "x/.GIT/hooks",
     "reef-artifact.json", ".gitattributes", "x" * 600,
+    # Leading or trailing whitespace: the install script reads paths with `read`, which trims it (#37 D7).
+    " lead.md", "trail.md ", "dir/x.md ", "\u3000wide.md", "x.md\u00a0",
 ])
 def test_bad_paths_are_refused(path):
     with pytest.raises(ValidationFailed):
@@ -37,6 +39,12 @@ def test_bad_paths_are_refused(path):
                                   ".hidden/rules.md", "a/b/c/d.txt"])
 def test_good_paths_pass(path):
     assert validate_harness_path(path) == path
+
+
+def test_a_tree_with_a_path_install_cannot_write_is_refused():
+    with pytest.raises(ValidationFailed, match="whitespace"):
+        validate_tree({"system_prompt.md": "x", "rules.md ": "y"})
+    assert validate_harness_path("with space/in the middle.md") == "with space/in the middle.md"
 
 
 def test_tree_is_text_only_and_capped():
