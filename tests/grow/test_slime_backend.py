@@ -154,6 +154,7 @@ def test_a_normal_step_runs_the_job_through_every_phase(tok, tmp_path, reference
     args = json.loads((job_dir / "job.json").read_text())["slime_args"]
     assert args[args.index("--loss-type") + 1] == "policy_loss" and "--debug-train-only" in args
     assert not (job_dir / "checkpoint").exists() and not (job_dir / "rollout.pt").exists()  # cleaned up
+    assert not (job_dir / "megatron").exists()  # slime's Megatron save (--save) goes with the job's inputs
     _assert_same(_weights(log.head_files), reference[0])
     assert any((_weights(log.head_files)[k] != v).any() for k, v in build_tiny_model(seed=0, tokenizer=tok)[0]
                .state_dict().items() if k in _weights(log.head_files))  # the step moved the weights

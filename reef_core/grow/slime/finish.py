@@ -1,6 +1,7 @@
 """``python -m reef_core.grow.slime.finish <job dir>``: the cluster side's last step after slime's ``train.py``.
 
-slime writes the HF checkpoint to ``--save-hf`` (the job's ``checkpoint/``) and exits; this command, run by the
+slime writes the HF checkpoint to ``--save-hf`` (the job's ``checkpoint/``) in its save step (``--save-interval 1``
+makes the job's one rollout save) and exits; this command, run by the
 launch script only when ``train.py`` succeeded, merges a sharded checkpoint into the one ``model.safetensors`` the
 weights surface loads, writes the manifest (sha256 of every file) and moves the marker from ``RUNNING`` to
 ``CHECKPOINT``. It refuses a job whose marker is not ``RUNNING`` (a job Reef abandoned meanwhile).

@@ -12,6 +12,8 @@ trains: Reef hands it the batch as slime's rollout dump (``--load-debug-rollout-
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Mapping
 
 from ...errors import ConfigError
@@ -47,8 +49,9 @@ CUSTOM_LOSS_REFUSED = frozenset({
 REEF_OWNED = frozenset({
     "--loss-type", "--custom-loss-function-path", "--custom-advantage-function-path", "--advantage-estimator",
     "--load-debug-rollout-data", "--debug-train-only", "--debug-rollout-only", "--hf-checkpoint", "--save-hf",
-    "--load", "--save", "--save-interval", "--num-rollout", "--start-rollout-id", "--rollout-batch-size",
-    "--n-samples-per-prompt", "--lr", "--use-rollout-logprobs", "--disable-compute-advantages-and-returns",
+    "--load", "--save", "--save-interval", "--no-save-optim", "--no-save-rng", "--num-rollout", "--start-rollout-id",
+    "--rollout-batch-size", "--n-samples-per-prompt", "--lr", "--use-rollout-logprobs",
+    "--disable-compute-advantages-and-returns",
 })
 
 #: Flags a deployment may pass through: parallelism, batch shape, optimizer and loss knobs of a train-only job.
@@ -62,7 +65,7 @@ ALLOWED = frozenset({
     "--eps-clip", "--eps-clip-high", "--eps-clip-c", "--kl-coef", "--kl-loss-coef", "--kl-loss-type",
     "--use-kl-loss", "--entropy-coef", "--calculate-per-token-loss", "--use-tis",
     "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--attention-backend",
-    "--ref-load", "--no-save-optim",
+    "--ref-load",
 })
 
 _SETTINGS = ("launch", "jobs_dir", "flags", "timeout_s")
@@ -130,12 +133,51 @@ def check_job_flags(objective_name: str, flags: Mapping[str, Any], batch_size: i
                               "step per batch, so they must be equal")
 
 
+def check_argv(argv: list[str]) -> None:
+    """Refuse a job command line slime would misread: a flag slime does not know or no longer has (slime drops both
+    silently), a flag given twice, or a missing flag a train-only job needs (:data:`.slime_args.REQUIRED`)."""
+    seen: set[str] = set()
+    commit = slime_args.SLIME_COMMIT[:8]
+    for token in argv:
+        if not token.startswith("--"):
+            continue
+        if token in slime_args.REMOVED:
+            raise ConfigError(f"slime job arguments: {token} was removed from slime ({slime_args.REMOVED[token]})")
+        if token not in slime_args.KNOWN:
+            raise ConfigError(f"slime job arguments: {token} is not a flag of slime {commit}")
+        if token in seen:
+            raise ConfigError(f"slime job arguments: {token} is given twice")
+        seen.add(token)
+    for alternatives, why in slime_args.REQUIRED.items():
+        if not seen.intersection(alternatives):
+            raise ConfigError(f"slime job arguments: {' or '.join(alternatives)} missing ({why})")
+
+
+def check_hf_model_type(model_dir: Path) -> None:
+    """Refuse a base model slime cannot set up from its HF directory (``--load``): slime reads an HF directory
+    only for the model types of its ``hf_to_megatron`` loaders."""
+    config = Path(model_dir) / "config.json"
+    if not config.exists():
+        return
+    model_type = json.loads(config.read_text()).get("model_type")
+    if model_type not in slime_args.HF_MODEL_TYPES:
+        raise ConfigError(f"trainer.backend=slime: the base model's model_type {model_type!r} ({model_dir}) is not one "
+                          f"slime {slime_args.SLIME_COMMIT[:8]} reads as --load from an HF directory "
+                          f"({', '.join(sorted(slime_args.HF_MODEL_TYPES))})")
+
+
 def job_argv(objective_name: str, flags: Mapping[str, Any], *, lr: float, rollout: str, hf_in: str,
-             hf_out: str, samples: int) -> list[str]:
-    """The slime ``train.py`` arguments of one job: Reef's own flags, the family's hooks, then the pass-through."""
-    argv = ["--debug-train-only", "--load-debug-rollout-data", rollout, "--hf-checkpoint", hf_in,
-            "--save-hf", hf_out, "--num-rollout", "1", "--rollout-batch-size", str(samples),
-            "--n-samples-per-prompt", "1", "--lr", repr(float(lr))]
+             hf_out: str, save: str, samples: int) -> list[str]:
+    """The slime ``train.py`` arguments of one job: Reef's own flags, the family's hooks, then the pass-through.
+
+    The model is set up from ``--load`` = the input HF checkpoint (slime loads an HF directory itself, so no
+    ``--ref-load`` is needed), and ``--save-interval 1`` makes the job's one rollout save: slime writes ``--save-hf``
+    only from its save step, which also writes a Megatron checkpoint to ``--save`` (inside the job, without optimizer
+    or RNG state, removed with the job's inputs)."""
+    argv = ["--debug-train-only", "--load-debug-rollout-data", rollout, "--hf-checkpoint", hf_in, "--load", hf_in,
+            "--save", save, "--save-interval", "1", "--no-save-optim", "--no-save-rng", "--save-hf", hf_out,
+            "--num-rollout", "1", "--rollout-batch-size", str(samples), "--n-samples-per-prompt", "1",
+            "--lr", repr(float(lr))]
     for key, value in family_flags(objective_name).items():
         argv += [key, value]
     if is_custom(objective_name):
@@ -145,4 +187,5 @@ def job_argv(objective_name: str, flags: Mapping[str, Any], *, lr: float, rollou
             argv.append(str(key))
         elif value is not False:
             argv += [str(key), str(value)]
+    check_argv(argv)
     return argv

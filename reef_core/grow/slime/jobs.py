@@ -11,6 +11,7 @@ Layout of ``<jobs_dir>/<scenario key>/step-<step>-<job id>/``:
   constants, the loss scale: see ``reef_slime_hooks``).
 * ``input/``: the HF checkpoint the step starts from (the serving release), ``--hf-checkpoint``.
 * ``checkpoint/`` + ``checkpoint.json``: written by the job (``--save-hf``), then the sha256 of every file.
+* ``megatron/``: the Megatron checkpoint slime's save step writes beside ``--save-hf`` (``--save``); never read.
 * ``metrics.json`` (optional, by the job) and ``marker.json`` (:mod:`reef_core.grow.slime.marker`).
 * ``objective_state.safetensors`` (custom-loss families with tensor state, e.g. SAO's critic after this step's
   preparation): becomes the candidate's ``algorithm/<objective>.safetensors``, so an adopted job carries it too.
@@ -33,6 +34,7 @@ JOB = "job.json"
 ROLLOUT = "rollout.pt"
 INPUT = "input"
 CHECKPOINT_DIR = "checkpoint"
+MEGATRON_DIR = "megatron"
 MANIFEST = "checkpoint.json"
 METRICS = "metrics.json"
 OBJECTIVE = "objective.pt"
@@ -80,19 +82,8 @@ def write_files(directory: Path, files: Mapping[str, bytes]) -> None:
         path.write_bytes(bytes(data))
 
 
-def write_checkpoint(job_dir: Path, files: Mapping[str, bytes]) -> dict[str, str]:
-    """The job side: the HF checkpoint into ``checkpoint/`` (via a temporary directory), then its manifest."""
-    tmp = job_dir / f".{CHECKPOINT_DIR}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    write_files(tmp, files)
-    final = job_dir / CHECKPOINT_DIR
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    return write_manifest(job_dir)
-
-
 def write_manifest(job_dir: Path) -> dict[str, str]:
-    """fsync every file of ``checkpoint/``, then write the manifest of their sha256 (what Reef checks on reading)."""
+    """The job side (``finish``): fsync every file of ``checkpoint/``, then write the manifest of their sha256 (what Reef checks on reading)."""
     final = job_dir / CHECKPOINT_DIR
     paths = sorted(p for p in final.rglob("*") if p.is_file())
     for path in paths:
@@ -121,7 +112,7 @@ def read_checkpoint(job_dir: Path) -> dict[str, bytes]:
 
 def cleanup(job_dir: Path) -> None:
     """Drop what a finished job no longer needs (inputs, batch, checkpoint); the job and marker files stay."""
-    for name in (ROLLOUT, OBJECTIVE, OBJECTIVE_STATE, INPUT, CHECKPOINT_DIR, f".{CHECKPOINT_DIR}.tmp"):
+    for name in (ROLLOUT, OBJECTIVE, OBJECTIVE_STATE, INPUT, CHECKPOINT_DIR, MEGATRON_DIR, f".{CHECKPOINT_DIR}.tmp"):
         path = job_dir / name
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)

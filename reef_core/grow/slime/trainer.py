@@ -56,7 +56,7 @@ from ..objective import Objective
 from ..token_batch import TokenBatch
 from ..trainer import CandidateUpdate, TrainContext, Trainer
 from . import jobs
-from .flags import check_job_flags, family_flags, is_custom, job_argv
+from .flags import check_hf_model_type, check_job_flags, family_flags, is_custom, job_argv
 from .learner_side import LearnerSide, check_supported, loss_header, state_file, token_advantages
 from .marker import (ABANDONED, CHECKPOINT, COMPLETE, FINAL, HEAD_COMMITTED, READY_TO_COMMIT, REJECTED, RUNNING,
                      UPDATING_WEIGHTS, read_marker, write_marker)
@@ -89,6 +89,8 @@ class SlimeTrainer(Trainer):
         data_dir = Path(getattr(context, "data_dir", ".") or ".")
         jobs_dir = Path(settings.jobs_dir) if settings.jobs_dir else data_dir / "slime-jobs"
         model_dir = getattr(getattr(context, "engine", None), "model_dir", None)
+        if model_dir:  # slime sets the model up from this HF directory (--load): refused now if it cannot
+            check_hf_model_type(Path(model_dir))
         return cls(objective, launch=list(settings.launch), flags=dict(settings.flags), jobs_dir=jobs_dir,
                    timeout_s=float(settings.timeout_s), lr=float(trainer.lr),
                    load_base_model=getattr(context, "load_reference_model", None) or context.load_base_model,
@@ -103,7 +105,7 @@ class SlimeTrainer(Trainer):
         self.learner = LearnerSide(objective, load_base_model, device=device) if is_custom(objective.name) else None
         self.launch = launch
         self.flags = flags
-        self.jobs_dir = Path(jobs_dir)
+        self.jobs_dir = Path(jobs_dir).expanduser().absolute()  # a job runs elsewhere: never relative
         self.timeout_s = timeout_s
         self.lr = lr
         self.load_base_model = load_base_model
@@ -164,7 +166,8 @@ class SlimeTrainer(Trainer):
         samples = rollout["samples"]
         torch.save(rollout, job_dir / jobs.ROLLOUT)
         argv = job_argv(self.objective.name, self.flags, lr=self.lr, rollout=str(job_dir / jobs.ROLLOUT),
-                        hf_in=str(hf_in), hf_out=str(job_dir / jobs.CHECKPOINT_DIR), samples=len(samples))
+                        hf_in=str(hf_in), hf_out=str(job_dir / jobs.CHECKPOINT_DIR),
+                        save=str(job_dir / jobs.MEGATRON_DIR), samples=len(samples))
         (job_dir / jobs.JOB).write_text(json.dumps({
             "job_id": job_id, "scenario": ctx.scenario, "step": ctx.step, "record_ids": record_ids,
             "objective": self.objective.name, "serving_release_id": ctx.serving_release_id, "slime_args": argv,
