@@ -97,6 +97,14 @@ class UpstreamError(ReefError):
     code = "upstream_error"
 
 
+class UpstreamUnavailable(UpstreamError):
+    """The provider answered 503 (overloaded, down for a while): relayed as a 503 with its ``retry_after``, so a
+    client backs off as the provider asked instead of seeing a 502 to retry at once."""
+
+    status = 503
+    code = "upstream_unavailable"
+
+
 class UpstreamTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from email.utils import parsedate_to_datetime
 from typing import AsyncIterator
 
 import aiohttp
@@ -37,7 +38,7 @@ from reef_core.engines.base import (
 from reef_core.content import content_text
 from reef_core.engines.sse import SSEDecoder, parse_data
 from reef_core.engines.translate import error_body, error_message
-from reef_core.errors import UpstreamError, UpstreamTimeout, ValidationFailed
+from reef_core.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable, ValidationFailed
 
 # Request headers never forwarded: hop-by-hop, transport-managed, or credentials (the engine sets its own).
 _DROP_REQUEST = frozenset({
@@ -236,6 +237,9 @@ class UpstreamEngine(Engine):
 
     def _to_response(self, resp: aiohttp.ClientResponse, raw: bytes, req: EngineRequest) -> EngineResponse:
         status = resp.status
+        if status == 503:
+            raise UpstreamUnavailable(f"provider answered 503: {_message(raw)}", status=status,
+                                      retry_after=_retry_after(resp.headers.get("retry-after")))
         if status >= 500:
             raise UpstreamError(f"provider answered {status}: {_message(raw)}", status=status)
         if 200 <= status < 300:
@@ -358,6 +362,19 @@ def estimate_tokens(body: dict) -> int:
     if body.get("tools"):
         chars += len(json.dumps(body["tools"]))
     return max(1, -(-chars // 4))
+
+
+def _retry_after(value: str | None) -> str | None:
+    """A provider's ``Retry-After`` fit to relay (delay-seconds or an HTTP date), else None."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isascii() and value.isdigit() and len(value) <= 10:
+        return value
+    try:
+        return value if parsedate_to_datetime(value) is not None else None
+    except (TypeError, ValueError, IndexError):
+        return None
 
 
 def _message(raw: bytes) -> str:

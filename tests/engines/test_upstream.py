@@ -10,7 +10,7 @@ import pytest
 
 from reef_core.engines.base import HEADERS_EVENT, DirectResponse, EngineRequest
 from reef_core.engines.upstream import UpstreamEngine
-from reef_core.errors import UpstreamError, UpstreamTimeout, ValidationFailed
+from reef_core.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable, ValidationFailed
 
 ROUTE = {"openai": "chat", "anthropic": "messages"}
 
@@ -151,7 +151,7 @@ def test_wrong_key_is_relayed_401(fake):
 @pytest.mark.parametrize("stream", [False, True])
 def test_5xx_raises_upstream_error(fake, api_key, stream):
     app, url = fake
-    app.add_faults({"status": 503})
+    app.add_faults({"status": 500})
 
     async def go():
         async with UpstreamEngine(url, api_key=api_key) as eng:
@@ -164,7 +164,26 @@ def test_5xx_raises_upstream_error(fake, api_key, stream):
 
     events, err = asyncio.run(go())
     assert events == []
-    assert type(err) is UpstreamError and err.status == 502 and "503" in err.message
+    assert type(err) is UpstreamError and err.status == 502 and "500" in err.message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_503_raises_upstream_unavailable_with_retry_after(fake, api_key, stream):
+    app, url = fake
+    app.add_faults({"status": 503, "retry_after": 7})
+
+    async def go():
+        async with UpstreamEngine(url, api_key=api_key) as eng:
+            if stream:
+                return await _collect(eng, _req("openai"))
+            try:
+                await eng.complete(_req("openai"))
+            except Exception as exc:  # noqa: BLE001
+                return [], exc
+
+    events, err = asyncio.run(go())
+    assert events == []
+    assert type(err) is UpstreamUnavailable and err.status == 503 and err.details["retry_after"] == "7"
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -172,3 +172,29 @@ def test_disagreeing_scenario_headers_on_a_read_are_400(server, sc):
 def test_repeated_identical_scenario_headers_are_one(server, sc):
     response = post_raw(server, CHAT, sc, CHAT_BODY, [("x-reef-scenario", sc)])
     assert response.status_code == 200, response.text
+
+
+# -- D8: a provider 503 is relayed with its Retry-After --------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize("path", [CHAT, MESSAGES])
+def test_provider_503_is_relayed_with_retry_after(server, upstream, sc, path, stream):
+    upstream.faults({"status": 503, "retry_after": 7})
+    text = '{"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "stream": %s}' % (
+        "true" if stream else "false")
+    response = post_raw(server, path, sc, text)
+    assert response.status_code == 503, response.text
+    assert response.headers.get("retry-after") == "7"
+    body = response.json()
+    if path == MESSAGES:
+        assert body["type"] == "error" and body["error"]["type"] == "overloaded_error", body
+    else:
+        assert body["error"]["type"] == "server_error", body
+    assert httpx.get(f"{server.url}/reef/scenarios/{sc}/records", timeout=30).status_code == 404
+
+
+def test_provider_500_stays_502_without_retry_after(server, upstream, sc):
+    upstream.faults({"status": 500, "retry_after": 7})
+    response = post_raw(server, CHAT, sc, CHAT_BODY)
+    assert response.status_code == 502, response.text
+    assert "retry-after" not in response.headers

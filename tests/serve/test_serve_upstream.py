@@ -211,7 +211,7 @@ def test_errors_in_each_dialect(reef_server, fake_upstream_url, upstream, sc):
     with pytest.raises(anthropic.APIStatusError) as info:
         claude(server, max_retries=0).messages.create(model="m", max_tokens=5, extra_headers={"x-reef-scenario": sc},
                                                       messages=[{"role": "user", "content": "b"}])
-    assert info.value.status_code == 502
+    assert info.value.status_code == 503  # relayed (#37 D8)
     upstream.faults({"delay_s": 3})
     timed_out = httpx.post(f"{url}/v1/chat/completions", headers={"x-reef-scenario": sc}, timeout=30,
                            json={"model": "m", "messages": [{"role": "user", "content": "slow"}]})
