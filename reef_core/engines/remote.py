@@ -134,10 +134,11 @@ class RemoteEngine(Engine):
         self.tool_call_parser = tool_parser(tool_call_parser)
         self.tool_parser: str | None = None  # resolved against the tokenizer's chat template at start
         self.url = url.rstrip("/").removesuffix("/v1")
-        self.model_dir = Path(model_dir)
+        # Absolute: the server resolves a relative path against its own working directory, not Reef's.
+        self.model_dir = Path(model_dir).expanduser().absolute()
         self.name = name or self.model_dir.name
         self.version = version
-        self.weights_dir = Path(weights_dir)
+        self.weights_dir = Path(weights_dir).expanduser().absolute()
         self.timeout_s = float(timeout_s)
         self.ready_timeout_s = float(ready_timeout_s)
         self.retry_timeout_s = float(retry_timeout_s if retry_timeout_s is not None else timeout_s)
@@ -656,8 +657,13 @@ class RemoteEngine(Engine):
                 raise ConfigError(f"engine.model {self.model_dir} holds no safetensors weights to publish over")
             for key, value in state_dict.items():
                 if key in tensors:  # keys the files lack are tied to one they hold (lm_head -> embeddings)
+                    if tuple(value.shape) != tuple(tensors[key].shape):
+                        # Caught here, not by the server: a reload that fails can take the server down with it.
+                        raise UpstreamError(f"release {version}: tensor {key} has shape {tuple(value.shape)}, the "
+                                          f"served model's is {tuple(tensors[key].shape)}")
                     tensors[key] = value.detach().to("cpu", tensors[key].dtype).contiguous()
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            _check_readable(tmp / "model.safetensors", {k: tuple(v.shape) for k, v in tensors.items()})
             if target.exists():
                 shutil.rmtree(target)
             tmp.rename(target)
@@ -784,6 +790,16 @@ def _error_message(out: Any) -> Any:
 def _usage(tokens: TokenData) -> dict:
     n, m = len(tokens.prompt_ids), len(tokens.output_ids)
     return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+
+
+def _check_readable(path: Path, shapes: dict[str, tuple]) -> None:
+    """Read back a written release file's header: every tensor there with its shape (a short write raises)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        found = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    if found != shapes:
+        raise UpstreamError(f"release file {path} does not read back as written")
 
 
 def _safe(version: str) -> str:

