@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from email.utils import parsedate_to_datetime
 from typing import AsyncIterator
 
@@ -52,6 +53,8 @@ _DROP_RESPONSE = frozenset({
     "set-cookie", "x-reef-agent-record-id", "alt-svc", "via", "te", "trailer", "upgrade",
 })
 _ANTHROPIC_VERSION = "2023-06-01"
+
+log = logging.getLogger("reef.engines.upstream")
 
 
 def _filter_response_headers(headers: CIMultiDictProxy) -> dict[str, str]:
@@ -274,8 +277,14 @@ class UpstreamEngine(Engine):
         except TimeoutError as exc:  # aiohttp's timeouts are TimeoutError subclasses too
             raise UpstreamTimeout(f"provider did not answer within {self.timeout_s:g} s") from exc
         except aiohttp.ClientError as exc:
-            raise UpstreamError(f"provider connection failed: {exc.__class__.__name__}: {exc}") from exc
+            raise self._connection_failed(exc, "provider connection failed") from exc
         return self._to_response(resp, raw, req)
+
+    def _connection_failed(self, exc: Exception, message: str) -> UpstreamError:
+        """The error a client sees for a broken provider connection: a stable message (the HTTP client's exception
+        text changes with its version and says nothing a client can act on); the detail goes to the log."""
+        log.warning("%s: %s (%s: %s)", self.name, message, type(exc).__name__, exc)
+        return UpstreamError(message)
 
     async def count_tokens(self, req: EngineRequest) -> EngineResponse:
         """Anthropic providers count exactly (``/v1/messages/count_tokens``).
@@ -308,6 +317,7 @@ class UpstreamEngine(Engine):
         path, content, headers = self._prepare(req, stream=True)
         client = self._client_or_fail()
         anthropic = self.dialect == "anthropic"
+        relaying = False
         try:
             async with await self._post(client, path, content, headers) as resp:
                 ctype = resp.headers.get("content-type", "")
@@ -315,6 +325,7 @@ class UpstreamEngine(Engine):
                     raw = await self._read_limited(resp)
                     raise DirectResponse(self._to_response(resp, raw, req))
                 yield StreamEvent(HEADERS_EVENT, _filter_response_headers(resp.headers))
+                relaying = True
                 decoder = SSEDecoder()
                 async for chunk in resp.content.iter_any():
                     for name, data in decoder.feed(chunk):
@@ -344,7 +355,8 @@ class UpstreamEngine(Engine):
         except TimeoutError as exc:
             raise UpstreamTimeout(f"provider stream stalled for {self.timeout_s:g} s") from exc
         except aiohttp.ClientError as exc:
-            raise UpstreamError(f"provider connection failed: {exc.__class__.__name__}: {exc}") from exc
+            raise self._connection_failed(exc, "the provider connection broke off mid-stream" if relaying
+                                          else "provider connection failed") from exc
 
 
 #: The events that end a Responses stream (it has no ``[DONE]``).

@@ -198,3 +198,38 @@ def test_provider_500_stays_502_without_retry_after(server, upstream, sc):
     response = post_raw(server, CHAT, sc, CHAT_BODY)
     assert response.status_code == 502, response.text
     assert "retry-after" not in response.headers
+
+
+# -- D9: a stream cut by the provider ends with a stable message and code ------------------------------------------
+
+def _events(response: httpx.Response) -> list[tuple[str | None, object]]:
+    out, name = [], None
+    for line in response.text.splitlines():
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            data = line[6:]
+            out.append((name, data if data == "[DONE]" else json.loads(data)))
+            name = None
+    return out
+
+
+@pytest.mark.parametrize("path", [CHAT, MESSAGES, RESPONSES])
+def test_a_cut_stream_ends_with_a_stable_error(server, upstream, sc, path):
+    upstream.faults({"reset_after_events": 2})
+    text = ('{"model": "m", "max_tokens": 8, "input": "a stream that breaks", "stream": true}' if path == RESPONSES
+            else '{"model": "m", "max_tokens": 8, "stream": true, '
+                 '"messages": [{"role": "user", "content": "a stream that breaks midway"}]}')
+    response = post_raw(server, path, sc, text)
+    assert response.status_code == 200
+    _, last = _events(response)[-1]
+    error = last["error"] if "error" in last and isinstance(last["error"], dict) else last
+    assert error["message"] == "the provider connection broke off mid-stream", last
+    assert error.get("code", "upstream_error") == "upstream_error", last
+    # The HTTP client's exception never reaches the client, nor the record.
+    for leaked in ("aiohttp", "ClientPayloadError", "TransferEncodingError", "Not enough data", "ServerDisconnected"):
+        assert leaked not in response.text
+    receipt = (last.get("reef") or {}).get("agent_record_id") or last["response"]["id"].removeprefix("resp_")
+    record = httpx.get(f"{server.url}/reef/scenarios/{sc}/records/{receipt}", timeout=30).json()
+    assert record["complete"] is False
+    assert record["payload"]["error"] == "the provider connection broke off mid-stream"
