@@ -27,7 +27,6 @@ import logging
 import os
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -232,7 +231,7 @@ class ScenarioLearner:
         except Exception as exc:  # noqa: BLE001 - the learner must survive a bad step
             self.counters["errors"] += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
-            log.error("scenario %s: learner step failed:\n%s", self.name, traceback.format_exc())
+            log.error("scenario %s: learner step failed", self.name, exc_info=True)
             self.ports.pool.schedule_later(self.name, RETRY_AFTER_S)
         finally:
             self._running = False
@@ -456,8 +455,7 @@ class ScenarioLearner:
             return True
         except Exception as exc:  # noqa: BLE001 - any activation failure must leave an honest head
             error = f"{type(exc).__name__}: {exc}"[:2000]
-            log.error("scenario %s: release %s failed to activate:\n%s", self.name, release_id,
-                      traceback.format_exc())
+            log.error("scenario %s: release %s failed to activate", self.name, release_id, exc_info=True)
         before_head, before_live = before
         restored_id = None
         restored_activated = False  # not re-activated when a live version still serves from memory

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 
 from ..errors import ConfigError
@@ -17,6 +18,42 @@ from ..errors import ConfigError
 FORMATS = ("text", "json")
 LEVELS = ("debug", "info", "warning", "error", "critical")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _escape(char: int) -> str:
+    return {0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"}.get(char, f"\\x{char:02x}" if char < 0x100 else f"\\u{char:04x}")
+
+
+#: Control characters (C0, DEL, C1) and the Unicode line and paragraph separators, as escapes: what a client's
+#: string could use to start a line of its own (or to drive a terminal) in a text log.
+_CONTROLS = {c: _escape(c) for c in [*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029]}
+_BREAKS = {c: e for c, e in _CONTROLS.items() if c != 0x0A}
+#: Lines of a traceback that start at the margin: its header, the chaining sentences and ``Type: message``.
+_TRACEBACK_MARGIN = re.compile(r"Traceback \(most recent call last\):$|During handling of the above exception|"
+                               r"The above exception was the direct cause|[A-Za-z_][\w.]*(: |$)")
+
+
+class SafeTextFormatter(logging.Formatter):
+    """The text format, with every client string made harmless in one place: control characters of the message
+    (its arguments carry paths, scenario names, header values) are escaped, so no request can write a log line of
+    its own. A traceback keeps its line breaks; a line of it that Python would not start at the margin (an
+    exception message's own line break) is indented. The JSON format needs none of this: ``json.dumps`` escapes."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = record.message.translate(_CONTROLS)
+        return super().formatMessage(record)
+
+    def formatException(self, ei) -> str:
+        return _margin(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return _margin(super().formatStack(stack_info))
+
+
+def _margin(text: str) -> str:
+    lines = text.translate(_BREAKS).split("\n")
+    return "\n".join(line if not line or line[0] == " " or _TRACEBACK_MARGIN.match(line) else "    " + line
+                      for line in lines)
 
 
 class JsonFormatter(logging.Formatter):
@@ -46,7 +83,7 @@ def configure(server_cfg) -> None:
     check(server_cfg)
     level = getattr(logging, str(server_cfg.log_level).upper())
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if server_cfg.log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if server_cfg.log_format == "json" else SafeTextFormatter(TEXT_FORMAT))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

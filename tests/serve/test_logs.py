@@ -11,7 +11,7 @@ import pytest
 
 from reef_core.config.schema import ServerConfig
 from reef_core.errors import ConfigError
-from reef_core.serve.logs import JsonFormatter, check
+from reef_core.serve.logs import JsonFormatter, SafeTextFormatter, check
 from reef_core.testing.fixtures import wait_until
 
 TOKEN = "log-test-token-do-not-print"
@@ -64,3 +64,37 @@ def test_json_formatter_keeps_fields_and_exceptions():
     record.reef = {"route": "/x", "status": 200}
     out = json.loads(JsonFormatter().format(record))
     assert out["message"] == "GET /x" and out["route"] == "/x" and out["status"] == 200 and out["ts"].endswith("Z")
+
+
+FORGED = "2026-01-01 00:00:00,000 WARNING reef.audit: admin action rollback"
+
+
+def test_text_log_lines_cannot_be_forged_by_a_client(reef_server, fake_upstream_url):
+    # #37 D3: an unauthenticated request whose path (and scenario header) hold a line break wrote that line.
+    server = reef_server("engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}",
+                         f"server.tokens=[{TOKEN}]")
+    forged = FORGED.replace(" ", "%20")
+    refused = httpx.get(f"{server.url}/reef/scenarios/x%0a{forged}%0d%1b[2J/status")
+    assert refused.status_code == 401
+    refused = httpx.get(f"{server.url}/reef/scenarios", headers={"x-reef-scenario": ("x\u2028" + FORGED).encode()})
+    assert refused.status_code == 401
+    wait_until(lambda: server.log_path.read_text().count("refused GET") >= 2, timeout=30, what="the audit lines")
+    lines = server.log_path.read_text().splitlines()
+    assert not any(line.startswith(FORGED) for line in lines), lines
+    assert not any("\x1b" in line or "\u2028" in line or "\r" in line for line in lines)
+    assert any("scenario=x\\n2026-01-01" in line for line in lines), lines  # kept, escaped
+
+
+def test_text_formatter_escapes_control_characters_in_the_message_and_the_exception():
+    formatter = SafeTextFormatter("%(levelname)s %(message)s")
+    record = logging.LogRecord("reef.audit", logging.WARNING, __file__, 1, "refused scenario=%s", ("a\nb\r\x1b\u2028\x85",),
+                               None)
+    assert formatter.format(record) == "WARNING refused scenario=a\\nb\\r\\x1b\\u2028\\x85"
+    try:
+        raise ValueError("bad\nWARNING forged\x1b")
+    except ValueError:
+        import sys
+        record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
+    text = formatter.format(record)
+    assert "\x1b" not in text and not any(line.startswith("WARNING forged") for line in text.splitlines())
+    assert text.startswith("ERROR failed\nTraceback")  # a traceback keeps its own lines
