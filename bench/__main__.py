@@ -22,6 +22,7 @@ BENCHMARKS = {
     "batch": "bench.batch",
     "ready": "bench.ready",
     "learn-smollm2": "bench.learn_smollm2",
+    "learn-vllm": "bench.learn_vllm",
     "train": "bench.train",
 }
 
