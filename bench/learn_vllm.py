@@ -40,13 +40,16 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from bench import common
 from bench.learn_smollm2 import SCENARIO, _commits, _load_client, gain
 from bench.publish import _get_json
-from reef_core.testing.real_vllm import INSTALL_HINT, RealVLLM, vllm_python
+
+if TYPE_CHECKING:
+    from reef_core.testing.real_vllm import RealVLLM
 
 ARMS = ("local", "vllm")
 #: Greedy decoding of this prompt runs long (no early end of sequence), so every run decodes --decode-tokens.
@@ -106,6 +109,9 @@ def refuse_without_vllm(arms: list[str]) -> str | None:
     """The vLLM interpreter when the vllm arm runs; exit 2 naming the install step when there is none."""
     if "vllm" not in arms:
         return None
+    # Imported here: the other benchmarks of `python -m bench` import this module, and need none of it.
+    from reef_core.testing.real_vllm import INSTALL_HINT, vllm_python
+
     python = vllm_python()
     if python is None:
         print(f"learn-vllm: {INSTALL_HINT} (or run only the embedded arm: --arms local)", file=sys.stderr)
@@ -275,6 +281,8 @@ def _swap_server(server: RealVLLM, model_dir: Path, python: str | None, args, ar
     vLLM 0.32 does not reload: where Reef has ``reef_core.engines.untie`` (full-weight releases refused on a tied
     model), the learning arm's server is stopped and a fresh one serves an untied copy, as Reef asks; otherwise the
     same server is used."""
+    from reef_core.testing.real_vllm import RealVLLM
+
     try:
         from reef_core.engines.untie import ties_embeddings, untied_copy
     except ImportError:
@@ -301,6 +309,8 @@ def run_arm(kind: str, args, cache: str, model_dir: Path, workdir: Path, python:
     server = None
     engine = []
     if kind == "vllm":
+        from reef_core.testing.real_vllm import RealVLLM
+
         server = RealVLLM(model_dir, python=python, log_path=arm_dir / "vllm.log",
                           ready_timeout_s=args.vllm_ready_timeout)
         server.start()

@@ -34,7 +34,7 @@ def test_bad_bounds_and_arms_are_usage_errors(argv, capsys):
 
 
 def test_without_vllm_it_refuses_with_exit_2_naming_the_install_step(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(learn_vllm, "vllm_python", lambda: None)
+    monkeypatch.setattr("reef_core.testing.real_vllm.vllm_python", lambda: None)
     monkeypatch.setattr("bench.common.RESULTS", tmp_path)  # nothing may be written either
     with pytest.raises(SystemExit) as exc:
         bench_main.main(["learn-vllm", "--rounds", "1"])
@@ -45,7 +45,7 @@ def test_without_vllm_it_refuses_with_exit_2_naming_the_install_step(monkeypatch
 
 
 def test_the_embedded_arm_alone_needs_no_vllm(monkeypatch):
-    monkeypatch.setattr(learn_vllm, "vllm_python", lambda: None)
+    monkeypatch.setattr("reef_core.testing.real_vllm.vllm_python", lambda: None)
     assert learn_vllm.refuse_without_vllm(["local"]) is None
 
 
