@@ -99,6 +99,7 @@ def _make_remote_engine(config, data_dir: Path, kind: str, cls):
     """An HTTP serving engine of ``kind`` from ``engine.*`` (the keys SGLang and vLLM share)."""
     require("local", f"engine.kind={kind}")  # the tokenizer and the trainer's torch stack
     from ..engines.launch import launcher_from_config
+    from ..engines.untie import ties_embeddings, untied_copy
     from ..grow.models import resolve_model
 
     if str(config.model) == "smollm2":
@@ -111,7 +112,12 @@ def _make_remote_engine(config, data_dir: Path, kind: str, cls):
             raise ConfigError(f"engine.{key} must be positive, got {getattr(config, key)}")
     if config.retry_timeout_s is not None and not float(config.retry_timeout_s) > 0:
         raise ConfigError(f"engine.retry_timeout_s must be positive, got {config.retry_timeout_s}")
-    launcher = launcher_from_config(config.launch, model_dir, kind=kind)
+    weights_dir = Path(config.weights_dir) if config.weights_dir else Path(data_dir) / "engine-weights"
+    served_dir = model_dir
+    if kind == "vllm" and config.launch and ties_embeddings(model_dir):
+        # vLLM reloads a tied output head from nothing: the managed server serves an untied copy (engines/untie.py).
+        served_dir = untied_copy(model_dir, weights_dir.absolute() / "base-untied")
+    launcher = launcher_from_config(config.launch, served_dir, kind=kind)
     url = config.url or os.environ.get("REEF_ENGINE_URL")
     if launcher is not None:
         if url:
@@ -121,7 +127,6 @@ def _make_remote_engine(config, data_dir: Path, kind: str, cls):
         raise ConfigError(f"engine.kind={kind} needs engine.url (or REEF_ENGINE_URL), or engine.launch to start one")
     if not str(url).startswith(("http://", "https://")):
         raise ConfigError(f"engine.url must be an http(s) URL, not {url!r}")
-    weights_dir = Path(config.weights_dir) if config.weights_dir else Path(data_dir) / "engine-weights"
     return cls(
         str(url), model_dir,
         version=f"{uuid.uuid4().hex[:8]}:0",

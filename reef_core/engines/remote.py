@@ -63,6 +63,7 @@ from reef_core.engines.sse import SSEDecoder
 from reef_core.engines.toolcalls import finish_reason, parse_tool_calls, resolve_parser, tool_parser
 from reef_core.engines.topk import MAX_K, TopK
 from reef_core.engines.translate import anthropic_count_tokens_to_openai, error_body
+from reef_core.engines.untie import tie_in_release
 from reef_core.errors import ConfigError, Conflict, ReefError, UpstreamError, UpstreamTimeout, ValidationFailed
 
 log = logging.getLogger("reef.engines.remote")
@@ -139,6 +140,8 @@ class RemoteEngine(Engine):
         self.name = name or self.model_dir.name
         self.version = version
         self.weights_dir = Path(weights_dir).expanduser().absolute()
+        #: The served model's files that full-weight releases are written over (a subclass may serve a copy).
+        self.release_base = self.model_dir
         self.timeout_s = float(timeout_s)
         self.ready_timeout_s = float(ready_timeout_s)
         self.retry_timeout_s = float(retry_timeout_s if retry_timeout_s is not None else timeout_s)
@@ -648,7 +651,7 @@ class RemoteEngine(Engine):
         tmp.mkdir(parents=True)
         try:
             tensors: dict = {}
-            for f in sorted(self.model_dir.iterdir()):
+            for f in sorted(self.release_base.iterdir()):
                 if f.is_file() and f.suffix == ".safetensors":
                     tensors.update(load_file(str(f)))
                 elif f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WEIGHT_INDEXES:
@@ -662,6 +665,7 @@ class RemoteEngine(Engine):
                         raise UpstreamError(f"release {version}: tensor {key} has shape {tuple(value.shape)}, the "
                                           f"served model's is {tuple(tensors[key].shape)}")
                     tensors[key] = value.detach().to("cpu", tensors[key].dtype).contiguous()
+            tie_in_release(self.release_base, tensors)
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             _check_readable(tmp / "model.safetensors", {k: tuple(v.shape) for k, v in tensors.items()})
             if target.exists():

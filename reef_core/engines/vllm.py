@@ -36,6 +36,7 @@ from typing import Any, AsyncIterator
 from reef_core.engines.base import EngineResponse
 from reef_core.engines.chat_body import SamplingParams
 from reef_core.engines.remote import ADAPTER_NAME, Generation, RemoteEngine, adapter_name
+from reef_core.engines.untie import MARKER, ties_embeddings
 from reef_core.errors import ConfigError, UpstreamError
 
 __all__ = ["VLLMEngine", "adapter_name"]
@@ -54,16 +55,46 @@ class VLLMEngine(RemoteEngine):
         super().__init__(*args, **kwargs)
         self.served_name: str | None = None  # the base model's name on the server (GET /v1/models)
         self._serving_dir = self.model_dir  # the directory the served full weights were loaded from
+        self._ties = False  # the served model ties its output head to its embeddings (see _read_served_root)
         self._lost = False  # a failed update left the server unable to serve what Reef says it serves
 
     async def _after_ready(self) -> None:
         cards = (await self._get("/v1/models")).get("data") or []
-        names = [c.get("id") for c in cards if isinstance(c, dict) and not c.get("parent")
+        bases = [c for c in cards if isinstance(c, dict) and not c.get("parent")
                  and isinstance(c.get("id"), str) and not ADAPTER_NAME.match(c["id"])]
-        if not names:
+        if not bases:
             raise UpstreamError(f"vLLM server at {self.url} lists no base model in /v1/models")
-        self.served_name = names[0]
+        self.served_name = bases[0]["id"]
         self._proxy.model = self.served_name
+        self._read_served_root(bases[0].get("root"))
+
+    def _read_served_root(self, root) -> None:
+        """Which files the server loaded (``root``: its ``--model``), where they are readable here: an untied copy
+        (:mod:`reef_core.engines.untie`) is what releases are written over; a model that ties its embeddings cannot
+        take full-weight releases on vLLM 0.32."""
+        served = Path(root) if isinstance(root, str) and root else None
+        if served is not None and (served / "config.json").is_file():
+            if (served / MARKER).is_file():
+                self.release_base = served.absolute()
+            self._ties = ties_embeddings(served)
+        else:
+            self._ties = ties_embeddings(self.model_dir)
+        self._serving_dir = self.release_base
+        if self._ties:
+            log.warning("the vLLM server at %s serves a model that ties its embeddings: vLLM 0.32 reloads such a "
+                        "model's output head from nothing, so full-weight releases are refused (LoRA releases "
+                        "serve); %s", self.url, self._untie_hint())
+
+    def _untie_hint(self) -> str:
+        return (f"start vLLM on an untied copy (python -m reef_core.engines.untie {self.model_dir} <copy dir>, then "
+                "--model <copy dir>), or let engine.launch start it")
+
+    async def swap_weights(self, version: str, state_dict: dict | None = None) -> None:
+        if state_dict is not None and self._ties:
+            raise UpstreamError(f"release {version} not published: the vLLM server at {self.url} serves a model "
+                                f"that ties its embeddings, and vLLM 0.32 would serve it with the base model's "
+                                f"output head; {self._untie_hint()}")
+        await super().swap_weights(version, state_dict)
 
     async def _check_original_logprobs(self) -> None:
         ids = await asyncio.to_thread(self._prompt_ids, [{"role": "user", "content": "Hello"}], None)
@@ -98,8 +129,8 @@ class VLLMEngine(RemoteEngine):
         if isinstance(served, str) and ":" in served and not served.endswith(":0"):
             # An earlier Reef process published a release into this server: serve the base again.
             log.info("vLLM serves %s left by an earlier Reef process; reloading the base from %s", served,
-                     self.model_dir)
-            await self._reload(self.model_dir)
+                     self.release_base)
+            await self._reload(self.release_base)
         await self._call("/update_weight_version", {"new_version": self.version})
 
     async def _paused_update(self, path: Path | None, version: str) -> None:
@@ -146,8 +177,8 @@ class VLLMEngine(RemoteEngine):
                 await asyncio.to_thread(self.launcher.stop)
                 await asyncio.to_thread(self.launcher.start)
                 await self._wait_ready()
-                self._serving_dir, restarted = self.model_dir, True
-            if not (restarted and previous == self.model_dir):
+                self._serving_dir, restarted = self.release_base, True
+            if not (restarted and previous == self.release_base):
                 await self._reload(previous)  # undoes a half-done reload; a fresh server loads what served
             await self._call("/update_weight_version", {"new_version": self.version})
         except UpstreamError as exc:

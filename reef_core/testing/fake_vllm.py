@@ -86,7 +86,6 @@ class FakeVLLM(FakeSGLang):
         # survives is for tests of Reef's own restore logic only.
         self.survive_worker_errors = survive_worker_errors
         self.weight_version = "default"  # vLLM's label before any update_weight_version
-        self._base_state = {k: v.clone() for k, v in self.model.state_dict().items()}
         self.exit_on_crash = False  # the process fake exits, as the real server does
         self.stats.update({"completions": 0, "reloads": 0})
 
@@ -173,6 +172,9 @@ class FakeVLLM(FakeSGLang):
             fault = self._take_fault("reload_weights")
             if fault is not None and not fault.get("after_load"):
                 self._worker_failed(fault.get("message", "injected failure: weights not reloaded"))
+            # vLLM 0.32's layerwise reload loads no weights into a tied output head and puts its old tensors
+            # back: the head keeps what it had while the embeddings move.
+            self._untie_head()
             try:
                 if not target.is_dir():  # vLLM then takes the path for a hub id
                     raise ValueError(f"Repo id must be in the form 'repo_name' or 'namespace/repo_name': "
@@ -187,6 +189,11 @@ class FakeVLLM(FakeSGLang):
             return {"results": [None]}
         self._worker_failed(f"worker has no method {method!r}")
 
+    def _untie_head(self) -> None:
+        head = self.model.get_output_embeddings()
+        if head is not None and head.weight is self.model.get_input_embeddings().weight:
+            head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+
     def _worker_failed(self, message: str):
         """A worker exception in collective_rpc: a 500 naming it, and (as on vLLM 0.32) the engine core is gone."""
         if not self.survive_worker_errors:
@@ -200,7 +207,10 @@ class FakeVLLM(FakeSGLang):
         """A supervisor started the server again: the base weights, no adapters, no label (tests)."""
         self.crashed = None
         self._aborting.clear()
-        self.model.load_state_dict(self._base_state)
+        from reef_core.grow.models import load_model
+
+        self.model.tie_weights()  # a new process: the model as its files define it
+        self.model.load_state_dict(load_model(self.model_dir)[0].state_dict())
         self._adapters.clear()
         self._known.clear()
         self.weight_version = "default"

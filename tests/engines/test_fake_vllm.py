@@ -133,3 +133,22 @@ def test_dev_mode_and_runtime_lora_routes_exist_only_when_enabled(tiny_model_dir
             for path in ("/pause", "/collective_rpc", "/update_weight_version", "/v1/load_lora_adapter"):
                 assert client.post(path, json={}).status_code == 404, path
             assert client.get("/weight_info").status_code == 404 and client.get("/health").status_code == 200
+
+
+def test_a_reload_leaves_a_tied_output_head_on_its_old_weights_as_vllm_0_32_does(tiny_model_dir, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    app = FakeVLLM(tiny_model_dir)
+    head = app.model.get_output_embeddings().weight.detach().clone()
+    tensors = {k: v + 0.5 for k, v in load_file(str(tiny_model_dir / "model.safetensors")).items()}
+    for f in tiny_model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with serve_asgi(app) as url:
+        rpc = httpx.post(f"{url}/collective_rpc", json={"method": "reload_weights",
+                                                        "kwargs": {"weights_path": str(tmp_path)}})
+    assert rpc.status_code == 200
+    assert torch.equal(app.model.get_output_embeddings().weight, head)  # the head kept the base's
+    assert not torch.equal(app.model.get_input_embeddings().weight, head)  # the embeddings moved

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from reef_core.engines.base import TOKENS_EVENT, EngineRequest
+from reef_core.engines.untie import untied_copy
 from reef_core.engines.vllm import VLLMEngine, adapter_name
 from reef_core.errors import ConfigError, UpstreamError, UpstreamTimeout, ValidationFailed
 from reef_core.testing import serve_asgi
@@ -26,8 +27,14 @@ def _req(version=None, tokens=True, **body):
 
 
 @pytest.fixture(scope="module")
-def fake_app(tiny_model_dir):
-    return FakeVLLM(tiny_model_dir)
+def served_dir(tiny_model_dir, tmp_path_factory):
+    """What vLLM serves of the tiny model (it ties its embeddings): Reef's untied copy, as engine.launch serves."""
+    return untied_copy(tiny_model_dir, tmp_path_factory.mktemp("served") / "tiny-untied")
+
+
+@pytest.fixture(scope="module")
+def fake_app(served_dir):
+    return FakeVLLM(served_dir)
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +51,14 @@ def base(tiny_model_dir):
 
 
 @pytest.fixture
-def fake(fake_app, fake_url, base, tiny_model_dir):
+def fake(fake_app, fake_url, base, served_dir):
     """(app, url), the fake back on its base weights with no adapters, faults or delay."""
-    fake_app.model.load_state_dict(base.state_dict())
+    fake_app.revive()
     fake_app._adapters.clear()
     fake_app._known.clear()
     fake_app._faults.clear()
     fake_app.token_delay_s = 0.0
     fake_app.weight_version = "default"
-    fake_app.load_path = tiny_model_dir
     fake_app.crashed = None
     fake_app.survive_worker_errors = False
     return fake_app, fake_url
@@ -85,7 +91,7 @@ def test_recorded_logprobs_and_top_k_equal_a_recomputed_forward(fake, tiny_model
     assert resp.status == 200 and tokens.prompt_ids == prompt_ids and tokens.version == "inc:0"
     sent = _completions(app)[-1]
     assert sent["prompt"] == prompt_ids and sent["logprobs"] == 5 and sent["return_tokens_as_token_ids"] is True
-    assert sent["temperature"] == 0.8 and sent["max_tokens"] == 12 and sent["model"] == str(tiny_model_dir)
+    assert sent["temperature"] == 0.8 and sent["max_tokens"] == 12 and sent["model"] == app.served_model_name
     assert sent["top_k"] == -1 and sent["min_p"] == 0.0 and sent["repetition_penalty"] == 1.0
     chosen, full = reference_logprobs(base, tokens.prompt_ids, tokens.output_ids)
     assert torch.allclose(torch.tensor(tokens.output_logprobs), chosen, atol=1e-4)
@@ -138,7 +144,7 @@ def test_scenarios_without_training_pass_through_under_the_served_name(fake, tin
     assert resp.status == 200 and resp.tokens is None and resp.body["object"] == "chat.completion"
     assert events[-1].data == "[DONE]"
     assert app.stats["chat"] == before["chat"] + 2 and app.stats["completions"] == before["completions"]
-    assert [e["body"]["model"] for e in app.log if e["route"] == "chat"][-2:] == [str(tiny_model_dir)] * 2
+    assert [e["body"]["model"] for e in app.log if e["route"] == "chat"][-2:] == [app.served_model_name] * 2
 
 
 def test_a_server_returning_processed_logprobs_is_refused(tiny_model_dir, tmp_path):
@@ -372,3 +378,38 @@ def test_a_restarted_engine_reloads_the_base_and_unloads_left_adapters(fake, tin
     assert moved == "old:1" and left == ["aaaaaaaa-v1"] and sorted(app._known) == []
     assert resp.tokens.version == "again:0" and app.weight_version == "again:0"
     assert _close(resp.tokens, base)
+
+
+def test_a_server_on_a_model_that_ties_its_embeddings_refuses_full_weight_releases_naming_the_fix(tiny_model_dir,
+                                                                                                  tmp_path, base):
+    """vLLM 0.32 reloads a tied output head from nothing (the fake does as it does): a full-weight release would be
+    served with the base model's head, so it is refused before anything reaches the server; LoRA releases serve."""
+    app = FakeVLLM(tiny_model_dir)  # the tied model itself
+
+    async def main():
+        with serve_asgi(app) as url:
+            async with _engine(url, tiny_model_dir, tmp_path) as engine:
+                with pytest.raises(UpstreamError, match="ties its embeddings.*reef_core.engines.untie"):
+                    await engine.swap_weights("inc:1", perturbed(base, 1))
+                await engine.load_adapter("A", "inc.aaaaaaaa:1", random_adapter(base, 1))
+                return engine.version, await engine.complete(_req(version="inc.aaaaaaaa:1", max_tokens=4, seed=1))
+
+    version, resp = asyncio.run(main())
+    assert version == "inc:0" and app.stats["reloads"] == 0 and resp.tokens.version == "inc.aaaaaaaa:1"
+
+
+def test_a_release_over_the_untied_copy_serves_the_tied_model_it_was_trained_as(fake, tiny_model_dir, tmp_path,
+                                                                                base):
+    app, url = fake
+    moved = perturbed(base, 5)  # the embeddings move, and with them the tied head
+
+    async def main():
+        async with _engine(url, tiny_model_dir, tmp_path) as engine:
+            await engine.swap_weights("inc:1", moved)
+            return await engine.complete(_req(max_tokens=6, temperature=1.0, seed=2))
+
+    resp = asyncio.run(main())
+    trained = copy.deepcopy(base)
+    trained.load_state_dict(moved)
+    assert _close(resp.tokens, trained)
+    assert torch.equal(app.model.lm_head.weight, app.model.model.embed_tokens.weight)

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from reef_core.commit.git_store import GitArtifactStore
+from reef_core.engines.untie import untied_copy
 from reef_core.testing import FakeVLLM, ensure_tiny_model, serve_asgi, wait_until
 
 reef_sao_tasks = pytest.importorskip("reef_sao.tasks")
@@ -73,7 +74,8 @@ def test_failed_update_keeps_the_old_release_and_a_restart_reloads_the_head(reef
     model_dir = ensure_tiny_model(Path(os.environ["REEF_MODEL_CACHE"]) / "tiny")  # what engine.model=tiny names
     # A server that survives a failed reload, to test the core's restore rule; vLLM 0.32 stops instead, and the
     # engine's handling of that is tested in tests/engines/test_vllm.py and against the real server.
-    app = FakeVLLM(model_dir, survive_worker_errors=True)
+    # Served as Reef's untied copy, as engine.launch serves a model that ties its embeddings (engines/untie.py).
+    app = FakeVLLM(untied_copy(model_dir, tmp_path / "tiny-untied"), survive_worker_errors=True)
     with serve_asgi(app) as url:
         overrides = ("+recipe=sao", "+sao_profile=tiny", "engine.kind=vllm", f"engine.url={url}", "engine.seed=0",
                      "seed=0", "trainer.checkpoint_every_n_versions=1")
