@@ -71,6 +71,10 @@ class Component:
     #: module -> the pip requirement installing it (e.g. ``{"dspy": "reef-gepa[dspy]"}``): checked at start-up
     #: for the components a config names, so a missing optional dependency is a config error, not a late ImportError.
     requires: Mapping[str, str] = field(default_factory=dict)
+    #: ``check_options(recipe=<RecipeConfig>)``: raises :class:`~reef_core.errors.ConfigError` for an option the
+    #: component would refuse (an unknown key above all). Called at start-up for the components a config names,
+    #: since most are built only on first use, when a typo would quietly fail every step instead.
+    check_options: Callable[..., Any] | None = None
 
 
 @dataclass
@@ -172,7 +176,9 @@ class PluginManager:
                 plugin_name = impl.plugin_name
 
                 def register(name: str, factory: Callable[..., Any], *, description: str = "",
-                             requires: Mapping[str, str] | None = None, _kind=kind, _plugin=plugin_name) -> None:
+                             requires: Mapping[str, str] | None = None,
+                             check_options: Callable[..., Any] | None = None, _kind=kind,
+                             _plugin=plugin_name) -> None:
                     if not isinstance(name, str) or not name:
                         raise PluginError(f"plugin {_plugin!r} registered a {_kind} with an invalid name {name!r}")
                     previous = found[_kind].get(name)
@@ -181,7 +187,8 @@ class PluginManager:
                             f"{_kind} {name!r} is registered by both plugin {previous.plugin!r} and plugin "
                             f"{_plugin!r}; uninstall or disable one (REEF_DISABLE_PLUGINS={_plugin})"
                         )
-                    found[_kind][name] = Component(_kind, name, factory, _plugin, description, dict(requires or {}))
+                    found[_kind][name] = Component(_kind, name, factory, _plugin, description, dict(requires or {}),
+                                                   check_options)
 
                 try:
                     self._call_one(hook_name, impl, register=register)

@@ -106,13 +106,20 @@ def make_next_state(*, scenario: str, options: Any = None, serving_version=None,
                   judge=judge, load_records=load_records, **opts)
 
 
+def _checker(kind: str, allowed: tuple[str, ...]):
+    def check_options(*, recipe) -> None:
+        _options(kind, recipe.processor_options, allowed)
+
+    return check_options
+
+
 @hookimpl
 def reef_register_processors(register):
-    register("per_report", make_per_report,
+    register("per_report", make_per_report, check_options=_checker("per_report", _REPORTED),
              description="one sample per report; several receipts form one multi-turn trajectory")
-    register("grouped", make_grouped,
+    register("grouped", make_grouped, check_options=_checker("grouped", _GROUPED),
              description="samples released in complete groups sharing a key (prompt, task, metadata field)")
-    register("grid", make_grid,
+    register("grid", make_grid, check_options=_checker("grid", _GRID),
              description="whole-step barrier: a step of G groups x R rollouts trains only when complete")
-    register("next_state", make_next_state,
+    register("next_state", make_next_state, check_options=_checker("next_state", _NEXT_STATE),
              description="each turn judged by the next request of its conversation (session tag or transcript)")

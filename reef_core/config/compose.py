@@ -15,7 +15,7 @@ from typing import Any, Iterable
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ..errors import ConfigError
@@ -54,6 +54,7 @@ def compose_config(overrides: Iterable[str] = (), plugin_manager=None) -> ReefCo
 def to_plain(cfg: DictConfig) -> ReefConfig:
     """The composed tree as a :class:`ReefConfig` of dataclasses, dicts and lists (interpolations and
     environment fills resolved); raise ConfigError naming a bad field."""
+    check_known_keys(cfg)
     try:
         plain = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
@@ -61,6 +62,45 @@ def to_plain(cfg: DictConfig) -> ReefConfig:
     if not isinstance(plain, ReefConfig):  # composed without the schema: nothing downstream could trust it
         raise ConfigError("invalid configuration: the composed config is not typed by reef_schema")
     return plain
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """Refuse a key no field of its typed section declares (``+server.prot=1``): Hydra's ``+`` adds it to the
+    composed tree, and turning that into dataclasses would drop it without a word. Free-form sections (``dict``
+    fields: a component's options) are left to the component that reads them (checked at start-up too)."""
+    stack: list[tuple[Any, type, str]] = [(cfg, ReefConfig, "")]
+    while stack:
+        node, cls, where = stack.pop()
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for key in node.keys() if isinstance(node, DictConfig) else ():
+            name = f"{where}.{key}" if where else str(key)
+            if key not in fields:
+                if not where and key == "hydra":
+                    continue
+                raise ConfigError(f"unknown key {name}; known keys{' of ' + where if where else ''}: "
+                                  f"{', '.join(sorted(fields))}", key=name)
+            child = node._get_node(key)
+            kind = _dataclass_of(fields[key].type)
+            if kind is not None and isinstance(child, DictConfig):
+                stack.append((child, kind, name))
+            elif kind is not None and isinstance(child, ListConfig):  # routes: a list of typed entries
+                stack.extend((item, kind, f"{name}[{i}]") for i, item in enumerate(child) if isinstance(item, DictConfig))
+
+
+def _dataclass_of(annotation: Any) -> type | None:
+    """The dataclass a field holds, itself or as the items of a list (``list[RouteConfig]``), else None."""
+    import typing
+
+    from . import schema
+
+    if isinstance(annotation, str):  # postponed annotations: resolve in the schema module
+        annotation = eval(annotation, vars(schema), dict(vars(typing)))  # noqa: S307 - our own annotations
+    if dataclasses.is_dataclass(annotation):
+        return annotation
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is list and args and dataclasses.is_dataclass(args[0]):
+        return args[0]
+    return None
 
 
 def available_recipes(plugin_manager=None) -> list[str]:

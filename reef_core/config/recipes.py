@@ -176,6 +176,8 @@ def check_components(binding: RecipeBinding, plugin_manager: PluginManager) -> d
                     from ..extras import require_modules
 
                     require_modules(dict(component.requires), f"{kind.replace('_', ' ')} {name!r}")
+                if component.check_options is not None:  # a typo'd option: refused now, not on each step
+                    component.check_options(recipe=binding.config)
         except ReefError as exc:
             if binding.default:
                 raise

@@ -14,6 +14,7 @@ def build_deployment(cfg: ReefConfig, plugin_manager=None, role: str | None = No
     ``preload``: the engine starts loading (:meth:`~reef_core.engines.base.Engine.preload`) as soon as it exists,
     so a model loads while the record store opens and the caller builds its app; for a caller outside an event
     loop (``reef serve``), which then starts the deployment."""
+    from ..config.recipes import check_components, recipe_bindings
     from ..grow.device import check_devices
     from ..observe.records import RecordStore
     from ..plugins import get_plugin_manager
@@ -22,6 +23,9 @@ def build_deployment(cfg: ReefConfig, plugin_manager=None, role: str | None = No
     # A device the machine lacks is a config error before anything is built or written.
     check_devices(cfg)
     pm = plugin_manager or get_plugin_manager()
+    # So is a component's option it would refuse (a typo'd key): before the model loads, not on every step.
+    for binding in recipe_bindings(cfg, pm).values():
+        check_components(binding, pm)
     data_dir = Path(cfg.storage.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     engine = pm.create("engine", cfg.engine.kind, config=cfg.engine, data_dir=data_dir)

@@ -29,9 +29,16 @@ def _make_dspy_trainer(**kwargs):
     return make_trainer(**kwargs)
 
 
+def _check_options(*, recipe):
+    """``recipe.options`` as the trainer parses them, at start-up (a typo'd key is refused then)."""
+    from .options import GepaOptions
+
+    GepaOptions.from_config(recipe.options)
+
+
 @hookimpl
 def reef_register_trainers(register):
-    register("gepa", _make_trainer,
+    register("gepa", _make_trainer, check_options=_check_options,
              description="GEPA: reflective prompt evolution with a per-task Pareto front (harness text)")
     register("dspy_gepa", _make_dspy_trainer, requires={"dspy": "reef-gepa[dspy]"},
              description="dspy.GEPA: compile a DSPy program on reported records (needs reef-gepa[dspy])")

@@ -36,6 +36,20 @@ def make_trainer(**kwargs):
     return make_openclaw_trainer(**kwargs)
 
 
+def check_trainer_options(*, recipe):
+    """``recipe.options`` (and the processor's batch beside them) as the trainer parses them, at start-up."""
+    from reef_openclaw.options import OpenClawOptions
+
+    OpenClawOptions.from_options(recipe.options, recipe.processor_options)
+
+
+def check_processor_options(*, recipe):
+    """``recipe.processor_options`` keys as the processor reads them, at start-up."""
+    from reef_openclaw.processor import check_options
+
+    check_options(recipe.processor_options)
+
+
 @hookimpl
 def reef_config_searchpath():
     return "pkg://reef_openclaw.conf"
@@ -43,7 +57,7 @@ def reef_config_searchpath():
 
 @hookimpl
 def reef_register_processors(register):
-    register("openclaw", make_processor,
+    register("openclaw", make_processor, check_options=check_processor_options,
              description="next_state correlation + a registered judge + OpenClaw-RL's dispatch (score, hints)")
 
 
@@ -57,5 +71,5 @@ def reef_register_judges(register):
 
 @hookimpl
 def reef_register_trainers(register):
-    register("openclaw", make_trainer,
+    register("openclaw", make_trainer, check_options=check_trainer_options,
              description="OpenClaw-RL: PPO-clip on the judged reward + top-K OPD toward the hinted frozen base")

@@ -107,9 +107,8 @@ def build_judge(spec: Any, judges: Any = None, *, create: Callable[..., Any] | N
     return create("judge", name, options=options, engine=engine, run_async=run_async)
 
 
-def make_openclaw_processor(*, scenario: str, options: Any = None, serving_version=None, judge=None,
-                            load_records=None, create=None, engine=None, run_async=None, **_context):
-    """``openclaw`` processor factory (registered through ``reef_register_processors``)."""
+def check_options(options: Any) -> dict:
+    """``options`` with snake_case keys; a key the processor does not know is a :class:`ConfigError`."""
     if options is None:
         options = {}
     if not isinstance(options, Mapping):
@@ -121,6 +120,13 @@ def make_openclaw_processor(*, scenario: str, options: Any = None, serving_versi
             raise ConfigError(f"processor 'openclaw' has no option {key!r} (known: "
                               f"{', '.join(sorted(_NEXT_STATE + _OWN))})")
         opts[name] = value
+    return opts
+
+
+def make_openclaw_processor(*, scenario: str, options: Any = None, serving_version=None, judge=None,
+                            load_records=None, create=None, engine=None, run_async=None, **_context):
+    """``openclaw`` processor factory (registered through ``reef_register_processors``)."""
+    opts = check_options(options)
     spec, judges = opts.pop("judge", "prm"), opts.pop("judges", None)
     the_judge = judge if judge is not None else build_judge(spec, judges, create=create, engine=engine,
                                                             run_async=run_async)

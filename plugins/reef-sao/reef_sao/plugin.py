@@ -22,6 +22,13 @@ def make_report_schema(**kwargs):
     return make_sao_report_schema(**kwargs)
 
 
+def check_trainer_options(*, recipe):
+    """The trainer's options (and the processor's batch beside them) as start-up checks them."""
+    from reef_sao.options import SAOOptions
+
+    SAOOptions.from_options(recipe.options, recipe.processor_options)
+
+
 @hookimpl
 def reef_config_searchpath():
     return "pkg://reef_sao.conf"
@@ -29,7 +36,7 @@ def reef_config_searchpath():
 
 @hookimpl
 def reef_register_trainers(register):
-    register("sao", make_trainer,
+    register("sao", make_trainer, check_options=check_trainer_options,
              description="SAO: critic + skip-observation GAE + DIS loss on full weights or LoRA "
                          "(recipe.options.advantage=grpo: the GRPO-with-DIS control arm)")
 

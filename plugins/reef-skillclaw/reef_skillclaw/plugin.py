@@ -27,9 +27,16 @@ def _make_report_schema(**kwargs):
     return make_report_schema(**kwargs)
 
 
+def _check_options(*, recipe):
+    """``recipe.options`` as the trainer parses them, at start-up (a typo'd key is refused then)."""
+    from .options import SkillClawOptions
+
+    SkillClawOptions.from_config(recipe.options)
+
+
 @hookimpl
 def reef_register_trainers(register):
-    register("skillclaw", _make_trainer,
+    register("skillclaw", _make_trainer, check_options=_check_options,
              description="SkillClaw: a nightly evolver improves, describes and creates skills of a shared pool")
 
 

@@ -38,9 +38,16 @@ def reef_config_searchpath():
     return "pkg://reef_ttt.conf"
 
 
+def check_trainer_options(*, recipe):
+    """``recipe.options`` as the trainer parses them, at start-up (a typo'd key is refused then)."""
+    from reef_ttt.options import TTTOptions
+
+    TTTOptions.from_options(recipe.options)
+
+
 @hookimpl
 def reef_register_trainers(register):
-    register("ttt", make_trainer,
+    register("ttt", make_trainer, check_options=check_trainer_options,
              description="TTT-Discover / Guidance-TTT: PUCT archive + entropic LOO advantages + KL to the base, "
                          "un-clipped IS, one LoRA step per complete grid")
 
