@@ -293,6 +293,11 @@ class ScenarioLearner:
             consumed = settle.drop(batch.batch_id, f"trainer_refused: {exc.message}")
             self._commit_rejection(consumed, {"train_error": exc.message}, None, None)
             self.counters["skipped"] += 1
+            # Its records are consumed without training: an error of the step, not a quiet outcome.
+            self.counters["errors"] += 1
+            self.last_error = f"step {step} skipped: {exc.message}"
+            log.warning("scenario %s: step %s skipped, the trainer refused batch %s: %s", self.name, step,
+                        batch.batch_id, exc.message)
             return
         except Exception as exc:
             # An unexpected failure is retried on the next wake; a batch that keeps failing is dropped

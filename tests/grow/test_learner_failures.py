@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 
 from reef_core.grow.trainer import Trainer
@@ -64,3 +66,26 @@ def test_candidate_its_surface_refuses_is_rejected_not_published(serve_trainer):
         assert "harness surface refused the candidate" in commits[0]["decision"]["reason"]
         releases = httpx.get(f"{url}/reef/scenarios/refused/releases").json()["releases"]
         assert not any(r["operation"] == "training" for r in releases)
+
+
+class RefusingTrainer(Trainer):
+    """Refuses every batch the way a trainer with a bad option does (a ReefError): the step is skipped."""
+
+    def train(self, batch, ctx):
+        from reef_core.errors import ConfigError
+
+        raise ConfigError("sao: unknown option 'eps_clp' in recipe.options")
+
+
+def test_a_refused_step_counts_as_an_error_and_is_logged(serve_trainer, caplog):
+    # #37: the batch was committed as skipped while status said errors: 0, last_error: None, and nothing was logged.
+    caplog.set_level(logging.WARNING, logger="reef.learner")
+    with serve_trainer("refusing", RefusingTrainer, "recipe.processor=per_report",
+                       "+recipe.processor_options.batch_size=1") as url:
+        receipt, commits = _train_on_one_report(url, "refusing")
+        assert len(commits) == 1 and "eps_clp" in commits[0]["metrics"]["train_error"]
+        status = httpx.get(f"{url}/reef/scenarios/refusing/status").json()
+        assert status["counters"]["skipped"] == 1 and status["counters"]["errors"] == 1, status["counters"]
+        assert "eps_clp" in status["last_error"]
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "eps_clp" in r.getMessage()]
+    assert len(warned) == 1 and "refusing" in warned[0].getMessage()
