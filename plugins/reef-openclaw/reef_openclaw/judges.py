@@ -16,6 +16,7 @@ A judge is called as ``judge(turn=..., next_state=...)`` with plain dicts (see :
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import threading
@@ -25,6 +26,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from reef_core.api import ConfigError, Record, common_prefix, content_text, exchange_of, load_callable
+
+log = logging.getLogger(__name__)
 
 #: A judge's answer: ``{"score": float, "hints": [str, ...]}`` (hints already filtered by :func:`select_hints`).
 Verdict = dict
@@ -164,19 +167,37 @@ class CallableJudge:
         self.function = function
         self.name = name
         self.meter = JudgeMeter()
+        #: The scenario whose processor asks this judge (one judge per processor), for the log line.
+        self.scenario: str | None = None
+        self._warned: set[str] = set()
 
     def __call__(self, *, turn: dict, next_state: dict) -> Verdict:
         started = time.monotonic()
+        reason = None
         try:
             answer = self.function(turn=turn, next_state=next_state)
             score = answer.get("score") if isinstance(answer, dict) else None
             ok = not isinstance(score, bool) and isinstance(score, (int, float)) and math.isfinite(score)
-        except Exception:  # noqa: BLE001 - a failing rule is a failed vote, never a failed learner
+            if not ok:
+                reason, detail = "it answered no finite score", repr(answer)[:300]
+        except Exception as exc:  # noqa: BLE001 - a failing rule is a failed vote, never a failed learner
             answer, score, ok = None, None, False
+            reason, detail = f"it raised {type(exc).__name__}", str(exc)[:300]
         self.meter.add(calls=1, failed=0 if ok else 1, seconds=time.monotonic() - started)
         if not ok:
+            self._warn(reason, detail)
             return {"score": 0.0, "hints": []}
         return {"score": float(score), "hints": select_hints([answer.get("hint")], limit=1)}
+
+    def _warn(self, reason: str, detail: str) -> None:
+        # Once per reason (the judge is its scenario's): a broken rule retires every turn neutral, and the
+        # failed_votes counter alone is easy to miss; a line per vote would flood the log.
+        with self.meter._lock:
+            if reason in self._warned:
+                return
+            self._warned.add(reason)
+        log.warning("judge %s (scenario %s): a vote failed, %s: %s; the turn is scored 0 and counted in "
+                    "failed_votes (logged once per reason)", self.name, self.scenario or "?", reason, detail)
 
     def status(self) -> dict:
         return {"kind": "callable", "function": self.name, **self.meter.status()}

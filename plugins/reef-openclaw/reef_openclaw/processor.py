@@ -130,6 +130,8 @@ def make_openclaw_processor(*, scenario: str, options: Any = None, serving_versi
     spec, judges = opts.pop("judge", "prm"), opts.pop("judges", None)
     the_judge = judge if judge is not None else build_judge(spec, judges, create=create, engine=engine,
                                                             run_async=run_async)
+    if getattr(the_judge, "scenario", False) is None:  # a judge that names its scenario in its log lines
+        the_judge.scenario = scenario
     try:
         return OpenClawProcessor(scenario, judge=the_judge, serving_version=serving_version,
                                  load_records=load_records, **opts)

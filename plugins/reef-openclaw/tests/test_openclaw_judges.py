@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -165,3 +166,24 @@ def test_prm_options_are_validated_and_fill_the_sampling_settings():
     assert PRMOptions().chat_spec() == {"kind": "served", "request": {"temperature": 0.6, "max_tokens": 8192}}
     with pytest.raises(ConfigError, match="served engine"):
         make_prm_judge(options={})  # the served model, but no engine to serve it
+
+
+def test_a_failing_judge_warns_once_per_scenario_and_reason(caplog):
+    # #37: a raising judge counted failed_votes, every turn was retired neutral, and nothing was logged.
+    def raising(*, turn, next_state):
+        raise RuntimeError("the rule broke")
+
+    caplog.set_level(logging.WARNING, logger="reef_openclaw.judges")
+    judge = CallableJudge(raising, name="pkg.rules:raising")
+    judge.scenario = "chat-a"
+    turn = {"messages": [], "reply": "x", "agent_record_id": "r1", "tags": {}}
+    for _ in range(3):
+        assert judge(turn=turn, next_state={"role": "user", "content": "y"}) == {"score": 0.0, "hints": []}
+    judge.function = lambda **_: {"score": "high"}
+    judge(turn=turn, next_state={"role": "user", "content": "y"})
+    judge(turn=turn, next_state={"role": "user", "content": "y"})
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2, warned
+    assert "chat-a" in warned[0] and "pkg.rules:raising" in warned[0] and "RuntimeError" in warned[0]
+    assert "no finite score" in warned[1]
+    assert judge.status()["failed_votes"] == 5
