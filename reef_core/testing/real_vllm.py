@@ -38,7 +38,9 @@ ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", 
 
 def vllm_python() -> str | None:
     """The interpreter of the venv holding vLLM, or None when there is none."""
-    candidates = [os.environ.get("REEF_VLLM_PYTHON"), str(REPO / ".venv-vllm" / "bin" / "python")]
+    venv = Path(os.environ.get("REEF_VLLM_VENV") or ".venv-vllm")
+    candidates = [os.environ.get("REEF_VLLM_PYTHON"), str((venv if venv.is_absolute() else REPO / venv) / "bin" /
+                                                          "python")]
     for candidate in candidates:
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return candidate
