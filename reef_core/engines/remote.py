@@ -63,6 +63,7 @@ from reef_core.engines.sse import SSEDecoder
 from reef_core.engines.toolcalls import finish_reason, parse_tool_calls, resolve_parser, tool_parser
 from reef_core.engines.topk import MAX_K, TopK
 from reef_core.engines.translate import anthropic_count_tokens_to_openai, error_body
+from reef_core.engines.staging import check_readable, staged_dir
 from reef_core.engines.untie import tie_in_release
 from reef_core.errors import ConfigError, Conflict, ReefError, UpstreamError, UpstreamTimeout, ValidationFailed
 
@@ -647,9 +648,7 @@ class RemoteEngine(Engine):
         from safetensors.torch import load_file, save_file
 
         target = self.weights_dir / "full" / _safe(version)
-        tmp = target.with_name(target.name + f".tmp-{uuid.uuid4().hex[:6]}")
-        tmp.mkdir(parents=True)
-        try:
+        with staged_dir(target) as tmp:
             tensors: dict = {}
             for f in sorted(self.release_base.iterdir()):
                 if f.is_file() and f.suffix == ".safetensors":
@@ -663,17 +662,11 @@ class RemoteEngine(Engine):
                     if tuple(value.shape) != tuple(tensors[key].shape):
                         # Caught here, not by the server: a reload that fails can take the server down with it.
                         raise UpstreamError(f"release {version}: tensor {key} has shape {tuple(value.shape)}, the "
-                                          f"served model's is {tuple(tensors[key].shape)}")
+                                            f"served model's is {tuple(tensors[key].shape)}")
                     tensors[key] = value.detach().to("cpu", tensors[key].dtype).contiguous()
             tie_in_release(self.release_base, tensors)
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            _check_readable(tmp / "model.safetensors", {k: tuple(v.shape) for k, v in tensors.items()})
-            if target.exists():
-                shutil.rmtree(target)
-            tmp.rename(target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            check_readable(tmp / "model.safetensors", {k: tuple(v.shape) for k, v in tensors.items()})
         return target
 
     # ---- adapters ----------------------------------------------------------------------------------------
@@ -794,16 +787,6 @@ def _error_message(out: Any) -> Any:
 def _usage(tokens: TokenData) -> dict:
     n, m = len(tokens.prompt_ids), len(tokens.output_ids)
     return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
-
-
-def _check_readable(path: Path, shapes: dict[str, tuple]) -> None:
-    """Read back a written release file's header: every tensor there with its shape (a short write raises)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        found = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
-    if found != shapes:
-        raise UpstreamError(f"release file {path} does not read back as written")
 
 
 def _safe(version: str) -> str:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
+
+from reef_core.engines.staging import check_readable, staged_dir
 
 #: Written into the copy: which head key mirrors which embedding key.
 MARKER = "reef_untied.json"
@@ -36,7 +37,6 @@ def ties_embeddings(model_dir: Path) -> bool:
 
 def untied_copy(model_dir: Path, target: Path) -> Path:
     """Write (once) an untied copy of ``model_dir`` at ``target`` and return it (see the module docstring)."""
-    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     model_dir, target = Path(model_dir).absolute(), Path(target).absolute()
@@ -53,9 +53,7 @@ def untied_copy(model_dir: Path, target: Path) -> Path:
         raise ValueError(f"{model_dir}: no embed_tokens weight to untie the output head from")
     head = "lm_head.weight"
     tensors[head] = tensors[embed].clone()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
+    with staged_dir(target) as tmp:
         for f in model_dir.iterdir():
             if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
                 shutil.copy2(f, tmp / f.name)
@@ -65,16 +63,8 @@ def untied_copy(model_dir: Path, target: Path) -> Path:
             config["text_config"]["tie_word_embeddings"] = False
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        with safe_open(str(tmp / "model.safetensors"), framework="pt") as check:
-            if head not in check.keys():
-                raise OSError(f"{tmp}: the head did not write")
+        check_readable(tmp / "model.safetensors", {k: tuple(v.shape) for k, v in tensors.items()})
         (tmp / MARKER).write_text(json.dumps({"source": str(model_dir), "head": head, "embed": embed}))
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return target
 
 
