@@ -148,11 +148,8 @@ def test_wrong_key_is_relayed_401(fake):
     assert r.status == 401 and r.body["error"]["type"] == "authentication_error"
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_5xx_raises_upstream_error(fake, api_key, stream):
-    app, url = fake
-    app.add_faults({"status": 500})
-
+def _failed_call(url, api_key, stream):
+    """(events, error) of one call that the provider fails (streamed or plain)."""
     async def go():
         async with UpstreamEngine(url, api_key=api_key) as eng:
             if stream:
@@ -162,7 +159,14 @@ def test_5xx_raises_upstream_error(fake, api_key, stream):
             except Exception as exc:  # noqa: BLE001
                 return [], exc
 
-    events, err = asyncio.run(go())
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_5xx_raises_upstream_error(fake, api_key, stream):
+    app, url = fake
+    app.add_faults({"status": 500})
+    events, err = _failed_call(url, api_key, stream)
     assert events == []
     assert type(err) is UpstreamError and err.status == 502 and "500" in err.message
 
@@ -171,17 +175,7 @@ def test_5xx_raises_upstream_error(fake, api_key, stream):
 def test_503_raises_upstream_unavailable_with_retry_after(fake, api_key, stream):
     app, url = fake
     app.add_faults({"status": 503, "retry_after": 7})
-
-    async def go():
-        async with UpstreamEngine(url, api_key=api_key) as eng:
-            if stream:
-                return await _collect(eng, _req("openai"))
-            try:
-                await eng.complete(_req("openai"))
-            except Exception as exc:  # noqa: BLE001
-                return [], exc
-
-    events, err = asyncio.run(go())
+    events, err = _failed_call(url, api_key, stream)
     assert events == []
     assert type(err) is UpstreamUnavailable and err.status == 503 and err.details["retry_after"] == "7"
 
