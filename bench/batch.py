@@ -95,7 +95,7 @@ def _measure(model_dir: Path, args) -> dict:
 
 
 def run(args) -> dict:
-    from reef_core.grow.models import resolve_model
+    from reef_core.models.loading import resolve_model
 
     machine = common.machine()
     cache = Path(args.cache or os.environ.get("REEF_MODEL_CACHE") or tempfile.mkdtemp(prefix="reef-bench-batch-"))

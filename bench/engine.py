@@ -80,7 +80,7 @@ def _measure(model_dir: Path, args) -> dict:
 
     from reef_core.engines.base import EngineRequest
     from reef_core.engines.local import LocalEngine
-    from reef_core.grow.models import load_model
+    from reef_core.models.loading import load_model
 
     threads = args.threads or torch.get_num_threads()
     body = {"messages": PROMPT, "max_tokens": args.tokens, "temperature": 0}
@@ -118,7 +118,7 @@ def _measure(model_dir: Path, args) -> dict:
     elif not LLAMA_PY.is_file():
         skipped = f"{LLAMA_PY} missing (bash bench/setup_llama.sh)"
     else:
-        from reef_core.grow.models import smollm2_gguf_path
+        from reef_core.models.loading import smollm2_gguf_path
 
         try:
             llama = _Llama(smollm2_gguf_path(), threads, args.tokens)
@@ -148,7 +148,7 @@ def _measure(model_dir: Path, args) -> dict:
 
 
 def run(args) -> dict:
-    from reef_core.grow.models import resolve_model
+    from reef_core.models.loading import resolve_model
     import os
 
     machine = common.machine()

@@ -445,7 +445,7 @@ def run(args) -> dict:
     machine = common.machine()
     workdir = Path(tempfile.mkdtemp(prefix="reef-bench-learn-vllm-"))
     cache = args.cache or os.environ.get("REEF_MODEL_CACHE") or str(workdir / "models")
-    from reef_core.grow.models import resolve_model
+    from reef_core.models.loading import resolve_model
 
     # What `reef serve engine.model=smollm2` resolves with REEF_MODEL_CACHE=cache: vLLM serves these very files.
     model_dir = resolve_model("smollm2", workdir / "unused", Path(cache)).absolute()

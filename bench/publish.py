@@ -85,7 +85,7 @@ def run(args) -> dict:
     model_cache = os.environ.get("REEF_MODEL_CACHE", str(workdir / "models"))
     fake = None
     if args.engine in ("sglang", "vllm"):
-        from reef_core.grow.models import resolve_model
+        from reef_core.models.loading import resolve_model
 
         # The server and Reef read the same model directory (what engine.model resolves to).
         model_dir = resolve_model(args.model_dir or args.model, workdir / "data", Path(model_cache))

@@ -58,7 +58,7 @@ def serve_command(port: int, data_dir: Path, model: str, overrides: list[str]) -
 
 def ensure_model(model: str, cache: Path) -> None:
     """Build or convert the model into ``cache`` once, so that no round pays for it."""
-    from reef_core.grow.models import resolve_model
+    from reef_core.models.loading import resolve_model
 
     resolve_model(model, cache, cache)
 

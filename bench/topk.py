@@ -94,7 +94,7 @@ def _capture_ms(model_dir: Path, k: int, device, tokens: int) -> float:
 
 
 def run(args) -> dict:
-    from reef_core.grow.models import resolve_model
+    from reef_core.models.loading import resolve_model
 
     machine = common.machine()
     cache = Path(args.cache) if args.cache else Path(tempfile.mkdtemp(prefix="reef-bench-topk-"))

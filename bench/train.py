@@ -211,7 +211,7 @@ def _hf(loader, args, batch, critic_steps: int):
 def _measure(model_dir: Path, args) -> dict:
     import torch
 
-    from reef_core.grow.models import load_model
+    from reef_core.models.loading import load_model
     from reef_sao.objectives import GRPODISObjective, SAOObjective
 
     if args.threads:
@@ -280,7 +280,7 @@ def _write_profile(profiler, path: Path, args) -> None:
 
 
 def run(args) -> dict:
-    from reef_core.grow.models import resolve_model
+    from reef_core.models.loading import resolve_model
 
     _check(args)
     machine = common.machine()

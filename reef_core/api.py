@@ -125,8 +125,8 @@ _LAZY = {
     "skip_observation_gae": "reef_core.grow.losses",
     "TorchTrainer": "reef_core.grow.torch_backend",
     "adamw": "reef_core.grow.optim",
-    "build_tiny_model": "reef_core.grow.models",
-    "build_tiny_tokenizer": "reef_core.grow.models",
+    "build_tiny_model": "reef_core.models.loading",
+    "build_tiny_tokenizer": "reef_core.models.loading",
 }
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ if TYPE_CHECKING:
     from reef_core.observe.processors.conversation import common_prefix, exchange_of
     from reef_core.observe.processors.next_state import NextStateProcessor
     from reef_core.grow.losses import dis_weight, explained_variance, length_adaptive_lambda, skip_observation_gae
-    from reef_core.grow.models import build_tiny_model, build_tiny_tokenizer
+    from reef_core.models.loading import build_tiny_model, build_tiny_tokenizer
     from reef_core.grow.objective import Objective, Prepared, ValueModel, action_logits, sequence_logprobs, token_sum
     from reef_core.grow.optim import adamw
     from reef_core.grow.reference import ReferenceModel, ReferenceScores

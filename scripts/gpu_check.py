@@ -26,7 +26,7 @@ def build_model(directory: Path, size: str) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from reef_core.grow.models import CHAT_TEMPLATE, build_tiny_tokenizer, save_tokenizer
+    from reef_core.models.loading import CHAT_TEMPLATE, build_tiny_tokenizer, save_tokenizer
 
     hidden, layers, heads, kv, inter = SIZES[size]
     tok = build_tiny_tokenizer()

@@ -12,14 +12,9 @@ from ..errors import ConfigError
 from ..extras import require
 
 
-def model_cache_dir(config) -> Path | None:
-    cache = config.model_cache_dir or os.environ.get("REEF_MODEL_CACHE")
-    return Path(cache) if cache else None
-
-
 def sampling_defaults(config, model_dir: Path) -> dict[str, float]:
     """``engine.temperature`` / ``engine.top_p`` where set, else the model's generation config, else 1.0."""
-    from ..grow.models import generation_defaults
+    from ..models.loading import generation_defaults
 
     model = generation_defaults(model_dir)
     out = {}
@@ -39,8 +34,8 @@ def make_local_engine(config, data_dir: Path):
     if str(config.model) == "smollm2":
         require("demo", "engine.model=smollm2")
     from ..engines.local import LocalEngine
-    from ..grow.device import engine_device
-    from ..grow.models import resolve_model
+    from ..models.device import engine_device
+    from ..models.loading import model_cache_dir, resolve_model
 
     device = engine_device(config)  # before the model is fetched or converted: a missing device fails fast
     model_dir = resolve_model(str(config.model), Path(data_dir), model_cache_dir(config))
@@ -100,7 +95,7 @@ def _make_remote_engine(config, data_dir: Path, kind: str, cls):
     require("local", f"engine.kind={kind}")  # the tokenizer and the trainer's torch stack
     from ..engines.launch import launcher_from_config
     from ..engines.untie import ties_embeddings, untied_copy
-    from ..grow.models import resolve_model
+    from ..models.loading import model_cache_dir, resolve_model
 
     if str(config.model) == "smollm2":
         require("demo", "engine.model=smollm2")

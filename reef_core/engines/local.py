@@ -28,7 +28,7 @@ engine warms the path up at load, so the first request pays no one-time cost.
 
 Loading: a Llama checkpoint stored in bf16 (SmolLM2) is read by :mod:`reef_core.engines.lean_model`, without
 transformers' modeling code (seconds of imports at start-up); the transformers model replaces it the first time its
-forward or peft is needed. Anything else loads through :func:`reef_core.grow.models.load_model`. The decode kernel's
+forward or peft is needed. Anything else loads through :func:`reef_core.models.loading.load_model`. The decode kernel's
 packed weights are mapped in from :mod:`reef_core.engines.packcache` when an earlier start wrote them.
 :meth:`LocalEngine.preload` begins all this on the worker before :meth:`LocalEngine.start` waits for it.
 
@@ -94,7 +94,7 @@ from reef_core.engines.local_worker import Worker
 from reef_core.engines.topk import MAX_K, TopK
 from reef_core.engines.translate import anthropic_count_tokens_to_openai
 from reef_core.errors import ConfigError, Conflict, ReefError, UpstreamError, ValidationFailed
-from reef_core.grow.device import resolve_device
+from reef_core.models.device import resolve_device
 
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ def _load_model(model_dir: Path):
     model = lean_model.load(model_dir)
     if model is not None:
         return model, lean_model.load_tokenizer(model_dir)
-    from reef_core.grow.models import load_model
+    from reef_core.models.loading import load_model
 
     return load_model(model_dir)
 
@@ -247,14 +247,14 @@ class _Row:
 
 
 class LocalEngine(Engine):
-    """Serve a local causal LM (a directory loadable by ``reef_core.grow.models.load_model``).
+    """Serve a local causal LM (a directory loadable by ``reef_core.models.loading.load_model``).
 
     Args:
         model_dir: the model directory (config, weights, tokenizer with a chat template).
         max_new_tokens, temperature, top_p: defaults when the request does not set them.
         seed: seeds the engine's sampler once (reproducible runs); a request's ``seed`` takes precedence.
         device: ``engine.device``: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` or ``mps`` (see
-            :mod:`reef_core.grow.device`); the model, the generation tensors and swapped weights live there.
+            :mod:`reef_core.models.device`); the model, the generation tensors and swapped weights live there.
         name: the model id it answers to (default: the directory name).
         version: the name of the initial weights.
         num_threads: ``engine.num_threads``: when set, ``torch.set_num_threads`` at load (process-wide, so the
@@ -399,7 +399,7 @@ class LocalEngine(Engine):
         model = self._model
         if not isinstance(model, lean_model.LeanLlama):
             return model
-        from reef_core.grow.models import load_model
+        from reef_core.models.loading import load_model
 
         full, _ = load_model(self.model_dir)
         full.load_state_dict(model.state_dict())

@@ -61,7 +61,7 @@ from torch import Tensor, nn
 
 from reef_core.config.schema import EngineConfig, TrainerConfig
 from reef_core.errors import ConfigError
-from reef_core.grow.device import resolve_device
+from reef_core.models.device import resolve_device
 from reef_core.grow.eval_engine import EvalEngine, EvalGeneration
 from reef_core.grow.objective import Objective, lora_targets
 from reef_core.grow.optim import adamw
@@ -181,7 +181,7 @@ class TorchTrainer(Trainer):
             the lowest adapted one.
         grad_accumulation: micro-batches per step (capped at the batch size).
         max_grad_norm: clip the global gradient norm (``None``: no clipping; the norm is still reported).
-        device: ``trainer.device`` (see :mod:`reef_core.grow.device`): where the policy, the objective's models and
+        device: ``trainer.device`` (see :mod:`reef_core.models.device`): where the policy, the objective's models and
             the batches live; ``None`` follows the engine's default device (``from_config`` passes the deployment's
             resolved ``engine.device``).
         export_objective_state: add the objective's tensors (a critic) to every release's files.

@@ -15,7 +15,7 @@ def build_deployment(cfg: ReefConfig, plugin_manager=None, role: str | None = No
     so a model loads while the record store opens and the caller builds its app; for a caller outside an event
     loop (``reef serve``), which then starts the deployment."""
     from ..config.recipes import check_components, recipe_bindings
-    from ..grow.device import check_devices
+    from ..models.device import check_devices
     from ..observe.records import RecordStore
     from ..plugins import get_plugin_manager
     from .deployment import Deployment

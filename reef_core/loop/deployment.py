@@ -118,7 +118,7 @@ class Deployment:
 
     def _load_recipes(self) -> dict[str, RecipeBinding]:
         """Every recipe this deployment runs, each with its own sections (see ``reef_core.config.recipes``)."""
-        from ..grow.device import trainer_device
+        from ..models.device import trainer_device
 
         recipes = recipe_bindings(self.cfg, self.pm)
         for binding in recipes.values():
@@ -493,8 +493,7 @@ class Deployment:
 
     def load_base_model(self):
         """The deployment's base model, as the local engine loaded it (``(model, tokenizer)``)."""
-        from ..builtins.engines import model_cache_dir
-        from ..grow.models import load_model, resolve_model
+        from ..models.loading import load_model, model_cache_dir, resolve_model
 
         engine_cfg = self.cfg.engine
         return load_model(resolve_model(engine_cfg.model, self.data_dir, model_cache_dir(engine_cfg)))

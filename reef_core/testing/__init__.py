@@ -23,7 +23,7 @@ _EXPORTS = {
     "serve_fake_sglang": ("reef_core.testing.fake_sglang", "serve_fake_sglang"),
     "FakeVLLM": ("reef_core.testing.fake_vllm", "FakeVLLM"),
     "serve_fake_vllm": ("reef_core.testing.fake_vllm", "serve_fake_vllm"),
-    "ensure_tiny_model": ("reef_core.grow.models", "ensure_tiny_model"),
+    "ensure_tiny_model": ("reef_core.models.loading", "ensure_tiny_model"),
     "wait_until": ("reef_core.testing.fixtures", "wait_until"),
     "learn_in_rounds": ("reef_core.testing.fixtures", "learn_in_rounds"),
     "compose_config": ("reef_core.config", "compose_config"),
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
         run_fake_upstream,
         serve_fake_upstream,
     )
-    from reef_core.grow.models import ensure_tiny_model  # noqa: F401
+    from reef_core.models.loading import ensure_tiny_model  # noqa: F401
     from reef_core.testing.fake_sglang import FakeSGLang, serve_fake_sglang  # noqa: F401
     from reef_core.testing.fake_vllm import FakeVLLM, serve_fake_vllm  # noqa: F401
     from reef_core.testing.fixtures import learn_in_rounds, wait_until  # noqa: F401

@@ -118,7 +118,7 @@ class FakeSGLang:
                  seed: int = 0, incremental_streaming_output: bool = False, deterministic_inference: bool = False,
                  seed_bits: int = 32, cwd: str | Path | None = None, dtype: str | None = None,
                  lora_target_modules: list[str] | None = None):
-        from reef_core.grow.models import load_model
+        from reef_core.models.loading import load_model
 
         self.model_dir = Path(model_dir)
         self.model, self.tok = load_model(self.model_dir)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from reef_core.grow.models import (
+from reef_core.models.loading import (
     MARKER,
     _check_existing,
     _publish_dir,

@@ -207,7 +207,7 @@ class FakeVLLM(FakeSGLang):
         """A supervisor started the server again: the base weights, no adapters, no label (tests)."""
         self.crashed = None
         self._aborting.clear()
-        from reef_core.grow.models import load_model
+        from reef_core.models.loading import load_model
 
         self.model.tie_weights()  # a new process: the model as its files define it
         self.model.load_state_dict(load_model(self.model_dir)[0].state_dict())

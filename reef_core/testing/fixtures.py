@@ -261,6 +261,6 @@ def one_torch_thread():
 @pytest.fixture(scope="module")
 def tok():
     """The tiny test tokenizer, built once per test module."""
-    from reef_core.grow.models import build_tiny_tokenizer
+    from reef_core.models.loading import build_tiny_tokenizer
 
     return build_tiny_tokenizer()

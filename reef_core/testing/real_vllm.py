@@ -52,7 +52,7 @@ def ensure_vllm_tiny_model(path: Path, seed: int = 0) -> Path:
     (so a bf16 server and a float32 trainer hold the same weights), written once at ``path``."""
     import torch
 
-    from reef_core.grow.models import build_tiny_model, save_tokenizer
+    from reef_core.models.loading import build_tiny_model, save_tokenizer
 
     path = Path(path)
     if (path / "model.safetensors").is_file():

@@ -34,7 +34,7 @@ def make_bf16_llama():
     packed copies, like SmolLM2) at ``path`` and returns it."""
     import torch
 
-    from reef_core.grow.models import build_tiny_model, save_tokenizer
+    from reef_core.models.loading import build_tiny_model, save_tokenizer
 
     def make(path, seed: int):
         model, tok = build_tiny_model(seed=seed, arch="llama", hidden_size=64, num_layers=2)
@@ -50,7 +50,7 @@ def make_bf16_llama():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from reef_core.grow.models import ensure_tiny_model
+    from reef_core.models.loading import ensure_tiny_model
 
     return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 

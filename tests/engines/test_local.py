@@ -14,7 +14,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from reef_core.engines.base import TOKENS_EVENT, EngineRequest
 from reef_core.engines.local import LocalEngine
 from reef_core.errors import ConfigError, ValidationFailed
-from reef_core.grow.device import resolve_device
+from reef_core.models.device import resolve_device
 
 MESSAGES = [{"role": "system", "content": "be nice"}, {"role": "user", "content": "What is 2 + 3?"}]
 
@@ -25,7 +25,7 @@ def _req(**body):
 
 @pytest.fixture(scope="module")
 def ref(tiny_model_dir):
-    from reef_core.grow.models import load_model
+    from reef_core.models.loading import load_model
 
     return load_model(tiny_model_dir)
 

@@ -65,7 +65,7 @@ def _logprobs(model, prompt_ids, output_ids):
 
 @pytest.fixture(scope="module")
 def base(tiny_model_dir):
-    from reef_core.grow.models import load_model
+    from reef_core.models.loading import load_model
 
     model, _ = load_model(tiny_model_dir)
     return model.eval()

@@ -13,7 +13,7 @@ from reef_core.engines.base import EngineRequest
 from reef_core.engines.kernels import PackedMatrix, kernel
 from reef_core.engines.local import LocalEngine
 from reef_core.errors import ConfigError
-from reef_core.grow.models import load_model
+from reef_core.models.loading import load_model
 
 from reef_core.engines.adapter import AdapterWeights
 

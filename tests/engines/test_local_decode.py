@@ -22,7 +22,7 @@ from reef_core.engines.base import EngineRequest
 from reef_core.engines.decode import FastDecoder, Packed, supports
 from reef_core.engines.kernels import PackedMatrix, bf16_exact, kernel
 from reef_core.engines.local import LocalEngine
-from reef_core.grow.models import build_tiny_model, load_model, save_tokenizer
+from reef_core.models.loading import build_tiny_model, load_model, save_tokenizer
 from reef_core.grow.logprobs import sequence_logprobs
 
 MESSAGES = [{"role": "user", "content": "Write a long story about the sea."}]
@@ -185,7 +185,7 @@ def test_unsupported_models_keep_transformers_forward(tiny_model_dir):
 @pytest.mark.slow
 def test_smollm2_lean_path_matches_the_trainer(tmp_path):
     """SmolLM2-135M (bf16 checkpoint: every projection from the bf16 store) against the trainer's recomputation."""
-    from reef_core.grow.models import ensure_smollm2
+    from reef_core.models.loading import ensure_smollm2
 
     cache = os.environ.get("REEF_MODEL_CACHE")  # read here: the session's shared cache is set after collection
     try:

@@ -17,7 +17,7 @@ from reef_core.engines.adapter import AdapterWeights
 from reef_core.engines.base import EngineRequest
 from reef_core.engines.decode import supports
 from reef_core.engines.local import LocalEngine
-from reef_core.grow.models import build_tiny_model, load_model, save_tokenizer
+from reef_core.models.loading import build_tiny_model, load_model, save_tokenizer
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "Tell me about the sea."}], "seed": 11,
         "temperature": 1.0, "max_tokens": 10, "logprobs": True, "top_logprobs": 2}

@@ -20,7 +20,7 @@ def _req(**body):
 
 @pytest.fixture(scope="module")
 def ref(tiny_model_dir):
-    from reef_core.grow.models import load_model
+    from reef_core.models.loading import load_model
 
     return load_model(tiny_model_dir)
 

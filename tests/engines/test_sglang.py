@@ -42,7 +42,7 @@ def fake_url(fake_app):
 @pytest.fixture
 def fake(fake_app, fake_url, tiny_model_dir):
     """(app, url), the fake back on its base weights with no adapters, faults or delay."""
-    from reef_core.grow.models import load_model
+    from reef_core.models.loading import load_model
 
     fake_app.model.load_state_dict(load_model(tiny_model_dir)[0].state_dict())
     fake_app._adapters.clear()
@@ -60,7 +60,7 @@ def _engine(url, model_dir, tmp_path, **kw):
 
 @pytest.fixture(scope="module")
 def base(tiny_model_dir):
-    from reef_core.grow.models import load_model
+    from reef_core.models.loading import load_model
 
     return load_model(tiny_model_dir)[0]
 

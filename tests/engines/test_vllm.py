@@ -45,7 +45,7 @@ def fake_url(fake_app):
 
 @pytest.fixture(scope="module")
 def base(tiny_model_dir):
-    from reef_core.grow.models import load_model
+    from reef_core.models.loading import load_model
 
     return load_model(tiny_model_dir)[0]
 

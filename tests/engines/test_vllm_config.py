@@ -73,7 +73,7 @@ def test_a_managed_server_that_stops_in_a_failed_reload_is_started_again_on_the_
     import httpx
     import torch
 
-    from reef_core.grow.models import load_model
+    from reef_core.models.loading import load_model
     from reef_core.testing.remote_checks import perturbed, reference_logprobs
 
     base = load_model(tiny_model_dir)[0]

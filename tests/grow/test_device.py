@@ -8,7 +8,7 @@ import torch
 
 from reef_core.config.schema import EngineConfig, ReefConfig, TrainerConfig
 from reef_core.errors import ConfigError
-from reef_core.grow.device import available_devices, check_devices, resolve_device, trainer_device
+from reef_core.models.device import available_devices, check_devices, resolve_device, trainer_device
 
 needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(),
                                     reason="asserts what a CPU-only machine resolves")

@@ -18,7 +18,7 @@ from reef_core.engines.base import EngineRequest
 from reef_core.engines.local import LocalEngine
 from reef_core.errors import ConfigError
 from reef_core.grow.eval_engine import EvalGeneration
-from reef_core.grow.models import ensure_tiny_model, load_model
+from reef_core.models.loading import ensure_tiny_model, load_model
 from reef_core.grow.objective import Objective
 from reef_core.grow.torch_backend import TorchTrainer
 from reef_core.loop.assemble import build_deployment

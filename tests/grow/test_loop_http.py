@@ -94,7 +94,7 @@ def test_versions_publish_while_serving(reef_server, tmp_path):
 
     # Every record names the version that served it, and that version's published weights
     # reproduce the log-probs recorded for its tokens.
-    from reef_core.grow.models import load_model
+    from reef_core.models.loading import load_model
 
     base_dir = Path(__import__("os").environ["REEF_MODEL_CACHE"]) / "tiny"
     store = GitArtifactStore(server.data_dir / "artifacts.git", tmp_path / "reader")

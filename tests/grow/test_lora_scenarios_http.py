@@ -18,7 +18,7 @@ import torch
 
 from reef_core.commit.git_store import GitArtifactStore
 from reef_core.engines.adapter import AdapterWeights
-from reef_core.grow.models import load_model
+from reef_core.models.loading import load_model
 
 reef_sao_tasks = pytest.importorskip("reef_sao.tasks")
 

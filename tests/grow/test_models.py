@@ -11,8 +11,8 @@ import torch
 from transformers import AutoTokenizer
 
 from reef_core.errors import ConfigError
-from reef_core.grow import models
-from reef_core.grow.models import (
+from reef_core.models import loading as models
+from reef_core.models.loading import (
     build_tiny_model,
     build_tiny_tokenizer,
     ensure_smollm2,

@@ -18,7 +18,7 @@ import torch
 
 from reef_core.config.schema import TrainerConfig
 from reef_core.errors import ConfigError
-from reef_core.grow.models import build_tiny_model
+from reef_core.models.loading import build_tiny_model
 from reef_core.grow.objective import Objective, Prepared, sequence_logprobs, token_sum
 from reef_core.grow.ray_backend import RayBackendError, RayDataParallel, RayOptions, with_ray
 from reef_core.grow.token_batch import TokenBatch, row_from_tokens

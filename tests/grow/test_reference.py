@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from reef_core.errors import ConfigError
-from reef_core.grow.models import build_tiny_model
+from reef_core.models.loading import build_tiny_model
 from reef_core.grow.objective import Objective, Prepared, sequence_logprobs, token_sum
 from reef_core.grow.reference import AdapterBaseReference, SharedBaseReference, reference_cache
 from reef_core.grow.token_batch import TokenBatch, TokenDataError, TokenRow, row_from_tokens

@@ -64,7 +64,7 @@ def _adapted_logprobs(app: FakeSGLang, files, tokens) -> torch.Tensor:
 
     from peft import PeftConfig, get_peft_model, set_peft_model_state_dict
 
-    from reef_core.grow.models import load_model
+    from reef_core.models.loading import load_model
 
     adapter = AdapterWeights.from_files(files)
     model = get_peft_model(copy.deepcopy(load_model(app.model_dir)[0]), PeftConfig.from_peft_type(**adapter.config))

@@ -18,7 +18,7 @@ import pytest
 from reef_core.config import compose_config
 from reef_core.config.schema import SlimeConfig, TrainerConfig
 from reef_core.errors import ConfigError
-from reef_core.grow.models import build_tiny_model
+from reef_core.models.loading import build_tiny_model
 from reef_core.grow.slime import flags as slime_flags
 from reef_core.grow.slime import marker as m
 from reef_core.grow.slime import slime_args

@@ -20,7 +20,7 @@ from safetensors.torch import load as load_safetensors
 from reef_core.config import compose_config
 from reef_core.config.schema import SlimeConfig
 from reef_core.errors import ConfigError
-from reef_core.grow.models import build_tiny_model
+from reef_core.models.loading import build_tiny_model
 from reef_core.grow.slime import marker as m
 from reef_core.grow.slime import trainer as slime_trainer
 from reef_core.grow.slime.trainer import SlimeJobFailed, SlimeTrainer

@@ -18,7 +18,7 @@ import torch
 import reef_slime_hooks as hooks
 from reef_core.config.schema import SlimeConfig, TrainerConfig
 from reef_core.errors import ConfigError
-from reef_core.grow.models import build_tiny_model
+from reef_core.models.loading import build_tiny_model
 from reef_core.grow.objective import Prepared, sequence_logprobs
 from reef_core.grow.slime import jobs
 from reef_core.grow.slime.flags import job_argv

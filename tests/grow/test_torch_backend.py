@@ -11,7 +11,7 @@ from safetensors.torch import load as load_safetensors
 
 from reef_core.engines.adapter import AdapterWeights
 from reef_core.errors import ConfigError, ValidationFailed
-from reef_core.grow.models import build_tiny_model
+from reef_core.models.loading import build_tiny_model
 from reef_core.grow.objective import Objective, Prepared, ValueModel, sequence_logprobs, token_sum
 from reef_core.grow.token_batch import TokenBatch, TokenDataError, row_from_sample, row_from_tokens
 from reef_core.grow.torch_backend import (

@@ -14,7 +14,7 @@ from reef_core.engines.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterWe
 from reef_core.engines.base import EngineRequest
 from reef_core.engines.local import LocalEngine
 from reef_core.errors import Conflict
-from reef_core.grow.models import load_model
+from reef_core.models.loading import load_model
 from reef_core.grow.torch_backend import policy_lag
 from reef_core.loop.ports import ServingPorts
 from reef_core.observe.processors.eligibility import CROSS_INCARNATION, STALE, staleness_reason
@@ -77,7 +77,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from reef_core.grow.models import ensure_tiny_model
+    from reef_core.models.loading import ensure_tiny_model
 
     return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 

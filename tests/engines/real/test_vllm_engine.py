@@ -41,7 +41,7 @@ def _engine(server, tmp_path, **kw):
 
 @pytest.fixture(scope="module")
 def base(vllm_tiny_dir):
-    from reef_core.grow.models import load_model
+    from reef_core.models.loading import load_model
 
     return load_model(vllm_tiny_dir)[0]
 

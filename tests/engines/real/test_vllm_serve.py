@@ -34,7 +34,7 @@ def reef(module_reef_server, real_vllm):
 
 @pytest.fixture(scope="module")
 def trained_base(real_vllm):
-    from reef_core.grow.models import load_model
+    from reef_core.models.loading import load_model
 
     return load_model(real_vllm.trained_dir)[0]
 

@@ -31,7 +31,7 @@ SMOLLM2_MEAN_GAP = 0.1
 
 @pytest.fixture(scope="module")
 def smollm2_dir(_shared_model_cache):
-    from reef_core.grow.models import resolve_model
+    from reef_core.models.loading import resolve_model
 
     return resolve_model("smollm2", Path(os.environ["REEF_MODEL_CACHE"]), Path(os.environ["REEF_MODEL_CACHE"]))
 
@@ -48,7 +48,7 @@ def smollm2_vllm(vllm_interpreter, smollm2_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
-    from reef_core.grow.models import load_model
+    from reef_core.models.loading import load_model
 
     return load_model(smollm2_dir)[0]
 

@@ -347,6 +347,13 @@ def generation_defaults(model_dir: Path) -> dict[str, float]:
 # --------------------------------------------------------------------------- resolution and loading
 
 
+def model_cache_dir(config) -> Path | None:
+    """Where models are fetched and converted: ``engine.model_cache_dir``, else ``REEF_MODEL_CACHE``, else None
+    (``<data_dir>/models``, see :func:`resolve_model`)."""
+    cache = config.model_cache_dir or os.environ.get("REEF_MODEL_CACHE")
+    return Path(cache) if cache else None
+
+
 def resolve_model(spec: str, data_dir: Path, cache_dir: Path | None = None) -> Path:
     """Turn a model spec into a local model directory.
 
