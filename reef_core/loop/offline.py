@@ -144,7 +144,7 @@ async def _rollout(dep, scenario, task: dict) -> tuple[Record, str]:
 
 async def _report(dep, scenario, record: Record, value: float) -> None:
     """A report quoting ``record``, validated as ``POST /reef/report`` validates one."""
-    from ..serve.reports import validate_report
+    from ..observe.reports import validate_report
 
     report = validate_report({"score": value, "references": [record.record_id]})
     schema = dep.report_schema(scenario)

@@ -28,10 +28,10 @@ from ..errors import Conflict, PayloadTooLarge, ReefError, ValidationFailed
 from ..observe.model import Record, canonical_bytes
 from ..observe.names import check_record_id
 from ..observe.processors.conversation import UnusableRecord, request_messages, response_message
+from ..observe.reports import validate_report
 from .inference import read_json_body
 from .names import RECEIPT_HEADER, scenario_header
 from .tenancy import confined_reference
-from .reports import validate_report
 
 router = APIRouter()
 
