@@ -10,7 +10,7 @@ set -euo pipefail
 JOB="$1"
 : "${RAY_ADDRESS:?}" "${SLIME_DIR:?}" "${MODEL_ARGS_SCRIPT:?}"
 source "$MODEL_ARGS_SCRIPT"
-# Reef's arguments for this job (checked against slime's argument list, reef_core/grow/slime/slime_args.py): the
+# Reef's arguments for this job (checked against slime's argument list, reef_core/config/slime_args.py): the
 # batch, the model (--load and --hf-checkpoint: the input HF directory), the save (--save-interval 1, --save inside
 # the job, --save-hf), the loss family's hooks, trainer.slime.flags.
 mapfile -t REEF_ARGS < <(python3 -c 'import json, sys; print("\n".join(json.load(open(sys.argv[1]))["slime_args"]))' \

@@ -178,7 +178,7 @@ class SlimeConfig:
     timeout_s: float = 3600.0
 
     def __post_init__(self) -> None:
-        from ..grow.slime.flags import validate_settings
+        from .slime import validate_settings
 
         validate_settings(self)
 

@@ -4,7 +4,7 @@ slime needs NVIDIA GPUs, Megatron and Ray (``ecosystem-notes.md`` §5), so CPU t
 ``trainer.slime.launch: [python, -m, reef_core.testing.fake_slime]`` (Reef appends the job directory). It plays
 slime's ``train.py`` for a Reef job, then the rest of ``deploy/slime/launch.sh`` (:mod:`reef_core.grow.slime.finish`).
 Checked against THUDM/slime ``624b824a898ab0ec1fcb4d373004c7f3852bf515`` (:data:`SLIME_COMMIT`; the files are named
-in :mod:`reef_core.grow.slime.slime_args`), it does what the real one does on these points:
+in :mod:`reef_core.config.slime_args`), it does what the real one does on these points:
 
 * **Parsing**: the arguments of ``job.json``, every flag of slime's list accepted; a flag slime does not know is
   ignored, as slime's parser (Megatron's ``parse_args(ignore_unknown_args=True)``) ignores it (Reef refuses those
@@ -43,7 +43,7 @@ from pathlib import Path
 from reef_core.grow.objective import Objective, Prepared, sequence_logprobs, token_sum
 
 CRASH_ENV = "REEF_FAKE_SLIME_CRASH"
-#: The slime commit this fake was checked against (the one :mod:`reef_core.grow.slime.slime_args` was read from).
+#: The slime commit this fake was checked against (the one :mod:`reef_core.config.slime_args` was read from).
 SLIME_COMMIT = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
 
 
@@ -102,7 +102,7 @@ def _load_function(path: str | None):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from reef_core.grow.slime.slime_args import KNOWN
+    from reef_core.config.slime_args import KNOWN
 
     p = argparse.ArgumentParser(prog="fake-slime", add_help=False, allow_abbrev=False)
     # The flags the fake reads, typed and defaulted as slime's parser does; every other known flag is accepted.
@@ -150,7 +150,7 @@ def _model_type(path: str) -> str | None:
 def _model_dir(args) -> str:
     """The directory slime sets the policy up from (``slime_validate_args``, ``setup_model_and_optimizer``,
     ``load_checkpoint``)."""
-    from reef_core.grow.slime.slime_args import HF_MODEL_TYPES
+    from reef_core.config.slime_args import HF_MODEL_TYPES
 
     load = args.load
     megatron = load is not None and (Path(load) / "latest_checkpointed_iteration.txt").exists()

@@ -1,4 +1,4 @@
-"""Reef's slime command line against slime's real argument list (``reef_core.grow.slime.slime_args``), and the FAKE
+"""Reef's slime command line against slime's real argument list (``reef_core.config.slime_args``), and the FAKE
 job following the real ``train.py`` where Reef once got it wrong (issue #34: no ``--load``/``--ref-load``, no
 ``--save-interval``, the removed ``--megatron-to-hf-mode``).
 
@@ -21,7 +21,7 @@ from reef_core.errors import ConfigError
 from reef_core.models.loading import build_tiny_model
 from reef_core.grow.slime import flags as slime_flags
 from reef_core.grow.slime import marker as m
-from reef_core.grow.slime import slime_args
+from reef_core.config import slime_args
 from reef_core.grow.slime.trainer import SlimeJobFailed, SlimeTrainer
 from reef_core.surfaces.weights import MODEL_FILE
 from reef_core.testing import fake_slime

@@ -1,9 +1,10 @@
 """slime's command line as Reef builds it: loss families, the flags a deployment may pass, the flags Reef owns.
 
-Pure Python (no torch, nothing of slime): the config schema validates ``trainer.slime`` with it at load time.
+Pure Python (no torch, nothing of slime). The flags a deployment may pass and their check at config load live with the
+config section they check (:mod:`reef_core.config.slime`); this module builds and checks each job's command line.
 
-Flag names are checked against slime's real argument list (:mod:`.slime_args`, read from slime's source at the
-commit it names): slime itself ignores a flag it does not know, so Reef refuses unknown and removed flags at config
+Flag names are checked against slime's real argument list (:mod:`reef_core.config.slime_args`, read from slime's source
+at the commit it names): slime itself ignores a flag it does not know, so Reef refuses unknown and removed flags at config
 load and checks every job's command line before launching it. A job only
 trains: Reef hands it the batch as slime's rollout dump (``--load-debug-rollout-data`` with
 ``--debug-train-only``, so slime starts no SGLang engine of its own) and takes the HF checkpoint back
@@ -16,8 +17,9 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from ...config import slime_args
+from ...config.slime import ALLOWED, REEF_OWNED  # noqa: F401 (the pass-through and Reef-owned flags, named here too)
 from ...errors import ConfigError
-from . import slime_args
 
 #: Reef objective name -> slime loss hook. ``custom_loss`` families name the function slime loads with
 #: ``--custom-loss-function-path`` (``module.function``, slime's ``load_function``) from ``reef_slime_hooks``, the
@@ -44,60 +46,6 @@ CUSTOM_LOSS_REFUSED = frozenset({
     "--eps-clip", "--eps-clip-high", "--eps-clip-c", "--kl-coef", "--kl-loss-coef", "--kl-loss-type", "--use-kl-loss",
     "--entropy-coef", "--use-tis", "--calculate-per-token-loss", "--ref-load",
 })
-
-#: Flags Reef sets for every job (refused in ``trainer.slime.flags``: a second value would contradict Reef's).
-REEF_OWNED = frozenset({
-    "--loss-type", "--custom-loss-function-path", "--custom-advantage-function-path", "--advantage-estimator",
-    "--load-debug-rollout-data", "--debug-train-only", "--debug-rollout-only", "--hf-checkpoint", "--save-hf",
-    "--load", "--save", "--save-interval", "--no-save-optim", "--no-save-rng", "--num-rollout", "--start-rollout-id",
-    "--rollout-batch-size", "--n-samples-per-prompt", "--lr", "--use-rollout-logprobs",
-    "--disable-compute-advantages-and-returns",
-})
-
-#: Flags a deployment may pass through: parallelism, batch shape, optimizer and loss knobs of a train-only job.
-ALLOWED = frozenset({
-    "--actor-num-nodes", "--actor-num-gpus-per-node", "--colocate",
-    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
-    "--expert-model-parallel-size", "--sequence-parallel", "--use-dynamic-batch-size", "--max-tokens-per-gpu",
-    "--global-batch-size", "--micro-batch-size", "--num-steps-per-rollout",
-    "--min-lr", "--lr-decay-style", "--weight-decay", "--adam-beta1", "--adam-beta2", "--clip-grad", "--seed",
-    "--optimizer", "--optimizer-cpu-offload", "--bf16", "--fp16",
-    "--eps-clip", "--eps-clip-high", "--eps-clip-c", "--kl-coef", "--kl-loss-coef", "--kl-loss-type",
-    "--use-kl-loss", "--entropy-coef", "--calculate-per-token-loss", "--use-tis",
-    "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--attention-backend",
-    "--ref-load",
-})
-
-_SETTINGS = ("launch", "jobs_dir", "flags", "timeout_s")
-
-
-def validate_flags(flags: Mapping[str, Any]) -> None:
-    """Refuse a flag Reef owns or does not know, naming it."""
-    for name in flags:
-        key = str(name)
-        if not key.startswith("--"):
-            raise ConfigError(f"trainer.slime.flags: {key!r} is not a flag (slime flags start with '--')")
-        if key in slime_args.REMOVED:
-            raise ConfigError(f"trainer.slime.flags: {key} was removed from slime ({slime_args.REMOVED[key]}); slime "
-                              "would ignore it silently, remove it")
-        if key in REEF_OWNED:
-            raise ConfigError(f"trainer.slime.flags: {key} is set by Reef for every job (the loss family, the "
-                              "batch, the checkpoints, trainer.lr); remove it")
-        if key not in ALLOWED:
-            raise ConfigError(f"trainer.slime.flags: unknown flag {key} (known: {', '.join(sorted(ALLOWED))})")
-        value = flags[name]
-        if not (value is None or isinstance(value, (bool, int, float, str))):
-            raise ConfigError(f"trainer.slime.flags: {key} needs a scalar value, got {type(value).__name__}")
-
-
-def validate_settings(settings: Any) -> None:
-    """Check the ``trainer.slime`` section (its keys are typed by the schema; this checks the values)."""
-    validate_flags(settings.flags or {})
-    if not isinstance(settings.timeout_s, (int, float)) or not settings.timeout_s > 0:
-        raise ConfigError(f"trainer.slime.timeout_s must be positive, got {settings.timeout_s!r}")
-    if any(not isinstance(a, str) or not a for a in settings.launch):
-        raise ConfigError("trainer.slime.launch must be a list of non-empty strings (the job command)")
-
 
 def family_flags(objective_name: str) -> dict[str, str]:
     """slime's loss-hook flags for a Reef objective; an objective without a family is refused."""
@@ -135,7 +83,7 @@ def check_job_flags(objective_name: str, flags: Mapping[str, Any], batch_size: i
 
 def check_argv(argv: list[str]) -> None:
     """Refuse a job command line slime would misread: a flag slime does not know or no longer has (slime drops both
-    silently), a flag given twice, or a missing flag a train-only job needs (:data:`.slime_args.REQUIRED`)."""
+    silently), a flag given twice, or a missing flag a train-only job needs (:data:`reef_core.config.slime_args.REQUIRED`)."""
     seen: set[str] = set()
     commit = slime_args.SLIME_COMMIT[:8]
     for token in argv:

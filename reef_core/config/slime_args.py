@@ -1,4 +1,5 @@
-"""slime's command line as its source defines it: the data :mod:`.flags` checks Reef's job arguments against.
+"""slime's command line as its source defines it: the data Reef's flags are checked against, at config load
+(:mod:`.slime`) and in every job's arguments (:mod:`reef_core.grow.slime.flags`).
 
 Read from THUDM/slime at commit ``624b824a898ab0ec1fcb4d373004c7f3852bf515`` (2026-08-21, "[NFC] Add observability
 subfolder (#2298)"), and from the Megatron-LM commit that slime's ``docker/Dockerfile`` pins there
