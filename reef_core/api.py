@@ -51,7 +51,7 @@ from reef_core.grow.trainer import CandidateUpdate, TrainContext, Trainer, Train
 from reef_core.observe.model import Record
 from reef_core.observe.processor import Batch, Processor, Sample, Segment
 from reef_core.serve.background import serve_asgi, serve_reef
-from reef_core.surfaces.base import Surface
+from reef_core.surfaces.base import RunAsync, ServingPorts, Surface
 from reef_core.surfaces.adapters import HarnessAdapter, ModelBinding
 from reef_core.surfaces.harness import (
     SEPARATOR,
@@ -86,9 +86,6 @@ _LAZY = {
     "TrainerConfig": "reef_core.config.schema",
     "EvaluationConfig": "reef_core.config.schema",
     "RecipeConfig": "reef_core.config.schema",
-    # what a surface factory receives: the engine, the artifact store, run_async, the base-model loader
-    "ServingPorts": "reef_core.loop.ports",
-    "RunAsync": "reef_core.loop.ports",
     # what a recipe's scenario route handler reads (reef_register_scenario_routes)
     "ScenarioView": "reef_core.loop.ports",
     # the Python client of a running server (receipts under the provider SDKs, reports, harness pulls)
@@ -142,7 +139,7 @@ if TYPE_CHECKING:
     )
     from reef_core.client import AsyncReefClient, ReefClient, ReefClientError
     from reef_core.engines.upstream import UpstreamEngine
-    from reef_core.loop.ports import RunAsync, ScenarioView, ServingPorts
+    from reef_core.loop.ports import ScenarioView
     from reef_core.observe.processors.conversation import common_prefix, exchange_of
     from reef_core.observe.processors.next_state import NextStateProcessor
     from reef_core.grow.losses import dis_weight, explained_variance, length_adaptive_lambda, skip_observation_gae

@@ -6,7 +6,8 @@ building a whole deployment:
 
 * :class:`ServingPorts`: what a surface factory receives (``factory(ports=..., options=...)``):
   the engine, the artifact store, a way to run a coroutine on the server's event loop, and the
-  base-model loader (weights restores).
+  base-model loader (weights restores). It is the surface's side of the contract, so it is defined
+  with :class:`~reef_core.surfaces.base.Surface` (surfaces stand below the loop) and named here.
 * :class:`LearnerPorts`: what a scenario's learner receives: the serving ports plus the record
   store (as :class:`RecordPort`), the plugin manager's ``create`` for the components it builds
   (processor, trainer, evaluator, selection policy), lifecycle ``notify``, and the worker pool.
@@ -17,19 +18,14 @@ building a whole deployment:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from ..config.schema import EvaluationConfig, TrainerConfig
+from ..surfaces.base import RunAsync, ServingPorts  # noqa: F401 (named here with the other ports)
 from .pool import LearnerPool
-
-
-class RunAsync(Protocol):
-    """Run ``coroutine`` on the server's event loop from a worker thread and return its result."""
-
-    def __call__(self, coroutine: Coroutine[Any, Any, Any], timeout: float | None = 600) -> Any: ...
 
 
 class RecordPort(Protocol):
@@ -43,19 +39,6 @@ class RecordPort(Protocol):
     def mark_consumed(self, scenario: str, ids: Iterable[str], step: int) -> int: ...
 
     def get_many(self, ids: Iterable[str]) -> list[Any]: ...
-
-
-@dataclass(frozen=True)
-class ServingPorts:
-    """What a surface may use: it makes releases reach live requests, nothing more."""
-
-    #: The deployment's ``reef_core.engines.base.Engine``.
-    engine: Any
-    #: Where releases live (the built-in is ``GitArtifactStore``); None in tests that need none.
-    artifacts: Any
-    run_async: RunAsync
-    #: ``() -> (model, tokenizer)``: the base model the local engine serves (weights surfaces).
-    load_base_model: Callable[[], tuple[Any, Any]]
 
 
 @dataclass(frozen=True)

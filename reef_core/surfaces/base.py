@@ -2,7 +2,7 @@
 
 A surface component (registered through ``reef_register_surfaces``) is built once per distinct
 ``recipe.surface_options`` among the recipes naming it (a ``weights`` surface once per deployment: the engine
-has one set of weights) by ``factory(ports=<reef_core.loop.ports.ServingPorts>, options=<dict>)`` (the engine,
+has one set of weights) by ``factory(ports=<ServingPorts>, options=<dict>)`` (the engine,
 the artifact store, ``run_async`` and the base-model loader; never the whole deployment) and serves every scenario
 whose recipe names it in ``recipe.surface`` with those options. The learner calls :meth:`Surface.activate` after a
 release is committed (or at start-up, to restore the head); the request path calls
@@ -12,7 +12,28 @@ release is committed (or at start-up, to restore the head); the request path cal
 from __future__ import annotations
 
 from abc import ABC
-from typing import Any, Callable, Mapping
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Protocol
+
+
+class RunAsync(Protocol):
+    """Run ``coroutine`` on the server's event loop from a worker thread and return its result."""
+
+    def __call__(self, coroutine: Coroutine[Any, Any, Any], timeout: float | None = 600) -> Any: ...
+
+
+@dataclass(frozen=True)
+class ServingPorts:
+    """What a surface may use: it makes releases reach live requests, nothing more."""
+
+    #: The deployment's ``reef_core.engines.base.Engine``.
+    engine: Any
+    #: Where releases live (the built-in is ``GitArtifactStore``); None in tests that need none.
+    artifacts: Any
+    run_async: RunAsync
+    #: ``() -> (model, tokenizer)``: the base model the local engine serves (weights surfaces).
+    load_base_model: Callable[[], tuple[Any, Any]]
 
 
 class Surface(ABC):

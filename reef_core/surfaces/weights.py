@@ -42,15 +42,12 @@ import json
 import logging
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from ..engines.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterWeights
 from ..errors import ConfigError, Conflict, ValidationFailed
 from ..observe.processors.eligibility import adapter_line, format_version
-from .base import Surface
-
-if TYPE_CHECKING:
-    from ..loop.ports import ServingPorts
+from .base import ServingPorts, Surface
 
 log = logging.getLogger("reef.surfaces")
 

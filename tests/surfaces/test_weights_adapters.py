@@ -16,7 +16,7 @@ from reef_core.engines.local import LocalEngine
 from reef_core.errors import Conflict
 from reef_core.models.loading import load_model
 from reef_core.grow.torch_backend import policy_lag
-from reef_core.loop.ports import ServingPorts
+from reef_core.surfaces.base import ServingPorts
 from reef_core.observe.processors.eligibility import CROSS_INCARNATION, STALE, staleness_reason
 from reef_core.surfaces.weights import WeightsSurface, scenario_key
 

@@ -10,7 +10,7 @@ import torch
 
 from reef_core.errors import ConfigError
 from reef_core.models.loading import ensure_tiny_model, load_model
-from reef_core.loop.ports import ServingPorts
+from reef_core.surfaces.base import ServingPorts
 from reef_core.surfaces.weights import BASE_REFERENCE, WeightsSurface, base_reference, model_digest
 
 
