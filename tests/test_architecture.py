@@ -7,6 +7,9 @@
   function-local import is still a dependency of the module that contains it, and hiding a cycle
   inside a function only moves the failure to run time. Imports under ``if TYPE_CHECKING:`` do not
   count (they never run).
+* ``reef_core``'s rooms stand on floors (:data:`FLOORS`, ground first) and every import runs down or
+  stays in its room: engines below grow, the loop below serve, with no exceptions. Here imports under
+  ``if TYPE_CHECKING:`` count too: a type named from a higher floor is still an arrow back up.
 """
 
 from __future__ import annotations
@@ -33,14 +36,16 @@ def _parse(path: Path) -> ast.Module:
             gc.enable()
 
 
-def _imports(path: Path, package: str, submodules: bool = True) -> list[tuple[int, str]]:
-    """(line, absolute module) for every import in ``path``, skipping ``if TYPE_CHECKING:`` blocks.
+def _imports(path: Path, package: str, submodules: bool = True,
+             type_checking: bool = False) -> list[tuple[int, str]]:
+    """(line, absolute module) for every import in ``path``, skipping ``if TYPE_CHECKING:`` blocks unless
+    ``type_checking``.
 
     With ``submodules``, ``from pkg import name`` also yields ``pkg.name`` (it may be a submodule)."""
     tree = _parse(path)
     skipped: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if not type_checking and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skipped.update(id(child) for stmt in node.body for child in ast.walk(stmt))
     found = []
     for node in ast.walk(tree):
@@ -161,3 +166,56 @@ def test_reef_core_has_no_import_cycles():
         members = set(component)
         detail.append(" , ".join(f"{m} -> {sorted(graph[m] & members)}" for m in component))
     assert not cycles, "import cycles in reef_core:\n" + "\n".join(detail)
+
+
+#: The floors of ``reef_core``, ground first: each room (a top-level module or package, by its name under
+#: ``reef_core``; ``__init__`` is the package's own module) may import its own modules and those of rooms on
+#: lower floors, never a room on its floor or above. A new room must be given a floor here.
+FLOORS: list[set[str]] = [
+    {"errors", "progress", "hookspecs", "versions", "conf"},
+    {"content", "dotted", "extras"},
+    {"models", "plugins"},
+    {"__init__", "config"},
+    {"engines", "client"},
+    {"observe", "chat"},
+    {"commit"},
+    {"surfaces"},
+    {"grow"},
+    {"loop"},
+    {"serve", "builtins"},
+    {"api", "sweep", "testing"},
+    {"cli"},
+]
+
+
+def _room(module: str) -> str:
+    """The room of a ``reef_core`` module: its first name under ``reef_core`` (``__init__`` for the package)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_every_room_has_a_floor():
+    placed = set().union(*FLOORS)
+    rooms = {_room(_module_name(path, ROOT)[0]) for path in CORE.rglob("*.py")}
+    assert "engines" in rooms and "grow" in rooms, "the scan found no rooms"
+    assert not rooms - placed, f"rooms without a floor in FLOORS: {sorted(rooms - placed)}"
+    assert len(placed) == sum(len(floor) for floor in FLOORS), "a room stands on two floors"
+
+
+def test_every_import_runs_down_the_floors():
+    floor_of = {room: n for n, floor in enumerate(FLOORS, 1) for room in floor}
+    modules = {_module_name(path, ROOT)[0]: path for path in CORE.rglob("*.py")}
+    offences: set[str] = set()
+    for name, path in sorted(modules.items()):
+        package = _module_name(path, ROOT)[1]
+        room = _room(name)
+        for line, target in _imports(path, package, type_checking=True):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if not target or target == name or name.startswith(target + "."):
+                continue  # not reef_core, itself, or a package above it (its __init__ runs first anyway)
+            other = _room(target)
+            if other != room and floor_of.get(other, 0) >= floor_of.get(room, 0):
+                offences.add(f"{path.relative_to(ROOT)}:{line}: {room} (floor {floor_of.get(room)}) imports "
+                                f"{target} ({other}, floor {floor_of.get(other)})")
+    assert not offences, "imports that run back up (or across) the floors:\n" + "\n".join(sorted(offences))
