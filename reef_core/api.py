@@ -74,6 +74,7 @@ from reef_core.surfaces.skills import (
     validate_pool,
     validate_slug,
 )
+from reef_core.versions import ServedVersion
 
 # name -> module, imported on first access: the torch-backed names need ``reef-core[train]``, and the
 # HTTP client stack (aiohttp) is not worth importing for every plugin that only registers hooks.
@@ -182,7 +183,7 @@ __all__ = [
     "Candidate", "Current", "Decision", "EvaluationResult", "Evaluator", "SelectionPolicy",
     "ArtifactStore", "FileValue", "Release", "scenario_key", "scenario_path",
     # serve: surfaces and engines
-    "Surface", "ServingPorts", "RunAsync", "ScenarioView", "HarnessAdapter", "ModelBinding",
+    "Surface", "ServingPorts", "RunAsync", "ScenarioView", "HarnessAdapter", "ModelBinding", "ServedVersion",
     "Engine", "EngineRequest", "EngineResponse", "StreamEvent", "TokenData", "DirectResponse",
     "UpstreamEngine", "translate_request", "translate_response",
     # helpers

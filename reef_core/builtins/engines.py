@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import os
-import uuid
 from pathlib import Path
 
 from .. import hookimpl
 from ..errors import ConfigError
 from ..extras import require
+from ..versions import ServedVersion
 
 
 def sampling_defaults(config, model_dir: Path) -> dict[str, float]:
@@ -39,11 +39,10 @@ def make_local_engine(config, data_dir: Path):
 
     device = engine_device(config)  # before the model is fetched or converted: a missing device fails fast
     model_dir = resolve_model(str(config.model), Path(data_dir), model_cache_dir(config))
-    # Versions are "<incarnation>:<sequence>": a fresh incarnation per engine start, so samples
-    # produced by weights of an earlier process are never mistaken for current ones.
+    # A fresh incarnation per engine start (reef_core.versions).
     return LocalEngine(
         model_dir,
-        version=f"{uuid.uuid4().hex[:8]}:0",
+        version=str(ServedVersion.fresh()),
         max_new_tokens=int(config.max_new_tokens),
         **sampling_defaults(config, model_dir),
         seed=config.seed,
@@ -124,7 +123,7 @@ def _make_remote_engine(config, data_dir: Path, kind: str, cls):
         raise ConfigError(f"engine.url must be an http(s) URL, not {url!r}")
     return cls(
         str(url), model_dir,
-        version=f"{uuid.uuid4().hex[:8]}:0",
+        version=str(ServedVersion.fresh()),
         weights_dir=weights_dir,
         timeout_s=float(config.timeout_s),
         ready_timeout_s=float(config.ready_timeout_s),

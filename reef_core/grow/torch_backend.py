@@ -139,7 +139,7 @@ def policy_lag(versions: list[list[str | None]], serving: str | None) -> list[in
     adapter's own version line; the base counts as its sequence 0, see ``eligibility.on_line``).
 
     Samples from another incarnation, with unparseable versions or ahead of the serving version are left out."""
-    from reef_core.observe.processors.eligibility import on_line, parse_version
+    from reef_core.versions import on_line, parse_version
 
     if not serving:
         return []

@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping
 
 from ..engines.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterWeights
 from ..errors import ConfigError, Conflict, ValidationFailed
-from ..observe.processors.eligibility import adapter_line, format_version
+from ..versions import ServedVersion
 from .base import ServingPorts, Surface
 
 log = logging.getLogger("reef.surfaces")
@@ -139,9 +139,9 @@ class WeightsSurface(Surface):
                               f"not {getattr(engine, 'name', type(engine).__name__)!r}")
         self.ports = ports
         self.engine = engine
-        incarnation, _, seq = str(engine.version).rpartition(":")
-        self.incarnation = incarnation or str(engine.version)
-        self.sequence = int(seq) if seq.isdigit() else 0
+        served = ServedVersion.read(str(engine.version))
+        self.incarnation = served.incarnation
+        self.sequence = served.seq
         #: The scenario whose training moves the engine's own weights (full weights), or None.
         self.owner: str | None = None
         #: LoRA scenarios -> the sequence of their own version line (0: no adapter loaded yet in this process).
@@ -264,7 +264,7 @@ class WeightsSurface(Surface):
             raise ConfigError(f"scenario {scenario!r} trains a LoRA adapter, but engine "
                               f"{getattr(self.engine, 'name', '?')!r} cannot serve adapters (engine.kind=local, sglang or vllm can)")
         seq = self.adapters.get(scenario, 0) + 1
-        version = format_version(adapter_line(self.incarnation, scenario_key(scenario)), seq)
+        version = str(ServedVersion(self.incarnation, seq).adapter_line(scenario_key(scenario)))
         self.ports.run_async(self.engine.load_adapter(scenario, version, adapter))
         self.adapters[scenario] = seq
         self._on_line[scenario] = True
@@ -275,7 +275,7 @@ class WeightsSurface(Surface):
             # The engine already serves the base: its current version is this release (no swap, no new version).
             return str(self.engine.version)
         state = payload if payload is not None else state_dict_from_files(contents, self.ports.load_base_model)
-        version = f"{self.incarnation}:{self.sequence + 1}"
+        version = str(ServedVersion(self.incarnation, self.sequence).next())
         self.ports.run_async(self.engine.swap_weights(version, state))
         self.sequence += 1
         self._on_base = ref is not None  # only once the swap succeeded
@@ -283,5 +283,5 @@ class WeightsSurface(Surface):
 
     def serving_version(self, scenario: str) -> str | None:
         if self._on_line.get(scenario):
-            return format_version(adapter_line(self.incarnation, scenario_key(scenario)), self.adapters[scenario])
+            return str(ServedVersion(self.incarnation, self.adapters[scenario]).adapter_line(scenario_key(scenario)))
         return str(self.engine.version)

@@ -1,14 +1,8 @@
 """Which records and samples may train: versions, staleness, and record hygiene.
 
-Versions. The version that served an inference (``Record.version``) has the form ``"<incarnation>:<seq>"``: the
-incarnation changes whenever the engine starts fresh, ``seq`` (a non-negative integer) grows with every weight load
-inside one incarnation. The incarnation is everything before the last colon. ``"base"`` (the unmodified weights of
-the local engine) is incarnation ``"base"``, sequence 0. See :func:`parse_version`.
-
-Adapter lines. A scenario trained through a LoRA adapter counts its own versions, ``"<incarnation>.<key>:<seq>"``
-(:func:`adapter_line`; ``key`` is short and names the scenario), so only its own updates age its samples. Its first
-records are served by the base before any adapter exists: the base version ``"<incarnation>:0"`` counts as sequence 0
-of every adapter line of that incarnation (:func:`on_line`).
+Versions. The version that served an inference (``Record.version``) is ``"<incarnation>:<seq>"``, or
+``"<incarnation>.<key>:<seq>"`` on a LoRA scenario's adapter line; the grammar is :mod:`reef_core.versions`
+(:func:`~reef_core.versions.parse_version`, :func:`~reef_core.versions.on_line`).
 
 Staleness (``max_staleness``, counted in versions). ``None`` disables the check (text-artifact recipes). ``0`` admits
 only samples every turn of which the currently serving version produced; ``W`` admits ``0 <= serving_seq -
@@ -29,6 +23,7 @@ from collections.abc import Iterable
 
 from reef_core.observe.model import Record
 from reef_core.observe.processor import ServingVersion
+from reef_core.versions import on_line, parse_version
 
 # Drop reasons shared by the built-in processors (status()["dropped"] counts them).
 NO_REFERENCES = "no_references"  # a report quoting no receipt never trains
@@ -45,39 +40,6 @@ FUTURE_VERSION = "future_version"  # produced by a version newer than the servin
 UNKNOWN_VERSION = "unknown_version"  # no version recorded, or an unparseable one different from serving
 
 STALENESS_REASONS = (STALE, CROSS_INCARNATION, FUTURE_VERSION, UNKNOWN_VERSION)
-
-
-def parse_version(version: str) -> tuple[str, int]:
-    """``"<incarnation>:<seq>"`` → ``(incarnation, seq)``; ``"base"`` → ``("base", 0)``. Raises ``ValueError``."""
-    if not isinstance(version, str) or not version:
-        raise ValueError(f"not a version: {version!r}")
-    if version == "base":
-        return "base", 0
-    incarnation, sep, seq = version.rpartition(":")
-    if not sep or not incarnation or not seq.isdigit() or not seq.isascii():
-        raise ValueError(f"version {version!r} is not '<incarnation>:<seq>'")
-    return incarnation, int(seq)
-
-
-def adapter_line(incarnation: str, key: str) -> str:
-    """The incarnation part of a scenario's adapter versions: ``"<incarnation>.<key>"``."""
-    return f"{incarnation}.{key}"
-
-
-def on_line(producing: tuple[str, int], serving: tuple[str, int]) -> tuple[str, int]:
-    """``producing`` as a position on the serving version's line: the base ``(<incarnation>, 0)`` is sequence 0 of
-    every adapter line ``<incarnation>.<key>`` (see the module docstring); any other version is left as it is."""
-    incarnation, seq = producing
-    if seq == 0 and serving[0].startswith(adapter_line(incarnation, "")):
-        return serving[0], 0
-    return producing
-
-
-def format_version(incarnation: str, seq: int) -> str:
-    """The inverse of :func:`parse_version` (``("base", 0)`` → ``"base"``)."""
-    if incarnation == "base" and seq == 0:
-        return "base"
-    return f"{incarnation}:{int(seq)}"
 
 
 def staleness_reason(producing: str | None, serving: str, max_staleness: int) -> str | None:
