@@ -15,6 +15,7 @@ position in the stream.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any
@@ -363,19 +364,42 @@ def anthropic_count_tokens_to_openai(body: dict) -> dict:
 # responses
 
 
-def anthropic_usage(input_tokens: int = 0, output_tokens: int = 0, cache_read: int = 0) -> dict:
-    """An Anthropic ``usage`` object with every member the published schema requires (nullable ones null)."""
+def anthropic_usage(input_tokens: int = 0, output_tokens: int = 0, cache_read: int = 0,
+                    thinking_tokens: int | None = None) -> dict:
+    """An Anthropic ``usage`` object with every member the published schema requires (``Usage``: nullable ones
+    null where Reef has no value: ``inference_geo``, ``server_tool_use``; ``output_tokens_details`` only when the
+    engine counted reasoning tokens)."""
     return {"input_tokens": input_tokens, "output_tokens": output_tokens, "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": cache_read,
             "cache_creation": {"ephemeral_1h_input_tokens": 0, "ephemeral_5m_input_tokens": 0},
+            "inference_geo": None,
+            "output_tokens_details": None if thinking_tokens is None else {"thinking_tokens": thinking_tokens},
             "server_tool_use": None, "service_tier": "standard"}
+
+
+def anthropic_delta_usage(usage: dict) -> dict:
+    """The ``message_delta`` event's usage (``MessageDeltaUsage``: every member required, nullable ones null)."""
+    return {"input_tokens": usage.get("input_tokens"), "output_tokens": int(usage.get("output_tokens") or 0),
+            "cache_creation_input_tokens": usage.get("cache_creation_input_tokens"),
+            "cache_read_input_tokens": usage.get("cache_read_input_tokens"),
+            "output_tokens_details": usage.get("output_tokens_details"), "server_tool_use": None}
+
+
+def anthropic_tool_use(call_id: str | None, name: str | None, tool_input: Any) -> dict:
+    """A ``tool_use`` content block as the spec's ``ResponseToolUseBlock`` has it: a client tool called directly by
+    the model (``caller``), an id of ``[a-zA-Z0-9_-]`` only, an object ``input``."""
+    ident = re.sub(r"[^a-zA-Z0-9_-]", "_", call_id) if call_id else f"toolu_{uuid.uuid4().hex[:24]}"
+    if not isinstance(tool_input, dict):
+        tool_input = {"_raw_arguments": json.dumps(tool_input)}
+    return {"type": "tool_use", "id": ident, "name": name or "", "input": tool_input, "caller": {"type": "direct"}}
 
 
 def _usage_openai_to_anthropic(usage: dict | None) -> dict:
     usage = usage or {}
     cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
+    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
     return anthropic_usage(int(usage.get("prompt_tokens") or 0) - cached, int(usage.get("completion_tokens") or 0),
-                           cached)
+                           cached, int(reasoning) if isinstance(reasoning, int) and reasoning > 0 else None)
 
 
 def _usage_anthropic_to_openai(usage: dict | None) -> dict:
@@ -426,8 +450,7 @@ def openai_to_anthropic_response(body: dict) -> dict:
         content.append({"type": "text", "text": text or "", "citations": None})
     for tc in calls:
         fn = tc.get("function") or {}
-        content.append({"type": "tool_use", "id": tc.get("id") or f"toolu_{uuid.uuid4().hex[:24]}",
-                        "name": fn.get("name"), "input": _tool_input(fn.get("arguments"))})
+        content.append(anthropic_tool_use(tc.get("id"), fn.get("name"), _tool_input(fn.get("arguments"))))
     return {
         "id": _msg_id(body.get("id")),
         "type": "message",
@@ -436,7 +459,9 @@ def openai_to_anthropic_response(body: dict) -> dict:
         "content": content,
         "stop_reason": finish_to_stop_reason(choice.get("finish_reason")) or "end_turn",
         "stop_sequence": None,
+        "stop_details": None,
         "usage": _usage_openai_to_anthropic(body.get("usage")),
+        "container": None,
     }
 
 
@@ -466,10 +491,36 @@ def anthropic_to_openai_response(body: dict, created: int | None = None) -> dict
     }
 
 
-def translate_response(body: dict, src: str, dst: str) -> dict:
-    """Translate a successful response body from dialect ``src`` to ``dst``."""
-    if src == dst:
+_USAGE_NULLABLE = ("cache_creation", "cache_creation_input_tokens", "cache_read_input_tokens", "inference_geo",
+                   "output_tokens_details", "server_tool_use", "service_tier")
+
+
+def complete_anthropic_message(body: Any) -> Any:
+    """An Anthropic-dialect provider's message with the members the published schema requires and the provider left
+    out, each at the spec's own default (``null``; ``caller`` of a tool_use block ``{"type": "direct"}``). Members
+    the provider sent are kept as sent; the body is copied, never changed in place."""
+    if not isinstance(body, dict) or body.get("type") != "message":
         return body
+    out = {"stop_details": None, "container": None, **body}
+    if isinstance(body.get("usage"), dict):
+        out["usage"] = {**{k: None for k in _USAGE_NULLABLE}, **body["usage"]}
+    if isinstance(body.get("content"), list):
+        blocks = []
+        for block in body["content"]:
+            if isinstance(block, dict) and block.get("type") == "text":
+                block = {"citations": None, **block}
+            elif isinstance(block, dict) and block.get("type") == "tool_use":
+                block = {"caller": {"type": "direct"}, **block}
+            blocks.append(block)
+        out["content"] = blocks
+    return out
+
+
+def translate_response(body: dict, src: str, dst: str) -> dict:
+    """Translate a successful response body from dialect ``src`` to ``dst`` (an Anthropic one relayed as Anthropic is
+    completed to the published schema, :func:`complete_anthropic_message`)."""
+    if src == dst:
+        return complete_anthropic_message(body) if dst == "anthropic" else body
     return openai_to_anthropic_response(body) if src == "openai" else anthropic_to_openai_response(body)
 
 
@@ -558,8 +609,8 @@ class OpenAIToAnthropicStream:
         self.message_id = self.message_id or _msg_id(chunk.get("id"))
         self.model = self.model or chunk.get("model")
         msg = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-               "stop_reason": None, "stop_sequence": None,
-               "usage": anthropic_usage(self.input_tokens)}
+               "stop_reason": None, "stop_sequence": None, "stop_details": None,
+               "usage": anthropic_usage(self.input_tokens), "container": None}
         return [StreamEvent("message_start", {"type": "message_start", "message": msg})]
 
     def _close_block(self) -> list[StreamEvent]:
@@ -605,7 +656,7 @@ class OpenAIToAnthropicStream:
             text = delta.get("content")
             if text:
                 if self._block_kind != "text":
-                    out += self._open_block("text", {"type": "text", "text": ""})
+                    out += self._open_block("text", {"type": "text", "text": "", "citations": None})
                 out.append(StreamEvent("content_block_delta", {
                     "type": "content_block_delta", "index": self._block,
                     "delta": {"type": "text_delta", "text": text}}))
@@ -613,9 +664,7 @@ class OpenAIToAnthropicStream:
                 oi = tc.get("index", 0)
                 fn = tc.get("function") or {}
                 if oi not in self._tool_blocks:
-                    out += self._open_block("tool", {"type": "tool_use",
-                                                     "id": tc.get("id") or f"toolu_{uuid.uuid4().hex[:24]}",
-                                                     "name": fn.get("name") or "", "input": {}})
+                    out += self._open_block("tool", anthropic_tool_use(tc.get("id"), fn.get("name"), {}))
                     self._tool_blocks[oi] = self._block
                 elif oi in self._closed_tools:
                     raise UpstreamError("interleaved tool call deltas cannot be translated to Anthropic")
@@ -631,15 +680,13 @@ class OpenAIToAnthropicStream:
     def _closing(self) -> list[StreamEvent]:
         self.done = True
         out = self._close_block()
+        # Counts the stream did not carry are null (MessageDeltaUsage allows it), never an invented 0.
         usage = _usage_openai_to_anthropic(self._usage) if self._usage else {"output_tokens": 0}
-        delta_usage = {"output_tokens": usage["output_tokens"]}
-        if self._usage:
-            delta_usage["input_tokens"] = usage["input_tokens"]
-            if usage["cache_read_input_tokens"]:
-                delta_usage["cache_read_input_tokens"] = usage["cache_read_input_tokens"]
+        delta_usage = anthropic_delta_usage(usage)
         out.append(StreamEvent("message_delta", {
             "type": "message_delta",
-            "delta": {"stop_reason": finish_to_stop_reason(self._finish) or "end_turn", "stop_sequence": None},
+            "delta": {"stop_reason": finish_to_stop_reason(self._finish) or "end_turn", "stop_sequence": None,
+                      "stop_details": None, "container": None},
             "usage": delta_usage}))
         out += self._held
         self._held = []

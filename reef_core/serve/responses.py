@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 from starlette.responses import JSONResponse, StreamingResponse
@@ -53,11 +54,16 @@ def validate_responses(body: dict) -> None:
     tokens = body.get("max_output_tokens")
     if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
         _fail("max_output_tokens", "must be a positive integer")
-    for key, hi in (("temperature", 2), ("top_p", 1)):
+    for key, lo, hi in (("temperature", 0, 2), ("top_p", 0, 1), ("presence_penalty", -2, 2),
+                        ("frequency_penalty", -2, 2)):
         value = body.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not 0 <= value <= hi):
-            _fail(key, f"must be a number from 0 to {hi}")
+                                  or not lo <= value <= hi):
+            _fail(key, f"must be a number from {lo} to {hi}")
+    for key in ("safety_identifier", "prompt_cache_key"):
+        value = body.get(key)
+        if value is not None and (not isinstance(value, str) or len(value) > 64):
+            _fail(key, "must be a string of at most 64 characters")
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
@@ -85,9 +91,16 @@ def _check_item(item: Any, where: str) -> None:
         content = item.get("content")
         if isinstance(content, list):
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text") \
+                if isinstance(part, dict) and part.get("type") == "input_image":
+                    url = part.get("image_url")
+                    if not isinstance(url, str) or not url.startswith(("data:", "http://", "https://")):
+                        _fail(f"{where}.content[{j}].image_url", "must be a data: or http(s) URL (file_id images "
+                              "are not served)")
+                    if part.get("detail") is not None and part["detail"] not in ("auto", "low", "high"):
+                        _fail(f"{where}.content[{j}].detail", "must be auto, low or high")
+                elif not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text") \
                         or not isinstance(part.get("text"), str):
-                    _fail(f"{where}.content[{j}]", "must be an input_text or output_text part with text")
+                    _fail(f"{where}.content[{j}]", "must be an input_text, output_text or input_image part")
         elif not isinstance(content, str):
             _fail(f"{where}.content", "must be a string or a list of text parts")
     elif kind == "function_call":
@@ -111,8 +124,17 @@ def _chat_turns(items: str | list) -> list[dict]:
         kind = item.get("type", "message")
         if kind == "message":
             content = item["content"]
+            role = "system" if item["role"] == "developer" else item["role"]
+            if isinstance(content, list) and any(part["type"] == "input_image" for part in content):
+                # Images stay chat content parts (the engine refuses them if it cannot see them).
+                turns.append({"role": role, "content": [
+                    {"type": "image_url", "image_url": {"url": part["image_url"],
+                                                        **({"detail": part["detail"]} if part.get("detail") else {})}}
+                    if part["type"] == "input_image" else {"type": "text", "text": part["text"]}
+                    for part in content]})
+                continue
             text = content if isinstance(content, str) else "".join(part["text"] for part in content)
-            turns.append({"role": "system" if item["role"] == "developer" else item["role"], "content": text})
+            turns.append({"role": role, "content": text})
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
@@ -155,7 +177,7 @@ async def chat_body(store, scenario: str, body: dict) -> dict:
         chat.update(stream=True, stream_options={"include_usage": True})
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    for key in ("temperature", "top_p", "parallel_tool_calls"):
+    for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "parallel_tool_calls"):
         if body.get(key) is not None:
             chat[key] = body[key]
     if body.get("tools"):
@@ -191,25 +213,48 @@ def response_object(body: dict, completion: dict, record_id: str, created_at: fl
                        "status": "completed"})
     usage = completion.get("usage") or {}
     prompt, done = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    reasoning = int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0)
     incomplete = choice.get("finish_reason") == "length"
+    # Every member the Open Responses ``ResponseResource`` requires, with the value this request ran with: the
+    # sampling parameters it set (else the defaults the engines apply), no reasoning, no tool-call cap, no
+    # background mode, no log-probs.
     return {
         "id": RESPONSE_PREFIX + record_id, "object": "response", "created_at": int(created_at),
+        "completed_at": int(max(time.time(), created_at)),
         "status": "incomplete" if incomplete else "completed", "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+        "max_tool_calls": None,
         "model": completion.get("model") or body["model"], "output": output,
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "previous_response_id": body.get("previous_response_id"), "store": body.get("store", True),
-        "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
-        "tool_choice": body.get("tool_choice", "auto"), "tools": [
+        "background": False, "service_tier": "default",
+        "temperature": _number(body, "temperature", 1.0), "top_p": _number(body, "top_p", 1.0),
+        "presence_penalty": _number(body, "presence_penalty", 0.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0),
+        "top_logprobs": 0, "reasoning": None,
+        "tool_choice": body.get("tool_choice") if body.get("tool_choice") is not None else "auto", "tools": [
             {"type": "function", "name": t["name"], "description": t.get("description"),
              "parameters": t.get("parameters") or {}, "strict": t.get("strict", False)}
             for t in body.get("tools") or []],
         "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": body.get("metadata") or {},
-        "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-                  "output_tokens": done, "output_tokens_details": {"reasoning_tokens": 0},
+        "safety_identifier": body.get("safety_identifier"), "prompt_cache_key": body.get("prompt_cache_key"),
+        "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+                  "output_tokens": done, "output_tokens_details": {"reasoning_tokens": reasoning},
                   "total_tokens": prompt + done},
     }
+
+
+def _number(body: dict, key: str, default: float) -> float:
+    value = body.get(key)
+    return default if value is None else value
+
+
+def in_progress(response: dict) -> dict:
+    """The response as the stream's opening events show it: nothing produced, nothing completed yet."""
+    return {**response, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None,
+            "completed_at": None}
 
 
 def _event_stream(response: dict, record_id: str):
@@ -223,7 +268,7 @@ def _event_stream(response: dict, record_id: str):
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
 
     async def events():
-        start = {**response, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
+        start = in_progress(response)
         yield event("response.created", response=start)
         yield event("response.in_progress", response=start)
         for index, item in enumerate(response["output"]):
@@ -270,7 +315,7 @@ class LiveStream:
     def start(self, model: str | None) -> list[bytes]:
         shell = response_object(self.body, {"model": model, "choices": [{"message": {"content": None}}]},
                                 self.record_id, self.created_at)
-        shell.update(status="in_progress", output=[], usage=None, incomplete_details=None)
+        shell = in_progress(shell)
         return [self._event("response.created", response=shell), self._event("response.in_progress", response=shell)]
 
     def feed(self, chunk: Any) -> list[bytes]:
@@ -367,7 +412,9 @@ class LiveStream:
 
     def error(self, message: str, record_id: str | None) -> list[bytes]:
         """The stream failed after its headers left: Responses' ``error`` event (the receipt of what was kept)."""
-        fields = {"code": "upstream_error", "message": message, "param": None}
+        # The spec's ``error`` payload, and its members at the top level too, where the OpenAI SDKs read them.
+        fields = {"code": "upstream_error", "message": message, "param": None,
+                  "error": {"type": "server_error", "code": "upstream_error", "message": message, "param": None}}
         if record_id:
             fields["reef"] = {"agent_record_id": record_id, "complete": False}
         return [self._event("error", **fields)]
