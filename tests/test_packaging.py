@@ -106,6 +106,14 @@ def test_wheels_install_and_plugins_appear(wheels, fresh_venv):
     assert str(fresh_venv) in where
 
 
+def test_wheel_ships_the_kernel_source(wheels):
+    """The local engine's C kernels are package data (``reef_core/engines/kernels_src``), compiled on first use."""
+    import zipfile
+
+    names = zipfile.ZipFile(wheels["reef_core"]).namelist()
+    assert "reef_core/engines/kernels_src/reef_kernels.c" in names
+
+
 def test_wheel_installed_sao_serves_and_learns(wheels, fresh_venv, tmp_path):
     """`pip install reef-core reef-sao` from wheels, then `reef serve +recipe=sao` serves and publishes versions
     (the tiny-model profile: SmolLM2 needs minutes per step on CPU)."""
