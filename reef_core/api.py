@@ -117,6 +117,11 @@ _LAZY = {
     "TokenDataError": "reef_core.grow.token_batch",
     "row_from_sample": "reef_core.grow.token_batch",
     "row_from_tokens": "reef_core.grow.token_batch",
+    "ENTROPIC_TARGET_KL": "reef_core.grow.losses",
+    "entropic_adaptive_beta_loo": "reef_core.grow.losses",
+    "entropic_beta": "reef_core.grow.losses",
+    "entropic_kl": "reef_core.grow.losses",
+    "entropic_loo": "reef_core.grow.losses",
     "dis_weight": "reef_core.grow.losses",
     "explained_variance": "reef_core.grow.losses",
     "length_adaptive_lambda": "reef_core.grow.losses",
@@ -143,7 +148,17 @@ if TYPE_CHECKING:
     from reef_core.loop.ports import ScenarioView
     from reef_core.observe.processors.conversation import common_prefix, exchange_of
     from reef_core.observe.processors.next_state import NextStateProcessor
-    from reef_core.grow.losses import dis_weight, explained_variance, length_adaptive_lambda, skip_observation_gae
+    from reef_core.grow.losses import (
+        ENTROPIC_TARGET_KL,
+        dis_weight,
+        entropic_adaptive_beta_loo,
+        entropic_beta,
+        entropic_kl,
+        entropic_loo,
+        explained_variance,
+        length_adaptive_lambda,
+        skip_observation_gae,
+    )
     from reef_core.models.loading import build_tiny_model, build_tiny_tokenizer
     from reef_core.grow.objective import Objective, Prepared, ValueModel, action_logits, sequence_logprobs, token_sum
     from reef_core.grow.optim import adamw
@@ -178,6 +193,7 @@ __all__ = [
     "ReferenceModel", "ReferenceScores",
     "TokenBatch", "TokenRow", "TokenDataError", "row_from_sample", "row_from_tokens",
     "dis_weight", "explained_variance", "length_adaptive_lambda", "skip_observation_gae",
+    "entropic_beta", "entropic_loo", "entropic_kl", "entropic_adaptive_beta_loo", "ENTROPIC_TARGET_KL",
     "TorchTrainer", "adamw", "build_tiny_model", "build_tiny_tokenizer",
     # commit: the gate and the release chain
     "Candidate", "Current", "Decision", "EvaluationResult", "Evaluator", "SelectionPolicy",

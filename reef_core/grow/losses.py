@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 # TTT-Discover's adaptive-β search constants (target KL ln 2, cap 1e6, 60 bisection steps).
-_ENTROPIC_TARGET_KL = math.log(2.0)
+ENTROPIC_TARGET_KL = math.log(2.0)
 _ENTROPIC_BETA_CAP = 1e6
 _ENTROPIC_BISECT_ITERS = 60
 _ENTROPIC_EPS = 1e-12
@@ -250,46 +250,64 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
 # --------------------------------------------------------------------------- TTT-Discover
 
 
-def _entropic_kl(r: Tensor, beta: float, log_k: float) -> float:
-    # KL(q_β ‖ uniform) with q_β ∝ exp(β (r - max r)), in the dtype of r (float32 as upstream).
+def entropic_kl(rewards: Tensor, beta: float) -> float:
+    """``KL(q_β ‖ uniform)`` of one group, ``q_β ∝ exp(β (r - max r))``, in float32 (as upstream)."""
+    r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
     logits = r.new_tensor(beta) * (r - r.max())
     log_q = logits - torch.logsumexp(logits, dim=0)
-    return float((torch.exp(log_q) * (log_q + log_k)).sum())
+    return float((torch.exp(log_q) * (log_q + math.log(r.numel()))).sum())
 
 
-def _entropic_group(r: Tensor) -> tuple[Tensor, Tensor]:
-    k = r.shape[0]
-    if k < 2:
-        return r.new_tensor(0.0), torch.zeros_like(r)
-    log_k = math.log(k)
+def entropic_beta(rewards: Tensor) -> float:
+    """The adaptive β of one group: ``KL(q_β ‖ uniform) = ln 2`` (:func:`entropic_kl`), found by doubling from 1
+    (cap 1e6, i.e. 2^20 = 1,048,576 when never reached: a constant group) then 60 bisection steps; 0.0 for a group
+    of fewer than two rewards."""
+    r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
+    if r.numel() < 2:
+        return 0.0
     lo, hi = 0.0, 1.0
     bisect = True
-    if _entropic_kl(r, hi, log_k) < _ENTROPIC_TARGET_KL:
-        while hi < _ENTROPIC_BETA_CAP and _entropic_kl(r, hi, log_k) < _ENTROPIC_TARGET_KL:
+    if entropic_kl(r, hi) < ENTROPIC_TARGET_KL:
+        while hi < _ENTROPIC_BETA_CAP and entropic_kl(r, hi) < ENTROPIC_TARGET_KL:
             hi *= 2.0
         # Cap reached without hitting the target (e.g. a constant group): keep the cap, no bisection.
-        bisect = _entropic_kl(r, hi, log_k) >= _ENTROPIC_TARGET_KL
+        bisect = entropic_kl(r, hi) >= ENTROPIC_TARGET_KL
     if bisect:
         for _ in range(_ENTROPIC_BISECT_ITERS):
             mid = 0.5 * (lo + hi)
-            if _entropic_kl(r, mid, log_k) < _ENTROPIC_TARGET_KL:
+            if entropic_kl(r, mid) < ENTROPIC_TARGET_KL:
                 lo = mid
             else:
                 hi = mid
-    beta = r.new_tensor(hi)
-    e = torch.exp(beta * (r - r.max()))
+    return hi
+
+
+def entropic_loo(rewards: Tensor, beta: float) -> Tensor:
+    """Leave-one-out entropic advantages of one group at ``beta`` (float32): ``A_i = e_i / (mean_{j≠i} e_j + 1e-12)
+    - 1`` with ``e_i = exp(β (r_i - max r))``; zeros for a group of fewer than two rewards."""
+    r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
+    k = r.numel()
+    if k < 2:
+        return torch.zeros_like(r)
+    e = torch.exp(r.new_tensor(beta) * (r - r.max()))
     z = (e.sum() - e) / (k - 1)  # leave-one-out mean of the other samples' weights
-    return beta, e / (z + _ENTROPIC_EPS) - 1.0
+    return e / (z + _ENTROPIC_EPS) - 1.0
+
+
+def _entropic_group(r: Tensor) -> tuple[Tensor, Tensor]:
+    if r.shape[0] < 2:
+        return r.new_tensor(0.0), torch.zeros_like(r)
+    beta = entropic_beta(r)
+    return r.new_tensor(beta), entropic_loo(r, beta)
 
 
 def entropic_adaptive_beta_loo(rewards: Tensor) -> tuple[Tensor, Tensor]:
     """TTT-Discover's entropic adaptive-β leave-one-out advantages (float32, as upstream).
 
     ``rewards`` is one group ``[k]`` or groups ``[G, k]``; returns ``(beta, advantages)`` with
-    ``beta`` a 0-d tensor (or ``[G]``) and advantages shaped like ``rewards``. β solves
-    ``KL(q_β ‖ uniform) = ln 2`` by doubling from 1 (cap 1e6, i.e. 2^20 = 1,048,576 when never
-    reached) then 60 bisection steps; ``A_i = e_i / (mean_{j≠i} e_j + 1e-12) - 1`` with
-    ``e_i = exp(β (r_i - max r))``. Invariant to ``r → a·r + b`` (a > 0); k < 2 gives β = 0, A = 0.
+    ``beta`` a 0-d tensor (or ``[G]``) and advantages shaped like ``rewards``: per group, β is
+    :func:`entropic_beta` and the advantages :func:`entropic_loo` at it. Invariant to ``r → a·r + b``
+    (a > 0); k < 2 gives β = 0, A = 0; non-finite rewards are refused.
     """
     r = torch.as_tensor(rewards).detach().to(torch.float32)
     if not torch.isfinite(r).all():

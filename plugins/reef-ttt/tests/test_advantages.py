@@ -7,7 +7,10 @@ import math
 import pytest
 import torch
 
-from reef_ttt.advantages import TARGET_KL, _kl_to_uniform, group_advantages, solve_beta
+from reef_core.api import ENTROPIC_TARGET_KL as TARGET_KL
+from reef_core.api import entropic_beta as solve_beta
+from reef_core.api import entropic_kl as _kl_to_uniform
+from reef_ttt.advantages import group_advantages
 
 
 @pytest.mark.parametrize("rewards, beta, expected", [
