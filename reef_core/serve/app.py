@@ -18,6 +18,7 @@ from .errors import dialect_for_path, error_body, new_error_id
 from .forward import ForwardToPrimary
 from .inference import InferenceCall
 from .names import scenario_header
+from .schema import install_openapi
 from . import (docs, harness, imports, install, instructions, metrics, reads, releases, reports, scenario_routes,
                skills, ui)
 from .observe import ObserveMiddleware
@@ -91,6 +92,7 @@ def create_app(deployment, forward_to: str | None = None) -> FastAPI:
     scenario_routes.mount(app, getattr(deployment, "pm", None))
 
     _install_error_handlers(app)
+    install_openapi(app)  # request bodies and headers the routes read, in /openapi.json
     admin_routes = [(route.path_regex, frozenset(route.methods or ()))
                     for route in iter_routes(app.routes) if getattr(route, "openapi_extra", None) == ADMIN]
     tokens = app.state.reef_tokens = TokenSet.from_config(deployment.cfg.server)

@@ -263,3 +263,162 @@ _VALIDATORS = {
 def validate_request(dialect: str, route: str, body: dict) -> None:
     """Check an inference body of ``dialect``'s ``route``; raise :class:`ValidationFailed` naming the field."""
     _VALIDATORS[(dialect, route)](body)
+
+
+# -- the OpenAPI document: request bodies and headers ------------------------------------------------------------
+#
+# Inference routes are served by a fast path that reads the raw body, and the Reef routes read theirs with
+# ``read_json_body``, so FastAPI sees no body parameter to document. :func:`install_openapi` adds each body's JSON
+# schema (as the door above checks it: the members Reef reads, their types and ranges; unknown members pass where the
+# door lets them) and the headers each route reads, so a client generator or a fuzzer (schemathesis) sees them.
+
+def _json(schema: dict, required: bool = True) -> dict:
+    return {"required": required, "content": {"application/json": {"schema": schema}}}
+
+
+def _form(properties: dict, required: list[str]) -> dict:
+    return {"required": True, "content": {"application/x-www-form-urlencoded": {"schema": {
+        "type": "object", "required": required, "properties": properties}}}}
+
+
+def _header(name: str, description: str, required: bool = False) -> dict:
+    return {"name": name, "in": "header", "required": required, "description": description,
+            "schema": {"type": "string", "minLength": 1 if required else 0}}
+
+
+_STRING_OR_PARTS = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]}
+_STOP = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}, {"type": "null"}]}
+_CHAT = {"type": "object", "required": ["model", "messages"], "properties": {
+    "model": {"type": "string", "minLength": 1},
+    "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role"], "properties": {
+        "role": {"enum": sorted(_OPENAI_ROLES)}, "content": {"oneOf": [*_STRING_OR_PARTS["oneOf"], {"type": "null"}]},
+        "name": {"type": "string"}, "tool_call_id": {"type": "string"},
+        "tool_calls": {"type": "array", "items": {"type": "object"}}}}},
+    "max_tokens": {"type": "integer", "minimum": 1}, "max_completion_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2}, "top_p": {"type": "number", "minimum": 0,
+                                                                              "maximum": 1},
+    "n": {"type": "integer", "minimum": 1}, "seed": {"type": "integer"}, "stop": _STOP,
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "stream": {"type": "boolean"}, "stream_options": {"type": "object", "properties": {
+        "include_usage": {"type": "boolean"}}},
+    "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "tools": {"type": "array", "items": {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"}, "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"}, "description": {"type": "string"}, "parameters": {"type": "object"}}}}}},
+    "tool_choice": {"oneOf": [{"enum": sorted(_OPENAI_TOOL_CHOICES)}, {"type": "object"}]},
+    "parallel_tool_calls": {"type": "boolean"}, "user": {"type": "string"}}}
+_ANTHROPIC_MESSAGES = {"type": "array", "items": {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"enum": sorted(_ANTHROPIC_ROLES)}, "content": _STRING_OR_PARTS}}}
+_ANTHROPIC_TOOLS = {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
+    "name": {"type": "string"}, "description": {"type": "string"}, "input_schema": {"type": "object"}}}}
+_COUNT_TOKENS = {"type": "object", "required": ["model", "messages"], "properties": {
+    "model": {"type": "string", "minLength": 1}, "messages": _ANTHROPIC_MESSAGES, "system": _STRING_OR_PARTS,
+    "tools": _ANTHROPIC_TOOLS, "tool_choice": {"type": "object"}}}
+_MESSAGES = {"type": "object", "required": ["model", "messages", "max_tokens"], "properties": {
+    **_COUNT_TOKENS["properties"], "max_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 1}, "top_p": {"type": "number", "minimum": 0,
+                                                                              "maximum": 1},
+    "top_k": {"type": "integer", "minimum": 0}, "stream": {"type": "boolean"},
+    "stop_sequences": {"type": "array", "items": {"type": "string"}}, "thinking": {"type": "object"},
+    "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}}}}}
+_RESPONSE_ITEM = {"type": "object", "properties": {
+    "type": {"enum": ["message", "function_call", "function_call_output"]},
+    "role": {"enum": ["user", "assistant", "system", "developer"]}, "content": _STRING_OR_PARTS,
+    "call_id": {"type": "string"}, "name": {"type": "string"}, "arguments": {"type": "string"},
+    "output": {"type": "string"}}}
+_RESPONSES = {"type": "object", "required": ["model", "input"], "properties": {
+    "model": {"type": "string", "minLength": 1},
+    "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": _RESPONSE_ITEM}]},
+    "instructions": {"type": "string"}, "previous_response_id": {"type": "string"}, "store": {"type": "boolean"},
+    "stream": {"type": "boolean"}, "metadata": {"type": "object"}, "parallel_tool_calls": {"type": "boolean"},
+    "max_output_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2}, "top_p": {"type": "number", "minimum": 0,
+                                                                              "maximum": 1},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "safety_identifier": {"type": "string", "maxLength": 64}, "prompt_cache_key": {"type": "string", "maxLength": 64},
+    "tools": {"type": "array", "items": {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"const": "function"}, "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
+        "parameters": {"type": "object"}}}},
+    "tool_choice": {"oneOf": [{"enum": ["auto", "none", "required"]}, {"type": "object", "required": ["type", "name"],
+                                                                       "properties": {"type": {"const": "function"},
+                                                                                      "name": {"type": "string"}}}]}}}
+_REPORT = {"type": "object", "additionalProperties": False, "properties": {
+    "score": {"type": ["number", "null"], "description": "null with metadata.unscored: true for an unscored run"},
+    "feedback": {"oneOf": [{"type": "string"}, {"type": "object"}]},
+    "references": {"type": "array", "items": {"type": "string"}, "description": "receipts the report is about"},
+    "metadata": {"type": "object"}, "agent_record_id": {"type": "string", "description": "client-chosen receipt"}}}
+_ENVELOPE = {"type": "object", "required": ["agent_record_id", "request_type", "payload"],
+             "additionalProperties": False, "properties": {
+                 "agent_record_id": {"type": "string"}, "request_type": {"enum": ["inference", "report"]},
+                 "payload": {"type": "object"}}}
+_RELEASE = {"type": "object", "required": ["release_id"], "additionalProperties": False,
+            "properties": {"release_id": {"type": "string", "minLength": 1}}}
+
+_SCENARIO = _header("x-reef-scenario", "the scenario the request belongs to", required=True)
+_INFERENCE_HEADERS = [
+    _SCENARIO,
+    _header("x-reef-agent-record-id", "a client-chosen receipt (a retry with it answers the stored exchange)"),
+    _header("Idempotency-Key", "a retry with the same key answers the stored exchange"),
+    *[_header(f"x-reef-tag-{name}", f"stored as the record's tag {name!r}; any x-reef-tag-<name> header is, "
+              "up to 32 of them") for name in ("session", "client", "trial")]]
+
+#: ``(method, path) -> (request body or None, header parameters)`` added to the generated document.
+OPENAPI_ADDITIONS: dict[tuple[str, str], tuple[dict | None, list[dict]]] = {
+    ("post", "/v1/chat/completions"): (_json(_CHAT), _INFERENCE_HEADERS),
+    ("post", "/v1/messages"): (_json(_MESSAGES), _INFERENCE_HEADERS),
+    ("post", "/v1/messages/count_tokens"): (_json(_COUNT_TOKENS), _INFERENCE_HEADERS),
+    ("post", "/v1/responses"): (_json(_RESPONSES), _INFERENCE_HEADERS),
+    ("post", "/reef/report"): (_json(_REPORT), [_SCENARIO]),
+    ("post", "/reef/records"): (_json(_ENVELOPE), [_SCENARIO]),
+    ("post", "/reef/records/batch"): (_json({"type": "object", "required": ["records"], "additionalProperties": False,
+                                             "properties": {"records": {"type": "array", "minItems": 1,
+                                                                        "maxItems": 1000, "items": _ENVELOPE}}}),
+                                      [_SCENARIO]),
+    ("post", "/reef/scenarios/{scenario}/rollback"): (_json(_RELEASE), []),
+    ("post", "/reef/scenarios/{scenario}/promote"): (_json(_RELEASE), []),
+    ("post", "/reef/scenarios/{scenario}/skills/close-day"): (
+        _json({"type": "object", "maxProperties": 0, "description": "no fields"}, required=False), []),
+    ("post", "/ui/login"): (_form({"token": {"type": "string"}}, ["token"]), []),
+    ("post", "/ui/scenarios/{scenario}/rollback"): (
+        _form({"release_id": {"type": "string"}, "confirm": {"const": "yes"}}, ["release_id", "confirm"]), []),
+    ("post", "/ui/scenarios/{scenario}/promote"): (
+        _form({"release_id": {"type": "string"}, "confirm": {"const": "yes"}}, ["release_id", "confirm"]), []),
+    ("get", "/reef/harness"): (None, [_SCENARIO]),
+    ("get", "/reef/harness/files/{path}"): (None, [_SCENARIO]),
+    ("get", "/reef/harness/releases"): (None, [_SCENARIO]),
+    ("get", "/reef/harness/install"): (None, [{**_SCENARIO, "required": False, "schema": {"type": "string"},
+                                               "description": "the scenario (or ?scenario=; both must agree)"}]),
+    ("get", "/reef/skills"): (None, [_SCENARIO]),
+    ("get", "/reef/skills/{slug}"): (None, [_SCENARIO]),
+}
+
+
+def complete_openapi(doc: dict) -> dict:
+    """Add the request bodies and headers of :data:`OPENAPI_ADDITIONS` to a generated OpenAPI document (in place;
+    a body or header the route already declares is kept)."""
+    for (method, path), (body, headers) in OPENAPI_ADDITIONS.items():
+        op = doc.get("paths", {}).get(path, {}).get(method)
+        if op is None:
+            continue  # a route this deployment does not mount
+        if body is not None:
+            op.setdefault("requestBody", body)
+        params = op.setdefault("parameters", [])
+        have = {(p.get("name", "").lower(), p.get("in")) for p in params}
+        params.extend(dict(h) for h in headers if (h["name"].lower(), "header") not in have)
+    return doc
+
+
+def install_openapi(app) -> None:
+    """Make ``app.openapi()`` (``/openapi.json``, ``GET /docs``) return the completed document."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if getattr(app, "reef_openapi_done", False):
+            return app.openapi_schema
+        doc = complete_openapi(generate())
+        app.openapi_schema, app.reef_openapi_done = doc, True
+        return doc
+
+    app.openapi = openapi
