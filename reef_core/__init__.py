@@ -1,10 +1,13 @@
 """Reef core: the plugin host of the Serve → Observe → Grow → Commit loop.
 
-Public API for plugin packages:
+A plugin package imports one module, :mod:`reef_core.api`: the hook marker, the contracts it implements or
+subclasses (``Processor``, ``Trainer``, ``Objective``, ``Evaluator``, ``SelectionPolicy``, ``Surface``, ``Engine``),
+what its factories receive (the typed config sections, ``ServingPorts``, ``ScenarioView``), the errors it may raise
+and the helpers it may call. The hooks are specified in :mod:`reef_core.hookspecs`. Every other module is internal
+and may move between releases; a test keeps the packages under ``plugins/`` on ``reef_core.api``.
 
-* ``hookimpl``: decorate hook implementations (see ``reef_core.hookspecs`` for every hook);
-* ``reef_core.errors``: the exceptions a plugin may raise;
-* ``get_plugin_manager()``: the loaded plugins and their components.
+This module holds ``__version__``, ``hookimpl`` (also in the api) and ``get_plugin_manager()`` (the loaded plugins
+and their components, for the host and its tests).
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 Everything a recipe, engine, trainer, evaluator or surface package needs is named here: the hook
 marker, the contracts a plugin implements or receives, the errors it may raise and the helpers it
 may call. Other ``reef_core`` modules are internal and may move between releases; a test keeps every
-package under ``plugins/`` on this line (their tests may also use ``reef_core.testing``).
+package under ``plugins/`` on this line (their tests may also use ``reef_core.testing``). Nothing is defined here:
+each name is re-exported from its home (the imports below, or ``_LAZY``), so a definition that moves changes a line
+of this file, not a plugin.
 
 The torch-backed names (:class:`Objective`, :class:`TokenBatch`, the loss functions,
 :class:`TorchTrainer`, :func:`build_tiny_model`...) and the HTTP clients (:class:`UpstreamEngine`,
