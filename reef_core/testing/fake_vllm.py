@@ -28,9 +28,10 @@ routes Reef uses with vLLM's shapes:
   label), and ``POST /collective_rpc`` (``method``, ``kwargs``): ``reload_weights`` with ``{"weights_path": <dir>}``
   (or none: the directory loaded last) reads the directory's ``*.safetensors`` into the model; ``update_config``
   fails as on 0.32 (``Field '_hf_config_revision' not found in ModelConfig``). A failed worker call is a 500 and,
-  as on vLLM 0.32, ends the engine: every route answers 500 from then on (the process fake exits, as the server
-  does), until :meth:`FakeVLLM.revive` stands for a supervisor's restart. ``survive_worker_errors=True`` keeps it
-  serving (tests of Reef's own restore rule only).
+  as on vLLM 0.32, leaves the engine core failing at its next model step, when the server goes down (every route
+  answers 500 from then on; the process fake exits, as the server does), unless a reload succeeds first;
+  :meth:`FakeVLLM.revive` stands for a supervisor's restart. The fault ``{"op": "reload_weights", "crash": true}``
+  takes the server down at once.
 
 Faults and knobs as FakeSGLang's (``POST /_fake/faults`` ``{"op": "reload_weights" | "load_lora_adapter" |
 "generate", "fail_next": n}``; ``reload_weights`` with ``"after_load": true`` fails after the weights moved, as a
@@ -72,7 +73,7 @@ class FakeVLLM(FakeSGLang):
     def __init__(self, model_dir: str | Path, *, logprobs_mode: str = "raw_logprobs", max_logprobs: int = 20,
                  dev_mode: bool = True, runtime_lora: bool = True, enable_lora: bool = True,
                  max_cpu_loras: int | None = None, served_model_name: str | None = None, seed: int = 0,
-                 cwd: str | Path | None = None, survive_worker_errors: bool = False):
+                 cwd: str | Path | None = None):
         if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(f"unknown logprobs mode {logprobs_mode!r}")
         super().__init__(model_dir, weight_version=None, original_logprob=logprobs_mode == "raw_logprobs",
@@ -82,9 +83,7 @@ class FakeVLLM(FakeSGLang):
         self.dev_mode = dev_mode
         self.runtime_lora = runtime_lora
         self.load_path = Path(model_dir)  # model_config.model: where reload_weights reads
-        # vLLM 0.32 ends its engine core when a worker call fails, and the server exits with it; a fake that
-        # survives is for tests of Reef's own restore logic only.
-        self.survive_worker_errors = survive_worker_errors
+        self.failed_worker: str | None = None  # a worker call failed and no reload has succeeded since
         self.weight_version = "default"  # vLLM's label before any update_weight_version
         self.exit_on_crash = False  # the process fake exits, as the real server does
         self.stats.update({"completions": 0, "reloads": 0})
@@ -170,6 +169,8 @@ class FakeVLLM(FakeSGLang):
             path = kwargs.get("weights_path")
             target = self.resolve(path) if path is not None else self.load_path
             fault = self._take_fault("reload_weights")
+            if fault is not None and fault.get("crash"):  # the server process itself goes (an OOM kill, say)
+                self._worker_failed(fault.get("message", "injected failure: the server went down"), crash=True)
             if fault is not None and not fault.get("after_load"):
                 self._worker_failed(fault.get("message", "injected failure: weights not reloaded"))
             # vLLM 0.32's layerwise reload loads no weights into a tied output head and puts its old tensors
@@ -185,6 +186,7 @@ class FakeVLLM(FakeSGLang):
             self.load_path = target
             if fault is not None:  # a failure after the weights moved: the server now holds the new ones
                 self._worker_failed(fault.get("message", "injected failure after loading"))
+            self.failed_worker = None  # a reload that succeeds leaves the engine sound again
             self.stats["reloads"] += 1
             return {"results": [None]}
         self._worker_failed(f"worker has no method {method!r}")
@@ -194,18 +196,30 @@ class FakeVLLM(FakeSGLang):
         if head is not None and head.weight is self.model.get_input_embeddings().weight:
             head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
 
-    def _worker_failed(self, message: str):
-        """A worker exception in collective_rpc: a 500 naming it, and (as on vLLM 0.32) the engine core is gone."""
-        if not self.survive_worker_errors:
-            self.crash(f"EngineCore encountered an issue: {message}")
-            if self.exit_on_crash:
-                asyncio.get_running_loop().call_later(0.05, os._exit, 1)
+    def _worker_failed(self, message: str, crash: bool = False):
+        """A worker exception in collective_rpc: a 500 naming it. As on vLLM 0.32, the engine core then fails at its
+        next model step and the server goes down, unless a reload succeeds first; ``crash``: it goes at once."""
+        self.failed_worker = message
+        if crash:
+            self._die(message)
         raise _Reject(500, {"error": {"message": f"Call to collective_rpc method failed: Worker failed with error "
                                                  f"'{message}'", "type": "InternalServerError", "code": 500}})
 
+    def _die(self, message: str) -> None:
+        self.crash(f"EngineCore encountered an issue: {message}")
+        if self.exit_on_crash:
+            asyncio.get_running_loop().call_later(0.05, os._exit, 1)
+
+    def _before_step(self) -> None:
+        """Before a model step: a core left failing by a worker error goes down here (a 500, as vLLM answers)."""
+        if self.failed_worker is not None:
+            self._die(self.failed_worker)
+            raise _error(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+                         "InternalServerError")
+
     def revive(self) -> None:
         """A supervisor started the server again: the base weights, no adapters, no label (tests)."""
-        self.crashed = None
+        self.crashed = self.failed_worker = None
         self._aborting.clear()
         from reef_core.models.loading import load_model
 
@@ -285,6 +299,7 @@ class FakeVLLM(FakeSGLang):
     async def _completions_route(self, body: Any, send) -> None:
         if not isinstance(body, dict):
             raise _error(400, "a JSON object body is required")
+        self._before_step()
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
             prompt = prompt[0]
@@ -355,6 +370,7 @@ class FakeVLLM(FakeSGLang):
             await self._leave(rid)
 
     async def _chat_vllm(self, body: Any, send) -> None:
+        self._before_step()
         if isinstance(body, dict):  # the model names the adapter (a name the server does not serve is a 404)
             body = {**body, "lora_path": self._lora_of(body.get("model"))}
         await self._chat_route(body, send)

@@ -86,8 +86,9 @@ def test_pause_wait_lets_in_flight_finish_and_abort_ends_them(fake):
 
 
 def test_reload_reads_the_given_directory_and_a_failed_worker_call_ends_the_engine(fake, tmp_path):
-    """As vLLM 0.32: ``reload_weights(weights_path=...)`` loads a directory; ``update_config`` fails; a failed worker
-    call answers 500 and every route fails from then on, until a restart (``revive``)."""
+    """As vLLM 0.32: ``reload_weights(weights_path=...)`` loads a directory; ``update_config`` fails; after a failed
+    worker call the next model step fails and the server goes down (every route fails), unless a reload succeeds
+    first; ``revive`` stands for a restart."""
     app, client = fake
     rpc = client.post("/collective_rpc", json={"method": "reload_weights",
                                                "kwargs": {"weights_path": str(app.model_dir)}})
@@ -98,7 +99,13 @@ def test_reload_reads_the_given_directory_and_a_failed_worker_call_ends_the_engi
         failed = client.post("/collective_rpc", json={"method": "update_config",
                                                       "args": [{"model_config": {"model": str(tmp_path)}}]})
         assert failed.status_code == 500 and "_hf_config_revision" in failed.text
-        assert client.get("/health").status_code >= 500 and _complete(client, app).status_code == 500
+        assert client.get("/health").status_code == 200  # the API process answers until a step fails
+        assert _complete(client, app).status_code == 500 and client.get("/health").status_code >= 500
+        app.revive()
+        client.post("/collective_rpc", json={"method": "update_config", "args": [{}]})
+        healed = client.post("/collective_rpc", json={"method": "reload_weights",
+                                                      "kwargs": {"weights_path": str(app.model_dir)}})
+        assert healed.status_code == 200 and _complete(client, app).status_code == 200  # a reload first: it lives
         app.revive()
         assert client.get("/health").status_code == 200
         assert client.get("/weight_info").json() == {"weight_version": "default"}

@@ -60,7 +60,6 @@ def fake(fake_app, fake_url, base, served_dir):
     fake_app.token_delay_s = 0.0
     fake_app.weight_version = "default"
     fake_app.crashed = None
-    fake_app.survive_worker_errors = False
     return fake_app, fake_url
 
 
@@ -226,10 +225,10 @@ def test_in_flight_request_finishes_on_the_old_version_while_a_publish_happens(f
 
 
 @pytest.mark.parametrize("after_load", [False, True], ids=["before-loading", "after-loading"])
-def test_a_failed_reload_on_a_server_that_survives_it_leaves_the_old_release_serving(fake, tiny_model_dir, tmp_path,
-                                                                                    base, after_load):
+def test_a_failed_reload_leaves_the_old_release_serving(fake, tiny_model_dir, tmp_path, base, after_load):
+    """A failed worker call leaves vLLM 0.32's engine failing at its next step unless a reload succeeds first: Reef
+    reloads the release that served before while generation is paused, so the server stays up and serves it."""
     app, url = fake
-    app.survive_worker_errors = True
 
     async def main():
         async with _engine(url, tiny_model_dir, tmp_path) as engine:
@@ -242,23 +241,23 @@ def test_a_failed_reload_on_a_server_that_survives_it_leaves_the_old_release_ser
             return engine.version, resp, serving
 
     version, resp, serving = asyncio.run(main())
-    assert version == "inc:1" and app.weight_version == "inc:1" and app.paused is None
+    assert version == "inc:1" and app.weight_version == "inc:1" and app.paused is None and app.crashed is None
     assert all(torch.equal(v, serving[k]) for k, v in app.model.state_dict().items())
     assert resp.tokens.version == "inc:1" and _close(resp.tokens, app.model)
     assert app.load_path.name == "inc_1"  # the loader points at the release that serves
 
 
 def test_a_reload_that_stops_the_server_is_undone_once_it_answers_again(fake, tiny_model_dir, tmp_path, base):
-    """vLLM 0.32 ends its engine when a worker call fails: requests fail while it is down (none is stamped with a
-    version it does not serve), and once its supervisor restarts it (on the base weights) Reef loads the release
-    that served before and its label, before the first request."""
+    """A server that goes down during a reload: requests fail while it is down (none is stamped with a version it
+    does not serve), and once its supervisor restarts it (on the base weights) Reef loads the release that served
+    before and its label, before the first request."""
     app, url = fake
     good = perturbed(base, 2)
 
     async def main():
         async with _engine(url, tiny_model_dir, tmp_path) as engine:
             await engine.swap_weights("inc:1", good)
-            app.add_fault("reload_weights", after_load=True)
+            app.add_fault("reload_weights", crash=True)
             with pytest.raises(UpstreamError, match="injected failure"):
                 await engine.swap_weights("inc:2", perturbed(base, 3))
             down = app.crashed

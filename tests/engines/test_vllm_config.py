@@ -66,10 +66,10 @@ def test_managed_start_launches_waits_serves_and_stops(tiny_model_dir, tmp_path)
     assert not launcher.running()
 
 
-def test_a_managed_server_that_stops_in_a_failed_reload_is_started_again_on_the_old_release(tiny_model_dir,
+def test_a_managed_server_that_goes_down_in_a_reload_is_started_again_on_the_old_release(tiny_model_dir,
                                                                                              tmp_path):
-    """vLLM 0.32 exits when a worker call fails; a managed server is started again and loaded with the release that
-    served before, under its label, so the next request is served by it."""
+    """A managed server that goes down during a reload is started again and loaded with the release that served
+    before, under its label, so the next request is served by it."""
     import httpx
     import torch
 
@@ -87,7 +87,7 @@ def test_a_managed_server_that_stops_in_a_failed_reload_is_started_again_on_the_
         async with engine:
             await engine.swap_weights("x:1", good)
             first = launcher._proc.pid
-            httpx.post(f"{launcher.url}/_fake/faults", json={"op": "reload_weights", "after_load": True})
+            httpx.post(f"{launcher.url}/_fake/faults", json={"op": "reload_weights", "crash": True})
             with pytest.raises(UpstreamError, match="injected failure"):
                 await engine.swap_weights("x:2", perturbed(base, 2))
             stats = httpx.get(f"{launcher.url}/_fake/stats").json()

@@ -72,10 +72,8 @@ def _serves(app: FakeVLLM, files: dict) -> bool:
 
 def test_failed_update_keeps_the_old_release_and_a_restart_reloads_the_head(reef_server, tmp_path):
     model_dir = ensure_tiny_model(Path(os.environ["REEF_MODEL_CACHE"]) / "tiny")  # what engine.model=tiny names
-    # A server that survives a failed reload, to test the core's restore rule; vLLM 0.32 stops instead, and the
-    # engine's handling of that is tested in tests/engines/test_vllm.py and against the real server.
     # Served as Reef's untied copy, as engine.launch serves a model that ties its embeddings (engines/untie.py).
-    app = FakeVLLM(untied_copy(model_dir, tmp_path / "tiny-untied"), survive_worker_errors=True)
+    app = FakeVLLM(untied_copy(model_dir, tmp_path / "tiny-untied"))
     with serve_asgi(app) as url:
         overrides = ("+recipe=sao", "+sao_profile=tiny", "engine.kind=vllm", f"engine.url={url}", "engine.seed=0",
                      "seed=0", "trainer.checkpoint_every_n_versions=1")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 
 import httpx
 import pytest
@@ -184,10 +185,21 @@ def test_an_in_flight_request_finishes_on_its_version_while_a_release_publishes(
     moved = perturbed(base, 8)
 
     async def main():
-        async with _engine(real_vllm, tmp_path, version="fly:0") as engine:
-            long = asyncio.create_task(engine.complete(_req(max_tokens=400, temperature=1.0, seed=9)))
-            while engine._in_flight == 0:
+        # A drain as long as the request takes (a loaded machine decodes slowly): past it the request is aborted.
+        async with _engine(real_vllm, tmp_path, version="fly:0", drain_timeout_s=600) as engine:
+            native = engine._native_body
+
+            def no_early_stop(*args, **kwargs):  # vLLM's min_tokens: a random model may sample EOS at once
+                body = native(*args, **kwargs)
+                return {**body, "min_tokens": body["max_tokens"]}
+
+            engine._native_body = no_early_stop
+            long = asyncio.create_task(engine.complete(_req(max_tokens=200, temperature=1.0, seed=9)))
+            deadline = time.monotonic() + 60
+            while engine._in_flight == 0 and not long.done():
+                assert time.monotonic() < deadline, "the request never reached the server"
                 await asyncio.sleep(0.005)
+            assert not long.done()
             await engine.swap_weights("fly:1", moved)
             finished_first = long.done()
             after = await engine.complete(_req(max_tokens=8, temperature=1.0, seed=9))
@@ -199,3 +211,29 @@ def test_an_in_flight_request_finishes_on_its_version_while_a_release_publishes(
     assert finished_first  # the publish drained it: it never straddled two versions
     assert old.tokens.version == "fly:0" and _gap(old.tokens, base) < BF16_GAP
     assert new.tokens.version == "fly:1" and _gap(new.tokens, served) < BF16_GAP
+
+
+def test_a_reload_the_server_fails_leaves_the_old_release_serving(real_vllm, tmp_path, base):
+    """On vLLM 0.32 a failed worker call leaves the engine core failing at its next model step (the server then goes
+    down) unless a reload succeeds first. A reload that fails on the server (here: a directory it cannot read, which
+    Reef's own checks never send) is followed, while generation is still paused, by a reload of the release that
+    served before: the same server process keeps serving it."""
+    from pathlib import Path
+
+    moved = perturbed(base, 9)
+
+    async def main():
+        async with _engine(real_vllm, tmp_path, version="heal:0") as engine:
+            await engine.swap_weights("heal:1", moved)
+            pid = real_vllm.proc.pid
+            with pytest.raises(UpstreamError, match="collective_rpc"):
+                await engine._paused_update(Path("/nonexistent/release"), "heal:2")
+            resp = await engine.complete(_req(max_tokens=8, temperature=1.0, seed=5))
+            return pid, resp, httpx.get(f"{real_vllm.url}/weight_info").json()
+
+    pid, resp, info = asyncio.run(main())
+    served = copy.deepcopy(base)
+    served.load_state_dict(moved)
+    assert real_vllm.alive() and real_vllm.proc.pid == pid
+    assert resp.tokens.version == info["weight_version"] == "heal:1"
+    assert _gap(resp.tokens, served) < BF16_GAP
