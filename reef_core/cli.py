@@ -1,6 +1,7 @@
 """The ``reef`` command.
 
-Exit codes: 0 success, 2 bad config or usage, 1 runtime failure.
+Exit codes: 0 success, 2 bad config or usage, 1 runtime failure, 141 stdout closed early (``reef config | head``:
+128 + SIGPIPE, what a shell reports for any program whose reader left; no traceback).
 """
 
 from __future__ import annotations
@@ -8,12 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from . import __version__
 from .errors import ConfigError, ReefError
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: stdout's reader closed it before the output was written
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,6 +60,41 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a ``reef`` command; returns its exit code (see the module docstring)."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a buffered pipe fails here, not at interpreter exit ("Exception ignored ...")
+        return code
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        return EXIT_BROKEN_PIPE
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout's reader left (its pipe polls as an error); if so point stdout at devnull so that the exit's
+    flush writes nothing (https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError, AttributeError):
+        return False
+    try:
+        import select
+
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        events = poller.poll(0)
+        if not any(mask & select.POLLERR for _, mask in events):
+            return False  # stdout is still read: the broken pipe was something else's
+    except (AttributeError, OSError):  # pragma: no cover - no poll(): take the broken pipe as stdout's
+        pass
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+    return True
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     if argv and argv[0] == "sweep":
