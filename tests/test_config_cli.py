@@ -44,7 +44,13 @@ def test_bad_value_names_the_field():
 def test_recipe_without_plus_is_explained():
     result = reef("config", "recipe=sao")
     assert result.returncode == 2
-    assert "+recipe" in result.stderr or "sao" in result.stderr
+    # An installed recipe named without the '+': say what was meant, not "unknown recipe 'sao' ... sao ...".
+    assert "unknown recipe" not in result.stderr, result.stderr
+    assert "recipe=sao sets a key; select the recipe with +recipe=sao" in result.stderr, result.stderr
+    # A name that is no recipe still lists the recipes, and says how one is selected.
+    result = reef("config", "recipe=nope")
+    assert result.returncode == 2
+    assert "unknown recipe 'nope'" in result.stderr and "sao" in result.stderr and "+recipe=<name>" in result.stderr
 
 
 def test_secrets_are_redacted():

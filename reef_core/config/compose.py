@@ -160,8 +160,13 @@ def _explain(exc: Exception, overrides: list[str], pm) -> ConfigError:
         key, _, value = override.lstrip("+~").partition("=")
         if key == "recipe" and ("recipe" in text and value in text):
             names = available_recipes(pm)
+            plain = not override.startswith(("+", "~"))  # recipe=sao: a key assignment, not the group's selection
+            if plain and value in names:
+                return ConfigError(f"recipe={value} sets a key; select the recipe with +recipe={value} (note the '+')",
+                                   available=names)
+            hint = "; select one with '+recipe=<name>' (note the '+')" if plain else ""
             return ConfigError(
-                f"unknown recipe {value!r}; available recipes: {', '.join(names) or 'none installed'}",
+                f"unknown recipe {value!r}; available recipes: {', '.join(names) or 'none installed'}{hint}",
                 available=names,
             )
     if "Could not override 'recipe'" in text:
