@@ -3,7 +3,15 @@
 Read-only for an inference token; an admin token also sees rollback buttons and, on releases held for review
 (``evaluation.publish=review``), promote buttons; each asks for confirmation on a page of its own before it posts. The token comes from the login form and lives in a cookie scoped to ``/ui``
 (HttpOnly, SameSite=Strict); :class:`~reef_core.serve.auth.AuthMiddleware` reads it there for ``/ui`` paths
-only, and sends a browser without a valid one to the login page. Plots are SVG drawn here
+only, and sends a browser without a valid one to the login page.
+
+Cross-site posts (D4, #37): SameSite=Strict still sends the cookie from a page on another port of the same host, so
+every dashboard POST is refused (403, nothing stored) when ``Sec-Fetch-Site`` says ``same-site``/``cross-site`` or
+``Origin`` is not this server's own; and every form of a signed-in page carries a per-session token (hidden field
+``csrf``: an HMAC keyed by the cookie's token over the session's random ``reef_ui_session`` cookie, set at login),
+which a cookie-authenticated POST (logout, rollback, promote) must send back. Login has no session yet: the
+Origin/Sec-Fetch-Site check guards it. A request that presents its token in a header is not a browser's ambient
+credential and needs no form token. Plots are SVG drawn here
 (:mod:`reef_core.serve.plot`): no script and no CDN.
 
 Pages: ``/ui`` (scenarios with recipe, current release and learner state), ``/ui/scenarios/{s}`` (plots over
@@ -15,23 +23,60 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import hashlib
+import hmac
 import json
 import math
+import secrets
 from html import escape
-from urllib.parse import parse_qs, quote, urlencode
+from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
-from ..errors import Conflict, NotFound, ValidationFailed
-from .auth import UI_COOKIE
+from ..errors import Conflict, Forbidden, NotFound, ValidationFailed
+from .auth import UI_COOKIE, _cookie_token, _presented_token
 from .names import path_record, path_scenario
 from .plot import line_svg
 from .reads import MAX_SEQUENCE, record_row
 from .tenancy import visible
 
 ADMIN = {"x-reef-scope": "admin"}
-router = APIRouter()
+#: The session's random nonce, set at login beside the token cookie; the form token is keyed over it.
+UI_SESSION_COOKIE = "reef_ui_session"
+#: ``Sec-Fetch-Site`` values of a post the dashboard's own pages (or the user, typing) made.
+_OWN_SITES = frozenset({"same-origin", "none"})
+
+
+def _same_origin(request: Request) -> None:
+    """Refuse a cross-site dashboard POST (403 naming why) before its body is read: nothing is stored."""
+    if request.method != "POST":
+        return
+    for site in request.headers.getlist("sec-fetch-site"):
+        if site.strip().lower() not in _OWN_SITES:
+            raise Forbidden(f"cross-site dashboard post refused (Sec-Fetch-Site: {site[:40]}): "
+                            "post from the dashboard's own pages")
+    host = request.headers.get("host", "").lower()
+    for origin in request.headers.getlist("origin"):
+        parts = urlsplit(origin.strip()) if origin.strip() != "null" else None
+        if parts is None or not parts.scheme or parts.netloc.lower() != host:
+            raise Forbidden(f"cross-site dashboard post refused (Origin {origin[:200]!r} is not this server's "
+                            f"{host[:200]!r}): post from the dashboard's own pages")
+
+
+def form_token(request: Request) -> str:
+    """The session's form token: HMAC-SHA256 keyed by the dashboard cookie's token over its session nonce."""
+    token = _cookie_token(request.scope["headers"]) or ""
+    session = request.cookies.get(UI_SESSION_COOKIE, "")
+    return hmac.new(token.encode("utf-8", "surrogatepass"), b"reef-ui-form\0" + session.encode("utf-8", "replace"),
+                    hashlib.sha256).hexdigest()
+
+
+def _token_field(request: Request) -> str:
+    return f'<input type="hidden" name="csrf" value="{form_token(request)}">'
+
+
+router = APIRouter(dependencies=[Depends(_same_origin)])
 PAGE = 50
 _HEADERS = {"cache-control": "no-store", "x-frame-options": "DENY",
             "content-security-policy": "default-src 'none'; style-src 'unsafe-inline'; img-src data:; "
@@ -61,8 +106,9 @@ def _scope(request: Request) -> str:
     return request.scope.get("state", {}).get("reef_scope", "inference")
 
 
-async def _form(request: Request) -> dict[str, str]:
-    """A urlencoded form body, size-limited; its last value per field."""
+async def _form(request: Request, *, session: bool = True) -> dict[str, str]:
+    """A urlencoded form body, size-limited; its last value per field. A cookie-authenticated post of a session
+    (``session``: all but login) must carry the session's form token (``csrf``), else 403."""
     limit = request.app.state.reef.cfg.server.max_admin_body_bytes
     body = b""
     async for chunk in request.stream():
@@ -73,7 +119,12 @@ async def _form(request: Request) -> dict[str, str]:
         fields = parse_qs(body.decode("utf-8"), keep_blank_values=True, strict_parsing=False, max_num_fields=20)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ValidationFailed(f"not a urlencoded form: {exc}") from None
-    return {k: v[-1] for k, v in fields.items()}
+    form = {k: v[-1] for k, v in fields.items()}
+    if session and _presented_token(request.scope["headers"]) is None:
+        if not hmac.compare_digest(form.get("csrf", "").encode("utf-8", "replace"), form_token(request).encode()):
+            raise Forbidden("the dashboard's form token (csrf) is missing or wrong: post from the dashboard's own "
+                            "pages, signed in")
+    return form
 
 
 # -- login -------------------------------------------------------------------------------------------------
@@ -90,7 +141,7 @@ async def login_form(request: Request, failed: int = Query(0, ge=0, le=1)):
 
 @router.post("/ui/login", response_class=HTMLResponse)
 async def login(request: Request):
-    token = (await _form(request)).get("token", "")
+    token = (await _form(request, session=False)).get("token", "")
     tokens = request.app.state.reef_tokens
     if tokens.enabled and (not token or tokens.scope_of(token) is None):
         return RedirectResponse("/ui/login?failed=1", status_code=303, headers=_HEADERS)
@@ -98,13 +149,18 @@ async def login(request: Request):
     # Scoped to the dashboard's pages; never readable by a script, never sent cross-site.
     response.set_cookie(UI_COOKIE, quote(token, safe=""), path="/ui", httponly=True, samesite="strict",
                         secure=request.url.scheme == "https")
+    # A new session nonce each login: the forms' token changes with it.
+    response.set_cookie(UI_SESSION_COOKIE, secrets.token_urlsafe(32), path="/ui", httponly=True, samesite="strict",
+                        secure=request.url.scheme == "https")
     return response
 
 
 @router.post("/ui/logout", response_class=HTMLResponse)
 async def logout(request: Request):
+    await _form(request)  # the session's form token, else 403 and still signed in
     response = RedirectResponse("/ui/login", status_code=303, headers=_HEADERS)
     response.delete_cookie(UI_COOKIE, path="/ui")
+    response.delete_cookie(UI_SESSION_COOKIE, path="/ui")
     return response
 
 
@@ -126,7 +182,8 @@ async def scenarios(request: Request):
                     f"<td>{escape(str(found.get('step') or 0))}</td></tr>")
     table = ("<table><tr><th>Scenario</th><th>Recipe</th><th>Current release</th><th>Learner</th><th>Step</th></tr>"
              + "".join(rows) + "</table>") if rows else "<p>No scenario yet: send a request with x-reef-scenario.</p>"
-    return _page("Scenarios", table + '<form method="post" action="/ui/logout"><button>Sign out</button></form>')
+    return _page("Scenarios", table + '<form method="post" action="/ui/logout">'
+                 f'{_token_field(request)}<button>Sign out</button></form>')
 
 
 def _number(value) -> float | None:
@@ -374,7 +431,7 @@ async def _confirm(request: Request, scenario: str, release_id: str, operation: 
     text = escape(question).format(release=f"<code>{escape(release_id)}</code>", scenario=f"<b>{escape(found.name)}</b>")
     body = (f'<p>{text}</p><form method="post" action="/ui/scenarios/{_q(found.name)}/{operation}">'
             f'<input type="hidden" name="release_id" value="{escape(release_id)}">'
-            f'<input type="hidden" name="confirm" value="yes"><button type="submit" id="confirm">{button}</button> '
+            f'<input type="hidden" name="confirm" value="yes">{_token_field(request)}<button type="submit" id="confirm">{button}</button> '
             f'<a href="/ui/scenarios/{_q(found.name)}">cancel</a></form>')
     return _page(f"Confirm {operation}", body)
 

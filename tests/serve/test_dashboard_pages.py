@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 
@@ -55,12 +57,21 @@ def test_bad_inputs_are_refused_at_the_door(url, path, status):
     assert httpx.get(url + path, headers={"authorization": f"Bearer {TOKEN}"}).status_code == status
 
 
+def form_token(page: str) -> str:
+    """The per-session form token a dashboard page's forms carry (hidden field ``csrf``)."""
+    found = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert found, page
+    return found.group(1)
+
+
 def test_rollback_needs_admin_and_confirmation(url):
     inference = httpx.post(f"{url}/ui/scenarios/pages/rollback", cookies={"reef_ui_token": TOKEN},
                            data={"release_id": "x", "confirm": "yes"})
     assert inference.status_code == 403
+    csrf = form_token(httpx.get(f"{url}/ui/scenarios/pages/rollback?release_id=x",
+                                cookies={"reef_ui_token": ADMIN}).text)
     unconfirmed = httpx.post(f"{url}/ui/scenarios/pages/rollback", cookies={"reef_ui_token": ADMIN},
-                             data={"release_id": "x"})
+                             data={"release_id": "x", "csrf": csrf})
     assert unconfirmed.status_code == 400 and "confirm" in unconfirmed.text
     junk = httpx.post(f"{url}/ui/scenarios/pages/rollback", cookies={"reef_ui_token": ADMIN},
                       content=b"\xff\xfe" * 10, headers={"content-type": "application/x-www-form-urlencoded"})
@@ -84,3 +95,47 @@ def test_docs_lists_every_route_offline(url):
         for method in item:
             assert f"<code>{method.upper()} {path}</code>" in page.text, (method, path)
     assert "<code>POST /ui/scenarios/{scenario}/rollback</code> (admin token)" in page.text
+
+
+def test_cross_site_dashboard_posts_are_refused_and_store_nothing(url):
+    """D4 (#37): a page on another port of the same host gets the SameSite=Strict cookie sent with its form posts;
+    Origin / Sec-Fetch-Site refuse them, and a per-session form token refuses a post that carries neither."""
+    other = url.rsplit(":", 1)[0] + ":1"  # another local port: same site, another origin
+    releases = f"{url}/reef/scenarios/pages/releases"
+    admin_auth = {"authorization": f"Bearer {ADMIN}"}
+    before = httpx.get(releases, headers=admin_auth).json()["releases"]
+    release_id = before[0]["release_id"] if before else "f" * 40
+
+    # login: refused cross-site (no cookie set), accepted from the dashboard's own origin
+    for headers in ({"origin": other}, {"sec-fetch-site": "same-site"}, {"sec-fetch-site": "cross-site"},
+                    {"origin": "null"}):
+        refused = httpx.post(f"{url}/ui/login", data={"token": ADMIN}, headers=headers)
+        assert refused.status_code == 403 and "cross-site" in refused.text, (headers, refused.text)
+        assert "set-cookie" not in refused.headers
+    with httpx.Client(base_url=url) as browser:
+        signed_in = browser.post("/ui/login", data={"token": ADMIN}, headers={"origin": url,
+                                                                              "sec-fetch-site": "same-origin"})
+        assert signed_in.status_code == 303 and browser.cookies.get("reef_ui_token")
+        csrf = form_token(browser.get(f"/ui/scenarios/pages/rollback?release_id={release_id}").text)
+        form = {"release_id": release_id, "confirm": "yes", "csrf": csrf}
+        # the signed-in admin's browser, posting from another port: refused, even with a right token
+        for headers in ({"origin": other}, {"sec-fetch-site": "same-site"}, {"origin": "null"}):
+            refused = browser.post("/ui/scenarios/pages/rollback", data=form, headers=headers)
+            assert refused.status_code == 403 and "cross-site" in refused.text, (headers, refused.text)
+        # no Origin header at all (an old browser) and no form token, or a wrong one: refused, naming the token
+        for bad in ({k: v for k, v in form.items() if k != "csrf"}, {**form, "csrf": "0" * len(csrf)}):
+            refused = browser.post("/ui/scenarios/pages/rollback", data=bad)
+            assert refused.status_code == 403 and "form token" in refused.text, refused.text
+        assert httpx.get(releases, headers=admin_auth).json()["releases"] == before  # nothing stored
+        # logout: same checks; a refused one leaves the session signed in
+        assert browser.post("/ui/logout", headers={"origin": other}).status_code == 403
+        assert browser.post("/ui/logout").status_code == 403
+        assert browser.get("/ui").status_code == 200
+        logout_token = form_token(browser.get("/ui").text)
+        assert browser.post("/ui/logout", data={"csrf": logout_token}, headers={"origin": url}).status_code == 303
+        # the same-origin post with the token works
+        assert browser.post("/ui/login", data={"token": ADMIN}).status_code == 303
+        csrf = form_token(browser.get(f"/ui/scenarios/pages/rollback?release_id={release_id}").text)
+        done = browser.post("/ui/scenarios/pages/rollback", data={**form, "csrf": csrf}, headers={"origin": url})
+        assert done.status_code in (303, 404, 409), done.text  # past the door: the release's own answer
+        assert "cross-site" not in done.text and "form token" not in done.text

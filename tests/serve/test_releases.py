@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -104,12 +105,14 @@ def test_dashboard_promotes_a_held_release_for_an_admin_only(data_dir, reef_serv
     assert link in httpx.get(page_url, cookies=admin).text
     confirm = httpx.get(server.url + link, cookies=admin)
     assert confirm.status_code == 200 and "Confirm promote" in confirm.text and held.release_id in confirm.text
-    form = {"release_id": held.release_id, "confirm": "yes"}
+    csrf = re.search(r'name="csrf" value="([^"]+)"', confirm.text).group(1)  # the session's form token
+    form = {"release_id": held.release_id, "confirm": "yes", "csrf": csrf}
     assert httpx.post(f"{page_url}/promote", cookies=infer, data=form).status_code == 403
-    assert httpx.post(f"{page_url}/promote", cookies=admin, data={"release_id": held.release_id}).status_code == 400
+    assert httpx.post(f"{page_url}/promote", cookies=admin,
+                      data={"release_id": held.release_id, "csrf": csrf}).status_code == 400
     # promoting a release that is not held is a conflict, and changes nothing
     assert httpx.post(f"{page_url}/promote", cookies=admin,
-                      data={"release_id": a.release_id, "confirm": "yes"}).status_code == 409
+                      data={"release_id": a.release_id, "confirm": "yes", "csrf": csrf}).status_code == 409
     done = httpx.post(f"{page_url}/promote", cookies=admin, data=form)
     assert done.status_code == 303 and done.headers["location"] == "/ui/scenarios/rel"
     rows = httpx.get(f"{server.url}/reef/scenarios/rel/releases", headers=INFER).json()["releases"]
