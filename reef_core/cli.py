@@ -1,7 +1,8 @@
 """The ``reef`` command.
 
-Exit codes: 0 success, 2 bad config or usage, 1 runtime failure, 141 stdout closed early (``reef config | head``:
-128 + SIGPIPE, what a shell reports for any program whose reader left; no traceback).
+Exit codes: 0 success, 2 bad config or usage, 1 runtime failure, 3 ``reef serve``'s start-up failed after loading
+(uvicorn's STARTUP_FAILURE: the app's lifespan start-up raised, or the port could not be bound), 141 stdout closed
+early (``reef config | head``: 128 + SIGPIPE, what a shell reports for any program whose reader left; no traceback).
 """
 
 from __future__ import annotations
@@ -127,7 +128,20 @@ def cmd_serve(args) -> int:
     from .serve.server import serve
 
     cfg = compose_config(args.overrides)
+    if cfg.server.learner:
+        _check_data_dir_free(cfg)
     return serve(cfg)
+
+
+def _check_data_dir_free(cfg) -> None:
+    """A second server on a data directory another one writes: one line (LogLocked, exit 1) before the model
+    loads, not the lifespan traceback and uvicorn's exit 3. The server still takes the lock itself; this only
+    asks early (two started at the same instant may still meet there)."""
+    from pathlib import Path
+
+    from .commit.commitlog import WriterLock
+
+    WriterLock(Path(cfg.storage.data_dir) / "commits").release()
 
 
 def cmd_learn(args) -> int:
