@@ -276,9 +276,13 @@ def _json(schema: dict, required: bool = True) -> dict:
     return {"required": required, "content": {"application/json": {"schema": schema}}}
 
 
-def _form(properties: dict, required: list[str]) -> dict:
-    return {"required": True, "content": {"application/x-www-form-urlencoded": {"schema": {
+def _form(properties: dict, required: list[str], body_required: bool = True) -> dict:
+    return {"required": body_required, "content": {"application/x-www-form-urlencoded": {"schema": {
         "type": "object", "required": required, "properties": properties}}}}
+
+
+#: The dashboard's per-session form token: required of a POST signed in by cookie, not of one with a token header.
+_CSRF = {"csrf": {"type": "string", "description": "the form token of a cookie-signed-in dashboard session"}}
 
 
 def _header(name: str, description: str, required: bool = False) -> dict:
@@ -381,10 +385,13 @@ OPENAPI_ADDITIONS: dict[tuple[str, str], tuple[dict | None, list[dict]]] = {
     ("post", "/reef/scenarios/{scenario}/skills/close-day"): (
         _json({"type": "object", "maxProperties": 0, "description": "no fields"}, required=False), []),
     ("post", "/ui/login"): (_form({"token": {"type": "string"}}, ["token"]), []),
+    ("post", "/ui/logout"): (_form(_CSRF, [], body_required=False), []),
     ("post", "/ui/scenarios/{scenario}/rollback"): (
-        _form({"release_id": {"type": "string"}, "confirm": {"const": "yes"}}, ["release_id", "confirm"]), []),
+        _form({"release_id": {"type": "string"}, "confirm": {"const": "yes"}, **_CSRF}, ["release_id", "confirm"]),
+        []),
     ("post", "/ui/scenarios/{scenario}/promote"): (
-        _form({"release_id": {"type": "string"}, "confirm": {"const": "yes"}}, ["release_id", "confirm"]), []),
+        _form({"release_id": {"type": "string"}, "confirm": {"const": "yes"}, **_CSRF}, ["release_id", "confirm"]),
+        []),
     ("get", "/reef/harness"): (None, [_SCENARIO]),
     ("get", "/reef/harness/files/{path}"): (None, [_SCENARIO]),
     ("get", "/reef/harness/releases"): (None, [_SCENARIO]),

@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 
 #: POST routes that take no body at all.
-BODYLESS = {"/ui/logout"}
+BODYLESS: set[str] = set()
 #: Routes that read ``x-reef-scenario`` (``GET /reef/harness/install`` reads it optionally).
 SCENARIO_ROUTES = {("post", p) for p in ("/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
                                          "/v1/responses", "/reef/report", "/reef/train", "/reef/records",
