@@ -141,7 +141,9 @@ def _check_data_dir_free(cfg) -> None:
 
     from .commit.commitlog import WriterLock
 
-    WriterLock(Path(cfg.storage.data_dir) / "commits").release()
+    commits = Path(cfg.storage.data_dir) / "commits"
+    if commits.is_dir():  # no directory yet: no other writer, and a refused start must create nothing
+        WriterLock(commits).release()
 
 
 def cmd_learn(args) -> int:

@@ -288,6 +288,8 @@ class FakeSGLang:
         """The scheduler process died (SGLang then takes the whole server down)."""
         self.crashed = reason
         self._aborting.update(self.in_flight)
+        if self._resumed is not None:  # paused and retracted requests end too: a dead server holds none
+            self._resumed.set()
 
     def resolve(self, path: str) -> Path:
         """A path as the server reads it: relative ones against its own working directory."""
