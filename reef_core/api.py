@@ -26,7 +26,7 @@ from reef_core.commit.release import Release, scenario_key, scenario_path
 from reef_core.commit.store import ArtifactStore, FileValue
 from reef_core.config.options import option_values
 from reef_core.content import content_text
-from reef_core.dotted import load_callable, load_object
+from reef_core.plugins import load_callable, load_object
 from reef_core.engines.base import (
     DirectResponse,
     Engine,
@@ -52,7 +52,8 @@ from reef_core.errors import (
 from reef_core.grow.trainer import CandidateUpdate, TrainContext, Trainer, TrainerSetup
 from reef_core.observe.model import Record
 from reef_core.observe.processor import Batch, Processor, Sample, Segment
-from reef_core.serve.background import serve_asgi, serve_reef
+from reef_core.background import serve_asgi
+from reef_core.serve.server import serve_reef
 from reef_core.surfaces.base import RunAsync, ServingPorts, Surface
 from reef_core.surfaces.adapters import HarnessAdapter, ModelBinding
 from reef_core.surfaces.harness import (
@@ -95,6 +96,7 @@ _LAZY = {
     "ReefClient": "reef_core.client",
     "AsyncReefClient": "reef_core.client",
     "ReefClientError": "reef_core.client",
+    "ReefProcess": "reef_core.client.server_process",
     "UpstreamEngine": "reef_core.engines.upstream",
     "ChatModel": "reef_core.chat",
     "CallableChat": "reef_core.chat",
@@ -145,6 +147,7 @@ if TYPE_CHECKING:
         StorageConfig,
         TrainerConfig,
     )
+    from reef_core.client.server_process import ReefProcess
     from reef_core.client import AsyncReefClient, ReefClient, ReefClientError
     from reef_core.engines.upstream import UpstreamEngine
     from reef_core.loop.ports import ScenarioView
@@ -206,7 +209,7 @@ __all__ = [
     "UpstreamEngine", "translate_request", "translate_response",
     # helpers
     "load_object", "load_callable", "option_values", "serve_asgi", "serve_reef", "content_text",
-    "ReefClient", "AsyncReefClient", "ReefClientError",
+    "ReefClient", "AsyncReefClient", "ReefClientError", "ReefProcess",
     "ChatModel", "CallableChat", "HttpChat", "EngineChat", "reply_text", "resolve_chat_model",
     "SEPARATOR", "encode_tree", "inject_system", "render_system_prompt", "validate_harness_path", "validate_tree",
     "Skill", "SKILLS_DIR", "CATALOG_OPEN", "credential_problem", "parse_skill", "pool_files", "render_catalog",

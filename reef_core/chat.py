@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from reef_core.content import content_text
-from reef_core.dotted import load_object
+from reef_core.plugins import load_object
 from reef_core.engines.base import EngineRequest
 from reef_core.engines.translate import translate_request, translate_response
 from reef_core.engines.upstream import UpstreamEngine

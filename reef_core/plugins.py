@@ -1,4 +1,5 @@
-"""Plugin loading and the component registry.
+"""Plugin loading and the component registry, and the loader of dotted paths (``"package.module:name"``)
+that config may name instead of a registered component.
 
 Loading order: Reef's built-in plugins (``DEFAULT_PLUGINS``), then installed ``reef`` entry
 points one by one. A plugin that fails to import or to register is recorded in ``failures``
@@ -27,7 +28,7 @@ from typing import Any, Callable
 import pluggy
 
 from . import hookspecs
-from .errors import ComponentConflict, PluginError, UnknownComponent
+from .errors import ComponentConflict, ConfigError, PluginError, UnknownComponent
 
 log = logging.getLogger("reef.plugins")
 
@@ -213,8 +214,6 @@ class PluginManager:
         name: the object it names is called like a registered factory (a class is instantiated), or used
         as is when it is not callable. Every kind takes such paths through this one loader."""
         if ":" in name:
-            from .dotted import load_object
-
             target = load_object(name)
             return target(**kwargs) if callable(target) else target
         return self.get(kind, name).factory(**kwargs)
@@ -272,3 +271,29 @@ def reset_plugin_manager() -> None:
     global _manager
     with _lock:
         _manager = None
+
+def load_object(path: str) -> Any:
+    """Import ``"pkg.mod:attr"`` (or ``"pkg.mod.attr"``); a clear ConfigError when it cannot."""
+    module, sep, attr = path.partition(":")
+    if not sep:
+        module, _, attr = path.rpartition(".")
+    if not module or not attr:
+        raise ConfigError(f"expected a dotted path 'pkg.module:name', got {path!r}")
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import {module!r} for {path!r}: {exc}") from exc
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ConfigError(f"{module!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def load_callable(path: str, what: str) -> Any:
+    """:func:`load_object`, refusing anything that cannot be called."""
+    target = load_object(path)
+    if not callable(target):
+        raise ConfigError(f"{what} {path!r} is not callable")
+    return target

@@ -89,10 +89,12 @@ def sweep_size(overrides: list[str]) -> int | None:
     return total
 
 
+#: The file a ``learn`` job writes in its output directory (read back here for the summary table).
+METRICS_FILE = "metrics.json"
+
+
 def collect_metrics(sweep_dir: Path) -> list[dict]:
     """The metrics of each job directory under ``sweep_dir``, in job order (unreadable files skipped)."""
-    from .builtins.tasks import METRICS_FILE
-
     rows = []
     for path in sweep_dir.glob(f"*/{METRICS_FILE}"):
         try:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import hookimpl
-from ..dotted import load_callable
+from ..plugins import load_callable
 from ..errors import ConfigError
 
 _REPORTED = ("batch_size", "max_staleness", "require_score", "max_held_inferences", "holdout", "max_replay_tasks")

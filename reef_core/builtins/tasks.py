@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from .. import hookimpl
+from ..sweep import METRICS_FILE
 
 
 def dry_run(cfg, output_dir: Path) -> dict:  # cfg: the job's ReefConfig
@@ -16,7 +17,7 @@ def dry_run(cfg, output_dir: Path) -> dict:  # cfg: the job's ReefConfig
 
     pm = get_plugin_manager()
     if ":" in cfg.engine.kind:  # an explicit dotted path: it must import
-        from ..dotted import load_object
+        from ..plugins import load_object
 
         load_object(cfg.engine.kind)
     else:
@@ -62,9 +63,6 @@ def _job_overrides(output_dir: Path) -> list[str]:
         return []
     return [str(item) for item in found] if isinstance(found, list) else []
 
-
-#: The file a ``learn`` job writes in its output directory (read back by the sweep's summary table).
-METRICS_FILE = "metrics.json"
 
 
 @hookimpl

@@ -38,7 +38,7 @@ def _mapping(value: Any, what: str) -> Mapping:
 def make_torch_trainer(*, scenario: str, recipe: RecipeConfig, trainer: TrainerConfig, context: Any, **_extra):
     """Build a :class:`~reef_core.grow.torch_backend.TorchTrainer` around ``recipe.options.objective``."""
     require("train", "the torch trainer")
-    from ..dotted import load_callable
+    from ..plugins import load_callable
     from ..grow.objective import Objective
     from ..grow.torch_backend import TorchTrainer
 

@@ -27,7 +27,7 @@ from typing import Any
 import jsonschema
 
 from reef_core.commit.gate import Candidate, Current, EvaluationResult
-from reef_core.dotted import load_object  # noqa: F401 - re-exported for plugins
+from reef_core.plugins import load_object  # noqa: F401 - re-exported for plugins
 from reef_core.errors import ConfigError
 
 Scorer = Callable[[Any, dict], "float | None"]

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from reef_core.errors import NotFound, ValidationFailed
-from reef_core.observe.names import scenario_digest
+from reef_core.names import scenario_digest
 
 MANIFEST = "reef-artifact.json"
 ATTRIBUTES = ".gitattributes"
@@ -51,7 +51,7 @@ _KEY = re.compile(r"[0-9a-f]{64}")
 
 
 def scenario_key(scenario: str) -> str:
-    """The scenario's fixed-length key in refs and file names (see :func:`reef_core.observe.names.scenario_digest`)."""
+    """The scenario's fixed-length key in refs and file names (see :func:`reef_core.names.scenario_digest`)."""
     validate_scenario(scenario)
     return scenario_digest(scenario)
 
@@ -92,7 +92,7 @@ def scenario_ref(scenario: str) -> str:
 
 def validate_scenario(scenario: str) -> None:
     """Any non-empty string names a scenario here: keys are digests, so a name stored before today's name rule
-    (:mod:`reef_core.observe.names`, applied to new names at the HTTP door) keeps working."""
+    (:mod:`reef_core.names`, applied to new names at the HTTP door) keeps working."""
     if not isinstance(scenario, str) or not scenario:
         raise ValidationFailed("scenario must be a non-empty string")
 

@@ -162,7 +162,7 @@ def check_components(binding: RecipeBinding, plugin_manager: PluginManager) -> d
     """Resolve every component the binding names (a ``module:Name`` path must import); kind -> name.
 
     Raises the registry's error (it lists the available names) prefixed with where the binding comes from."""
-    from ..dotted import load_object
+    from ..plugins import load_object
     from ..errors import ReefError
 
     checked = {}

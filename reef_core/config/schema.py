@@ -304,7 +304,7 @@ class ReefConfig:
 def option_default(target: str, *, _node_: Any) -> Any:
     """Resolver ``reef.default``: the default of the field named like the key it fills, in the option
     dataclass ``target`` (``"pkg.module:Options"``)."""
-    from ..dotted import load_object
+    from ..plugins import load_object
     from ..errors import ConfigError
 
     options = load_object(target)

@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Literal
 
-from reef_core.engines.topk import TopK
+from reef_core.topk import TopK
 from reef_core.errors import ReefError
 
 Dialect = Literal["openai", "anthropic"]
@@ -81,7 +81,7 @@ class TokenData:
     the sampled token. ``version`` names the weights that produced every token.
 
     ``top_k`` (local engine with ``engine.top_k_logprobs`` > 0, else ``None``): per output token, the ``k`` most
-    likely ids under that same distribution and their log-probs (:class:`~reef_core.engines.topk.TopK`). It is
+    likely ids under that same distribution and their log-probs (:class:`~reef_core.topk.TopK`). It is
     binary data, kept out of :meth:`to_dict` (the JSON form stored in a record's payload); the record store keeps
     it packed in its own column (``Record.top_k``).
     """

@@ -77,7 +77,7 @@ from typing import Any, AsyncIterator, Callable
 import torch
 
 from reef_core.config.schema import EngineConfig
-from reef_core.engines.adapter import AdapterWeights
+from reef_core.models.adapter import AdapterWeights
 from reef_core.engines.base import (
     TOKENS_EVENT,
     Engine,
@@ -91,7 +91,7 @@ from reef_core.engines import kernels, lean_model, packcache
 from reef_core.engines.decode import FastDecoder, Packed, prefill_rows, step_rows, supports
 from reef_core.engines.toolcalls import ToolCallStream, finish_reason, request_tools, resolve_parser, tool_parser
 from reef_core.engines.local_worker import Worker
-from reef_core.engines.topk import MAX_K, TopK
+from reef_core.topk import MAX_K, TopK
 from reef_core.engines.translate import anthropic_count_tokens_to_openai
 from reef_core.errors import ConfigError, Conflict, ReefError, UpstreamError, ValidationFailed
 from reef_core.models.device import resolve_device

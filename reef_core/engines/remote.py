@@ -48,7 +48,7 @@ from typing import Any, AsyncIterator
 
 import aiohttp
 
-from reef_core.engines.adapter import AdapterWeights
+from reef_core.models.adapter import AdapterWeights
 from reef_core.engines.base import (
     TOKENS_EVENT,
     Engine,
@@ -61,7 +61,7 @@ from reef_core.engines.base import (
 from reef_core.engines.chat_body import SamplingParams, chat_messages, sampling_params
 from reef_core.engines.sse import SSEDecoder
 from reef_core.engines.toolcalls import finish_reason, parse_tool_calls, resolve_parser, tool_parser
-from reef_core.engines.topk import MAX_K, TopK
+from reef_core.topk import MAX_K, TopK
 from reef_core.engines.translate import anthropic_count_tokens_to_openai, error_body
 from reef_core.engines.staging import check_readable, staged_dir
 from reef_core.engines.untie import tie_in_release

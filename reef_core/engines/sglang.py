@@ -85,7 +85,7 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from reef_core.engines.adapter import AdapterWeights
+from reef_core.models.adapter import AdapterWeights
 from reef_core.engines.base import EngineRequest, EngineResponse, StreamEvent
 from reef_core.engines.chat_body import SamplingParams
 from reef_core.engines.remote import ADAPTER_NAME, Generation, RemoteEngine, adapter_name

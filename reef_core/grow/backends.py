@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..dotted import load_callable
+from ..plugins import load_callable
 from ..errors import ConfigError
 
 BACKENDS: dict[str, str] = {

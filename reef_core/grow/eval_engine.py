@@ -127,9 +127,9 @@ class EvalEngine:
 
     def swap(self, engine, weights: Any) -> None:
         """Load the subject's weights into ``engine`` (called from ``load`` in :meth:`generate`): a (possibly
-        partial) state dict replaces the engine's weights; an :class:`~reef_core.engines.adapter.AdapterWeights`
+        partial) state dict replaces the engine's weights; an :class:`~reef_core.models.adapter.AdapterWeights`
         (a LoRA subject) becomes the one adapter the next requests are frozen on, over the untouched base."""
-        from ..engines.adapter import AdapterWeights
+        from ..models.adapter import AdapterWeights
 
         if isinstance(weights, AdapterWeights):
             self._version = None

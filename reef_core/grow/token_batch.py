@@ -36,7 +36,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from reef_core.engines.topk import TopK
+from reef_core.topk import TopK
 from reef_core.errors import ValidationFailed
 
 

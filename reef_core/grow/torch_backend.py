@@ -8,7 +8,7 @@ What a step returns (:class:`~reef_core.grow.trainer.CandidateUpdate`):
 
 * ``payload``: what the local engine loads as it is. Full weights: a state dict for ``swap_weights(version,
   state_dict)``, every tensor of the model (tied duplicates left out: they follow their source). LoRA: an
-  :class:`~reef_core.engines.adapter.AdapterWeights` (the adapter's config and its own tensors, never merged) for
+  :class:`~reef_core.models.adapter.AdapterWeights` (the adapter's config and its own tensors, never merged) for
   ``load_adapter(name, version, adapter)``, so several scenarios' adapters share the engine's one base.
 * ``files``: the checkpoint, serialised on first access (a version kept only in memory never pays for it). Full:
   ``model.safetensors``, ``config.json``, ``generation_config.json`` and the tokenizer files, a directory
@@ -68,8 +68,8 @@ from reef_core.grow.optim import adamw
 from reef_core.grow.reference import AdapterBaseReference, ReferenceModel, SharedBaseReference
 from reef_core.grow.token_batch import TokenBatch
 from reef_core.grow.trainer import CandidateUpdate, TrainContext, Trainer
-from reef_core.engines.adapter import AdapterWeights
-from reef_core.surfaces.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_FILE, base_reference
+from reef_core.models.adapter import AdapterWeights
+from reef_core.models.release_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MODEL_FILE, base_reference
 
 log = logging.getLogger("reef.grow.torch")
 

@@ -21,7 +21,7 @@ import json
 import re
 
 from ..errors import ValidationFailed
-from .names import check_record_id
+from ..names import check_record_id
 
 TRAINING_MODES = ("auto", "manual", "hybrid")
 FIELDS = frozenset({"text", "session", "release_id", "requires", "client", "agent_record_id"})

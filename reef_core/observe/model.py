@@ -83,7 +83,7 @@ class Record:
     inference with, not a release of the chain (those are ``release_id``s). ``sequence`` is ``None``
     until the store assigns it; ``content_hash`` is computed when not given.
     ``top_k`` is the packed top-K log-probs of the payload's token data
-    (:meth:`reef_core.engines.topk.TopK.pack`), stored in a binary column beside the JSON payload; it is derived
+    (:meth:`reef_core.topk.TopK.pack`), stored in a binary column beside the JSON payload; it is derived
     from the same generation as ``payload["tokens"]``, so the content hash leaves it out.
     """
 

@@ -4,7 +4,7 @@ Shared by the report route (``POST /reef/report``, :mod:`reef_core.serve.reports
 loop (:mod:`reef_core.loop.offline`), so a report is the same thing whichever way it arrives: only the known
 top-level fields; ``score`` a finite number and not a bool; ``feedback`` text or a JSON object within a size cap;
 ``metadata`` an object, ``metadata.unscored`` (the unscored sentinel) a boolean, and when true the score null;
-``agent_record_id`` and each of ``references`` a record id (:mod:`reef_core.observe.names`), the references unique.
+``agent_record_id`` and each of ``references`` a record id (:mod:`reef_core.names`), the references unique.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import math
 
 from ..errors import ValidationFailed
-from .names import check_record_id
+from ..names import check_record_id
 
 REPORT_FIELDS = frozenset({"score", "feedback", "references", "metadata", "agent_record_id"})
 MAX_REFERENCES = 100

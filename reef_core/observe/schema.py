@@ -38,7 +38,7 @@ records = sa.Table(
     sa.Column("references", sa.JSON(), nullable=False),
     sa.Column("tags", sa.JSON(), nullable=False),
     sa.Column("payload", sa.JSON(), nullable=False),
-    # Packed top-K log-probs of the payload's token data (reef_core.engines.topk); NULL when none were captured.
+    # Packed top-K log-probs of the payload's token data (reef_core.topk); NULL when none were captured.
     sa.Column("top_k", sa.LargeBinary(), nullable=True),
     sa.UniqueConstraint("scenario", "sequence", name="uq_records_scenario_sequence"),
     sa.Index("ix_records_request_hash", "scenario", "request_hash", "created_at"),

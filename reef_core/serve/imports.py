@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse
 
 from ..errors import Conflict, PayloadTooLarge, ReefError, ValidationFailed
 from ..observe.model import Record, canonical_bytes
-from ..observe.names import check_record_id
+from ..names import check_record_id
 from ..observe.processors.conversation import UnusableRecord, request_messages, response_message
 from ..observe.reports import validate_report
 from .inference import read_json_body

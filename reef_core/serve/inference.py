@@ -40,7 +40,7 @@ from ..engines.translate import stream_translator, translate_error, translate_re
 from ..errors import Conflict, PayloadTooLarge, ReefError, ValidationFailed
 from ..observe.model import Record, canonical_bytes
 from ..engines.sse import encode_event
-from ..observe.names import header_text
+from ..names import header_text
 from .aggregate import accumulator_for, receipt_events, synthetic_stream
 from .disconnect import CLIENT_DISCONNECTED, ClientGone, ClientWatch
 from .errors import error_body, new_error_id

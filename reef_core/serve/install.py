@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ..errors import NotFound, UnknownComponent, ValidationFailed
-from ..observe.names import check_scenario_name, header_text
+from ..names import check_scenario_name, header_text
 from ..surfaces.adapters import ModelBinding
 from .harness import harness_surface, read_release
 from .install_script import render_install_script

@@ -1,6 +1,6 @@
 """Client names as the HTTP routes read them: the scenario header, scenario path segments and record ids.
 
-The rules themselves are :mod:`reef_core.observe.names`. A new name must follow them; a name in a URL path is only
+The rules themselves are :mod:`reef_core.names`. A new name must follow them; a name in a URL path is only
 looked up, so a scenario stored before today's rule (say with a TAB) stays readable and can be archived.
 """
 
@@ -13,7 +13,7 @@ from starlette.requests import Request
 from ..errors import NotFound, ValidationFailed
 from ..observe.model import MAX_ID_LENGTH as STORED_ID_LENGTH
 from .tenancy import check_scenario
-from ..observe.names import check_record_id, check_scenario_name, header_text, is_record_id, scenario_problem
+from ..names import check_record_id, check_scenario_name, header_text, is_record_id, scenario_problem
 
 SCENARIO_HEADER = "x-reef-scenario"
 RECEIPT_HEADER = "x-reef-agent-record-id"

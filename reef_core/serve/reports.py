@@ -3,7 +3,7 @@
 Validation (all before anything is stored or created): the scenario header; only the known top-level
 fields; ``score`` a finite number and not a bool; ``feedback`` text or a JSON object within a size
 cap; ``metadata.unscored`` (the unscored sentinel) a boolean, and when true the score null (an errored run is
-never scored as a number); ``agent_record_id`` and each of ``references`` a record id (:mod:`reef_core.observe.names`);
+never scored as a number); ``agent_record_id`` and each of ``references`` a record id (:mod:`reef_core.names`);
 ``references`` unique receipts of stored inference records of the same scenario (checked again
 inside the write transaction); ``metadata`` an object; then the recipe's typed report schema, if
 any, and the processor's door rule (:meth:`~reef_core.observe.processor.Processor.report_key`): a key

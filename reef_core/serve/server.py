@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator, Sequence
 
 from ..config.schema import ReefConfig
 from ..errors import ConfigError
 from .auth import TokenSet, is_loopback
 from .logs import configure as configure_logs
+from ..background import serve_asgi
 from .workers import WorkerPool, check_workers
 
 log = logging.getLogger("reef.serve")
@@ -118,3 +121,18 @@ def _announcing_server(config, banner: str, pool: WorkerPool | None = None):
                     await asyncio.to_thread(pool.wait, config.timeout_graceful_shutdown or 30)
 
     return AnnouncingServer(config)
+
+
+@contextlib.contextmanager
+def serve_reef(overrides: Sequence[str] = ()) -> Iterator[str]:
+    """A whole Reef server (config ``overrides`` as on the ``reef serve`` command line) in this process;
+    yield its base URL. The deployment is assembled and closed exactly as ``reef serve`` does it."""
+    from reef_core.config import compose_config
+    from reef_core.loop.assemble import build_deployment
+    from reef_core.plugins import get_plugin_manager
+    from .app import create_app
+
+    pm = get_plugin_manager()
+    deployment = build_deployment(compose_config(list(overrides), pm), pm)
+    with serve_asgi(create_app(deployment), lifespan="on") as url:
+        yield url

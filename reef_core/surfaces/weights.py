@@ -44,7 +44,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..engines.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterWeights
+from ..models.adapter import AdapterWeights
+from ..models.release_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_REFERENCE, MODEL_FILE, base_reference
 from ..errors import ConfigError, Conflict, ValidationFailed
 from ..versions import ServedVersion
 from .base import ServingPorts, Surface
@@ -52,13 +53,7 @@ from .base import ServingPorts, Surface
 log = logging.getLogger("reef.surfaces")
 
 #: The files that carry a weights release (written by ``reef_core.grow.torch_backend``).
-MODEL_FILE = "model.safetensors"
-#: A LoRA release's files (``ADAPTER_CONFIG``, ``ADAPTER_WEIGHTS``) are named in ``reef_core.engines.adapter``.
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "BASE_REFERENCE", "MODEL_FILE", "WeightsSurface"]
-
-
-#: The file of a creation release: the base model it stands for (no weights are copied).
-BASE_REFERENCE = "base.json"
 
 
 def scenario_key(scenario: str) -> str:
@@ -77,20 +72,6 @@ def model_digest(model_dir: Path) -> str:
                 digest.update(chunk)
         digest.update(b"\0")
     return f"sha256:{digest.hexdigest()}"
-
-
-def base_reference(files: Mapping[str, Any]) -> dict | None:
-    """The base model a creation release names (``{"model", "digest"}``), or None for a weights release."""
-    if BASE_REFERENCE not in files:
-        return None
-    raw = files[BASE_REFERENCE]
-    try:
-        ref = json.loads(raw.decode() if isinstance(raw, (bytes, bytearray)) else raw)
-    except (UnicodeDecodeError, ValueError):
-        raise ValidationFailed(f"{BASE_REFERENCE} is not valid JSON") from None
-    if not isinstance(ref, dict) or not isinstance(ref.get("digest"), str):
-        raise ValidationFailed(f"{BASE_REFERENCE} must be an object with a digest")
-    return ref
 
 
 def state_dict_from_files(files: Mapping[str, bytes], load_base_model: Callable[[], tuple[Any, Any]] | None):

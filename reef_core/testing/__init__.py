@@ -18,7 +18,7 @@ _EXPORTS = {
     "FakeUpstreamControl": ("reef_core.testing.fake_upstream", "FakeUpstreamControl"),
     "serve_fake_upstream": ("reef_core.testing.fake_upstream", "serve_fake_upstream"),
     "run_fake_upstream": ("reef_core.testing.fake_upstream", "run_fake_upstream"),
-    "serve_asgi": ("reef_core.serve.background", "serve_asgi"),
+    "serve_asgi": ("reef_core.background", "serve_asgi"),
     "FakeSGLang": ("reef_core.testing.fake_sglang", "FakeSGLang"),
     "serve_fake_sglang": ("reef_core.testing.fake_sglang", "serve_fake_sglang"),
     "FakeVLLM": ("reef_core.testing.fake_vllm", "FakeVLLM"),
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from reef_core.config import available_recipes, compose_config  # noqa: F401
     from reef_core.observe.processors import PerReportProcessor  # noqa: F401
     from reef_core.plugins import PluginManager  # noqa: F401
-    from reef_core.serve.background import serve_asgi  # noqa: F401
+    from reef_core.background import serve_asgi  # noqa: F401
     from reef_core.surfaces.harness import HarnessSurface  # noqa: F401
     from reef_core.testing.fake_upstream import (  # noqa: F401
         FakeUpstream,

@@ -76,7 +76,7 @@ from typing import Any, Iterator
 
 import torch
 
-from reef_core.serve.background import bound_socket, serve_asgi, uvicorn_server
+from reef_core.background import bound_socket, serve_asgi, uvicorn_server
 from reef_core.testing.asgi import fake_in_process, read_request
 
 __all__ = ["FakeSGLang", "serve_fake_sglang", "SAMPLING_KEYS"]

@@ -180,7 +180,7 @@ def _save(args, rollout_id: int, files: dict[str, bytes]) -> None:
     """slime's ``save_model``: the Megatron save (a placeholder), then ``--save-hf`` as one shard plus index."""
     from safetensors.torch import load as load_safetensors
 
-    from reef_core.surfaces.weights import MODEL_FILE
+    from reef_core.models.release_files import MODEL_FILE
 
     megatron = Path(args.save)
     megatron.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,7 @@ from collections import deque
 from typing import Any, Iterator
 
 from reef_core.content import content_text
-from reef_core.serve.background import bound_socket, serve_asgi, uvicorn_server
+from reef_core.background import bound_socket, serve_asgi, uvicorn_server
 from reef_core.testing.asgi import fake_in_process, read_request
 
 __all__ = ["FakeUpstream", "serve_fake_upstream", "run_fake_upstream", "serve_asgi", "FakeUpstreamControl"]

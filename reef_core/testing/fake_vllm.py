@@ -56,7 +56,7 @@ from urllib.parse import parse_qs
 
 import torch
 
-from reef_core.serve.background import bound_socket, serve_asgi, uvicorn_server
+from reef_core.background import bound_socket, serve_asgi, uvicorn_server
 from reef_core.testing.asgi import fake_in_process
 from reef_core.testing.fake_sglang import FakeSGLang, _json, _Reject, _sse, _sse_start
 

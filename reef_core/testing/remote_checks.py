@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from reef_core.engines.adapter import AdapterWeights
+from reef_core.models.adapter import AdapterWeights
 
 
 def reference_logprobs(model, prompt_ids: list[int], output_ids: list[int]):

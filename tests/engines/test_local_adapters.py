@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from reef_core.engines.adapter import AdapterWeights
+from reef_core.models.adapter import AdapterWeights
 from reef_core.engines.base import EngineRequest
 from reef_core.engines.local import LocalEngine
 from reef_core.errors import Conflict, ValidationFailed

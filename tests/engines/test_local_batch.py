@@ -15,7 +15,7 @@ from reef_core.engines.local import LocalEngine
 from reef_core.errors import ConfigError
 from reef_core.models.loading import load_model
 
-from reef_core.engines.adapter import AdapterWeights
+from reef_core.models.adapter import AdapterWeights
 
 # eight requests of different lengths and sampling parameters (one with a stop string, two greedy, one nucleus)
 BODIES = [

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from reef_core.engines import lean_model
-from reef_core.engines.adapter import AdapterWeights
+from reef_core.models.adapter import AdapterWeights
 from reef_core.engines.base import EngineRequest
 from reef_core.engines.decode import supports
 from reef_core.engines.local import LocalEngine

@@ -172,7 +172,7 @@ def test_a_bf16_server_of_the_same_model_passes_the_model_check(tiny_model_dir, 
 def test_adapter_configs_name_short_modules_and_unloadable_ones_are_refused(tiny_model_dir, tmp_path, base):
     import json
 
-    from reef_core.engines.adapter import AdapterWeights
+    from reef_core.models.adapter import AdapterWeights
 
     app = FakeSGLang(tiny_model_dir)
     adapter = random_adapter(base, 3)

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from reef_core.engines.base import TokenData
-from reef_core.engines.topk import MAX_K, TopK
+from reef_core.topk import MAX_K, TopK
 from reef_core.errors import ValidationFailed
 
 

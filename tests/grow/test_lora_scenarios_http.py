@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from reef_core.commit.git_store import GitArtifactStore
-from reef_core.engines.adapter import AdapterWeights
+from reef_core.models.adapter import AdapterWeights
 from reef_core.models.loading import load_model
 
 reef_sao_tasks = pytest.importorskip("reef_sao.tasks")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from reef_core.commit.git_store import GitArtifactStore
-from reef_core.engines.adapter import AdapterWeights
+from reef_core.models.adapter import AdapterWeights
 from reef_core.surfaces.weights import scenario_key
 from reef_core.testing import FakeSGLang, ensure_tiny_model, serve_asgi, wait_until
 

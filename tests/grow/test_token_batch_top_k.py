@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reef_core.engines.topk import TopK
+from reef_core.topk import TopK
 from reef_core.grow.token_batch import TokenBatch, TokenDataError, row_from_sample
 from reef_core.observe.processor import Sample, Segment
 

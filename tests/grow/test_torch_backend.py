@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from reef_core.engines.adapter import AdapterWeights
+from reef_core.models.adapter import AdapterWeights
 from reef_core.errors import ConfigError, ValidationFailed
 from reef_core.models.loading import build_tiny_model
 from reef_core.grow.objective import Objective, Prepared, ValueModel, sequence_logprobs, token_sum

@@ -10,7 +10,7 @@ from alembic import command
 from alembic.config import Config
 
 from reef_core.engines.base import TokenData
-from reef_core.engines.topk import TopK
+from reef_core.topk import TopK
 from reef_core.observe.engine import MIGRATIONS_DIR, create_engines, current_revision, resolve_url
 from reef_core.observe.processors.conversation import tokens_of
 from reef_core.observe.records import Record, RecordStore

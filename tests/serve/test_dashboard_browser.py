@@ -19,7 +19,7 @@ import pytest
 from reef_core.config import compose_config
 from reef_core.loop.assemble import build_deployment
 from reef_core.serve.app import create_app
-from reef_core.serve.background import serve_asgi
+from reef_core.background import serve_asgi
 from reef_core.testing.fixtures import wait_until
 
 webdriver = pytest.importorskip("selenium.webdriver")

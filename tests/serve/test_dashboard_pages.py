@@ -10,7 +10,7 @@ import pytest
 from reef_core.config import compose_config
 from reef_core.loop.assemble import build_deployment
 from reef_core.serve.app import create_app
-from reef_core.serve.background import serve_asgi
+from reef_core.background import serve_asgi
 from reef_core.serve.plot import line_svg
 
 TOKEN, ADMIN = "pages-inference-token", "pages-admin-token"

@@ -13,7 +13,7 @@ import pytest
 
 from reef_core.commit.commitlog import CommitLog
 from reef_core.errors import ValidationFailed
-from reef_core.observe.names import MAX_SCENARIO_BYTES, check_record_id, check_scenario_name
+from reef_core.names import MAX_SCENARIO_BYTES, check_record_id, check_scenario_name
 from reef_core.testing.fake_upstream import FakeUpstreamControl
 from reef_core.testing.fixtures import wait_until
 

@@ -16,7 +16,7 @@ from reef_core.loop.assemble import build_deployment
 from reef_core.serve.app import create_app
 from reef_core.serve.metrics import OVERFLOW, ScenarioLabels, ServeMetrics
 from reef_core.testing.fixtures import wait_until
-from reef_core.serve.background import serve_asgi
+from reef_core.background import serve_asgi
 
 TOKEN, ADMIN = "metrics-inference-token", "metrics-admin-token"
 STEPS = ["recipe.name=steps", "recipe.processor=per_report", "+recipe.processor_options.batch_size=1",

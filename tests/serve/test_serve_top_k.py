@@ -7,7 +7,7 @@ import sqlite3
 import httpx
 import openai
 
-from reef_core.engines.topk import TopK
+from reef_core.topk import TopK
 
 
 def _stored_top_k(server, receipt: str) -> bytes | None:

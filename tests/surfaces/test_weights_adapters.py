@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from reef_core.engines.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterWeights
+from reef_core.models.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterWeights
 from reef_core.engines.base import EngineRequest
 from reef_core.engines.local import LocalEngine
 from reef_core.errors import Conflict

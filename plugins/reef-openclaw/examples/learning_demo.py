@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from reef_core.testing.fixtures import ReefProcess
+from reef_core.api import ReefProcess
 from reef_openclaw.examples.style import write_warm_model
 from reef_openclaw.examples.user import run_user
 

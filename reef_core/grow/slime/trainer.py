@@ -51,7 +51,7 @@ import torch
 
 from ...commit.crashpoints import crash_point
 from ...errors import ConfigError
-from ...surfaces.weights import MODEL_FILE, base_reference
+from ...models.release_files import MODEL_FILE, base_reference
 from ..objective import Objective
 from ..token_batch import TokenBatch
 from ..trainer import CandidateUpdate, TrainContext, Trainer

@@ -15,7 +15,7 @@ import json
 from typing import Any
 
 from reef_core.content import content_text
-from reef_core.engines.topk import TopK
+from reef_core.topk import TopK
 from reef_core.observe.model import Record
 
 #: Inference routes that produce a chat exchange (``count_tokens`` records are not trainable).
@@ -160,7 +160,7 @@ def conversation_of(record: Record) -> tuple[list[dict], str]:
 
 def tokens_of(record: Record) -> dict | None:
     """The engine's token data of an inference record, when it captured any; with the record's top-K log-probs
-    under ``"top_k"`` (a :class:`~reef_core.engines.topk.TopK`) when the engine kept them."""
+    under ``"top_k"`` (a :class:`~reef_core.topk.TopK`) when the engine kept them."""
     tokens = record.payload.get("tokens")
     if not isinstance(tokens, dict):
         return None

@@ -1,4 +1,4 @@
-"""Serve an ASGI app (a Reef deployment, a stand-in model) on a loopback port from a daemon thread.
+"""Serve an ASGI app (a stand-in model, a fake engine, a Reef app) on a loopback port from a daemon thread.
 
 For examples, demos and tests that run Reef inside their own process; ``reef serve`` is the way to
 run a server for real.
@@ -52,18 +52,3 @@ def serve_asgi(app, host: str = "127.0.0.1", port: int = 0, lifespan: str = "off
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
-
-
-@contextlib.contextmanager
-def serve_reef(overrides: Sequence[str] = ()) -> Iterator[str]:
-    """A whole Reef server (config ``overrides`` as on the ``reef serve`` command line) in this process;
-    yield its base URL. The deployment is assembled and closed exactly as ``reef serve`` does it."""
-    from reef_core.config import compose_config
-    from reef_core.loop.assemble import build_deployment
-    from reef_core.plugins import get_plugin_manager
-    from reef_core.serve.app import create_app
-
-    pm = get_plugin_manager()
-    deployment = build_deployment(compose_config(list(overrides), pm), pm)
-    with serve_asgi(create_app(deployment), lifespan="on") as url:
-        yield url
