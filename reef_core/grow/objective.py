@@ -79,6 +79,10 @@ class Objective(ABC):
     needs_reference: bool = False
     #: The frozen base given to :meth:`setup` (None unless ``needs_reference``).
     reference: "ReferenceModel | None" = None
+    #: The loss ``trainer.backend=slime`` trains this objective with: the name of a ``reef_slime_hooks`` function
+    #: (``--loss-type custom_loss``, e.g. ``"sao_loss"``) or one of slime's built-in loss types (``"policy_loss"``,
+    #: ``"sft_loss"``). None: the slime backend refuses the objective.
+    slime_loss: str | None = None
 
     def setup(self, policy: nn.Module, tokenizer: Any, device: torch.device, *, micro_batches: int = 1,
               reference: "ReferenceModel | None" = None) -> None:

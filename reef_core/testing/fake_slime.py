@@ -51,6 +51,7 @@ class ReinforceObjective(Objective):
     """A REINFORCE objective for tests, loss family ``policy`` (slime's built-in policy loss): ``-Σ r·logπ / tokens``."""
 
     name = "policy"
+    slime_loss = "policy_loss"
 
     def prepare(self, policy, batch):
         return Prepared(batch=batch.with_extras(advantages=batch.rewards.unsqueeze(1) * batch.action_mask))

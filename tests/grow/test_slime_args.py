@@ -137,8 +137,8 @@ def test_a_job_command_line_with_a_flag_slime_lacks_is_never_launched(tok, tmp_p
             t.train(_batch(2), CommitLog().ctx())
         assert t.launched == 0
     with pytest.raises(ConfigError, match="--load or --ref-load missing"):
-        slime_flags.check_argv(_without(slime_flags.job_argv("sft", {}, lr=1.0, rollout="r", hf_in="i", hf_out="o",
-                                                             save="m", samples=1), "--load"))
+        slime_flags.check_argv(_without(slime_flags.job_argv("sft_loss", {}, lr=1.0, rollout="r", hf_in="i",
+                                                             hf_out="o", save="m", samples=1), "--load"))
 
 
 # --------------------------------------------------------------------------- S1, S2: the generated arguments

@@ -246,6 +246,7 @@ def test_an_objective_without_a_loss_family_is_refused(tok, tmp_path):
 
     class Other(fake_slime.ReinforceObjective):
         name = "mystery"
+        slime_loss = None
 
     section = TrainerConfig(backend="slime", slime=SlimeConfig(launch=LAUNCH))
     setup = TrainerSetup(data_dir=tmp_path, load_base_model=lambda: build_tiny_model(seed=0, tokenizer=tok))

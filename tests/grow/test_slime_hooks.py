@@ -162,15 +162,15 @@ def test_importing_the_hooks_loads_nothing_of_reef_core():
 
 
 def test_a_custom_family_job_names_the_hooks_and_the_per_token_loss():
-    argv = job_argv("sao", {"--global-batch-size": 4}, lr=1e-6, rollout="r.pt", hf_in="i", hf_out="o", save="m",
+    argv = job_argv(SAOObjective.slime_loss, {"--global-batch-size": 4}, lr=1e-6, rollout="r.pt", hf_in="i", hf_out="o", save="m",
                     samples=4)
     pairs = dict(zip(argv, argv[1:]))
     assert pairs["--custom-loss-function-path"] == "reef_slime_hooks.sao_loss"
     assert pairs["--custom-advantage-function-path"] == "reef_slime_hooks.reef_advantages"
     assert "--use-rollout-logprobs" in argv and "--calculate-per-token-loss" in argv
     assert "--disable-compute-advantages-and-returns" not in argv
-    for name in ("dis", "sao-grpo-dis", "openclaw", "ttt"):
-        a = job_argv(name, {}, lr=1.0, rollout="r", hf_in="i", hf_out="o", save="m", samples=1)
+    for objective in (DISObjective, GRPODISObjective, OpenClawObjective, TTTObjective):
+        a = job_argv(objective.slime_loss, {}, lr=1.0, rollout="r", hf_in="i", hf_out="o", save="m", samples=1)
         path = dict(zip(a, a[1:]))
         module, _, fn = path["--custom-loss-function-path"].partition(".")
         assert module == "reef_slime_hooks" and callable(getattr(hooks, fn))

@@ -77,6 +77,7 @@ class OpenClawObjective(Objective):
     """``w_rl * L_RL + w_opd * L_OPD`` (see the module docstring)."""
 
     name = "openclaw"
+    slime_loss = "openclaw_loss"
     needs_reference = True
 
     def __init__(self, *, w_rl: float = 1.0, w_opd: float = 1.0, eps_clip: float = 0.2, eps_clip_high: float = 0.28,

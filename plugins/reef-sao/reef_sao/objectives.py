@@ -70,6 +70,7 @@ class DISObjective(Objective):
     """
 
     name = "dis"
+    slime_loss = "dis_loss"
 
     def __init__(self, *, eps_clip: float, eps_clip_high: float | None):
         eps_low = _number("eps_clip", eps_clip)
@@ -142,6 +143,7 @@ class SAOObjective(DISObjective):
     """
 
     name = "sao"
+    slime_loss = "sao_loss"
 
     # Defaults are read from SAOOptions (and the trainer section for critic_lr), the knobs' one source.
     def __init__(self, *, eps_clip: float, eps_clip_high: float | None,
@@ -307,6 +309,7 @@ class GRPODISObjective(DISObjective):
     """
 
     name = "sao-grpo-dis"
+    slime_loss = "grpo_dis_loss"
 
     def __init__(self, *, eps_clip: float, eps_clip_high: float | None, group_size: int = SAOOptions.group_size,
                  normalize_std: bool = SAOOptions.normalize_std):

@@ -32,6 +32,7 @@ class TTTObjective(Objective):
     """See the module docstring."""
 
     name = "ttt"
+    slime_loss = "ttt_loss"
 
     def __init__(self, *, advantage: str = "entropic_adaptive_beta", kl_coef: float = 0.1):
         self.advantage = advantage

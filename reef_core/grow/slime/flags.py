@@ -1,4 +1,7 @@
-"""slime's command line as Reef builds it: loss families, the flags a deployment may pass, the flags Reef owns.
+"""slime's command line as Reef builds it: loss hooks, the flags a deployment may pass, the flags Reef owns.
+
+Each objective declares its slime loss (``Objective.slime_loss``: a ``reef_slime_hooks`` function or a slime built-in
+loss type); this module turns it into flags and knows no objective by name.
 
 Pure Python (no torch, nothing of slime). The flags a deployment may pass and their check at config load live with the
 config section they check (:mod:`reef_core.config.slime`); this module builds and checks each job's command line.
@@ -21,19 +24,12 @@ from ...config import slime_args
 from ...config.slime import ALLOWED, REEF_OWNED  # noqa: F401 (the pass-through and Reef-owned flags, named here too)
 from ...errors import ConfigError
 
-#: Reef objective name -> slime loss hook. ``custom_loss`` families name the function slime loads with
-#: ``--custom-loss-function-path`` (``module.function``, slime's ``load_function``) from ``reef_slime_hooks``, the
-#: torch-only module shipped in reef-core's wheel (see the README). ``policy_loss``/``sft_loss`` are slime's built-ins.
+#: Where an objective's custom loss lives: ``Objective.slime_loss`` names a function of ``reef_slime_hooks``, the
+#: torch-only module shipped in reef-core's wheel (see the README), which slime loads with
+#: ``--custom-loss-function-path`` (``module.function``, slime's ``load_function``), or one of slime's built-in losses.
 HOOKS = "reef_slime_hooks"
-LOSS_FAMILIES: dict[str, dict[str, str]] = {
-    "sao": {"--loss-type": "custom_loss", "--custom-loss-function-path": f"{HOOKS}.sao_loss"},
-    "dis": {"--loss-type": "custom_loss", "--custom-loss-function-path": f"{HOOKS}.dis_loss"},
-    "sao-grpo-dis": {"--loss-type": "custom_loss", "--custom-loss-function-path": f"{HOOKS}.grpo_dis_loss"},
-    "openclaw": {"--loss-type": "custom_loss", "--custom-loss-function-path": f"{HOOKS}.openclaw_loss"},
-    "ttt": {"--loss-type": "custom_loss", "--custom-loss-function-path": f"{HOOKS}.ttt_loss"},
-    "policy": {"--loss-type": "policy_loss"},
-    "sft": {"--loss-type": "sft_loss"},
-}
+#: slime's built-in loss types an objective may name as its ``slime_loss`` (``--loss-type`` itself).
+BUILTIN_LOSSES = ("policy_loss", "sft_loss")
 
 #: What a custom-loss job adds: slime's advantage step runs Reef's loader (the recipe's advantages from the rollout
 #: file) instead of an estimator, the old policy is the engine's (no extra forward), and the loss is summed per token
@@ -47,27 +43,40 @@ CUSTOM_LOSS_REFUSED = frozenset({
     "--entropy-coef", "--use-tis", "--calculate-per-token-loss", "--ref-load",
 })
 
-def family_flags(objective_name: str) -> dict[str, str]:
-    """slime's loss-hook flags for a Reef objective; an objective without a family is refused."""
-    try:
-        return dict(LOSS_FAMILIES[objective_name])
-    except KeyError:
-        raise ConfigError(f"trainer.backend=slime has no loss family for objective {objective_name!r} "
-                          f"(families: {', '.join(sorted(LOSS_FAMILIES))})") from None
+def slime_loss_of(objective: Any) -> str:
+    """The slime loss an objective declares (``Objective.slime_loss``); an objective without one is refused."""
+    loss = getattr(objective, "slime_loss", None)
+    if not loss:
+        raise ConfigError(f"trainer.backend=slime has no loss family for objective {objective.name!r} (its objective "
+                          f"declares no slime_loss: a {HOOKS} function or one of slime's built-in losses "
+                          f"{', '.join(BUILTIN_LOSSES)})")
+    return str(loss)
 
 
-def is_custom(objective_name: str) -> bool:
-    return family_flags(objective_name)["--loss-type"] == "custom_loss"
+def loss_flags(slime_loss: str) -> dict[str, str]:
+    """slime's loss-hook flags for a declared slime loss: a built-in loss type, or ``custom_loss`` and the hook."""
+    if slime_loss in BUILTIN_LOSSES:
+        return {"--loss-type": slime_loss}
+    return {"--loss-type": "custom_loss", "--custom-loss-function-path": f"{HOOKS}.{slime_loss}"}
 
 
-def check_job_flags(objective_name: str, flags: Mapping[str, Any], batch_size: int | None) -> None:
+def family_flags(objective: Any) -> dict[str, str]:
+    """slime's loss-hook flags for a Reef objective; an objective without a slime loss is refused."""
+    return loss_flags(slime_loss_of(objective))
+
+
+def is_custom(slime_loss: str) -> bool:
+    return loss_flags(slime_loss)["--loss-type"] == "custom_loss"
+
+
+def check_job_flags(objective: Any, flags: Mapping[str, Any], batch_size: int | None) -> None:
     """What can only be checked knowing the recipe: flags its loss family fixes, and the batch size (Reef trains
     one optimizer step per batch, so slime's ``--global-batch-size`` must be the recipe's batch size)."""
-    if is_custom(objective_name):
+    if is_custom(slime_loss_of(objective)):
         fixed = sorted(CUSTOM_LOSS_REFUSED.intersection(str(k) for k in flags))
         if fixed:
             raise ConfigError(f"trainer.slime.flags: {', '.join(fixed)} cannot be set for the loss family "
-                              f"{objective_name!r}: its hook takes the clip band, KL and normalisation from the "
+                              f"{objective.name!r}: its hook takes the clip band, KL and normalisation from the "
                               "recipe's objective")
     gbs = flags.get("--global-batch-size")
     if gbs is not None and batch_size is not None:
@@ -114,9 +123,10 @@ def check_hf_model_type(model_dir: Path) -> None:
                           f"({', '.join(sorted(slime_args.HF_MODEL_TYPES))})")
 
 
-def job_argv(objective_name: str, flags: Mapping[str, Any], *, lr: float, rollout: str, hf_in: str,
+def job_argv(slime_loss: str, flags: Mapping[str, Any], *, lr: float, rollout: str, hf_in: str,
              hf_out: str, save: str, samples: int) -> list[str]:
-    """The slime ``train.py`` arguments of one job: Reef's own flags, the family's hooks, then the pass-through.
+    """The slime ``train.py`` arguments of one job: Reef's own flags, the hooks of the objective's declared
+    ``slime_loss`` (:func:`slime_loss_of`), then the pass-through.
 
     The model is set up from ``--load`` = the input HF checkpoint (slime loads an HF directory itself, so no
     ``--ref-load`` is needed), and ``--save-interval 1`` makes the job's one rollout save: slime writes ``--save-hf``
@@ -126,9 +136,9 @@ def job_argv(objective_name: str, flags: Mapping[str, Any], *, lr: float, rollou
             "--save", save, "--save-interval", "1", "--no-save-optim", "--no-save-rng", "--save-hf", hf_out,
             "--num-rollout", "1", "--rollout-batch-size", str(samples), "--n-samples-per-prompt", "1",
             "--lr", repr(float(lr))]
-    for key, value in family_flags(objective_name).items():
+    for key, value in loss_flags(slime_loss).items():
         argv += [key, value]
-    if is_custom(objective_name):
+    if is_custom(slime_loss):
         argv += list(CUSTOM_LOSS_ARGS)
     for key, value in flags.items():
         if value is True or value is None:

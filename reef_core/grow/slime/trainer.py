@@ -56,7 +56,7 @@ from ..objective import Objective
 from ..token_batch import TokenBatch
 from ..trainer import CandidateUpdate, TrainContext, Trainer
 from . import jobs
-from .flags import check_hf_model_type, check_job_flags, family_flags, is_custom, job_argv
+from .flags import check_hf_model_type, check_job_flags, family_flags, is_custom, job_argv, slime_loss_of
 from .learner_side import LearnerSide, check_supported, loss_header, state_file, token_advantages
 from .marker import (ABANDONED, CHECKPOINT, COMPLETE, FINAL, HEAD_COMMITTED, READY_TO_COMMIT, REJECTED, RUNNING,
                      UPDATING_WEIGHTS, read_marker, write_marker)
@@ -83,9 +83,9 @@ class SlimeTrainer(Trainer):
             raise ConfigError(f"{who}: trainer.backend=slime needs trainer.slime.launch (the job command)")
         if trainer.lora:
             raise ConfigError(f"{who}: trainer.backend=slime trains full weights; unset trainer.lora")
-        family_flags(objective.name)  # an objective without a loss family is refused now, not at the first step
+        family_flags(objective)  # an objective without a slime loss is refused now, not at the first step
         check_supported(objective)
-        check_job_flags(objective.name, settings.flags or {}, getattr(context, "batch_size", None))
+        check_job_flags(objective, settings.flags or {}, getattr(context, "batch_size", None))
         data_dir = Path(getattr(context, "data_dir", ".") or ".")
         jobs_dir = Path(settings.jobs_dir) if settings.jobs_dir else data_dir / "slime-jobs"
         model_dir = getattr(getattr(context, "engine", None), "model_dir", None)
@@ -102,7 +102,8 @@ class SlimeTrainer(Trainer):
                  device: str | None = None):
         self.objective = objective
         #: Custom-loss families: the objective's preparation and state, in this process.
-        self.learner = LearnerSide(objective, load_base_model, device=device) if is_custom(objective.name) else None
+        self.learner = LearnerSide(objective, load_base_model, device=device) \
+            if is_custom(slime_loss_of(objective)) else None
         self.launch = launch
         self.flags = flags
         self.jobs_dir = Path(jobs_dir).expanduser().absolute()  # a job runs elsewhere: never relative
@@ -165,7 +166,7 @@ class SlimeTrainer(Trainer):
             torch.save(self.objective, job_dir / jobs.OBJECTIVE)
         samples = rollout["samples"]
         torch.save(rollout, job_dir / jobs.ROLLOUT)
-        argv = job_argv(self.objective.name, self.flags, lr=self.lr, rollout=str(job_dir / jobs.ROLLOUT),
+        argv = job_argv(slime_loss_of(self.objective), self.flags, lr=self.lr, rollout=str(job_dir / jobs.ROLLOUT),
                         hf_in=str(hf_in), hf_out=str(job_dir / jobs.CHECKPOINT_DIR),
                         save=str(job_dir / jobs.MEGATRON_DIR), samples=len(samples))
         (job_dir / jobs.JOB).write_text(json.dumps({
