@@ -111,13 +111,8 @@ def _anthropic_block_to_part(block: dict, where: str) -> dict:
 
 
 
-def openai_to_anthropic_request(body: dict, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> dict:
-    """Translate an OpenAI chat.completions request body into an Anthropic messages body.
-
-    System and developer messages are hoisted into ``system``; consecutive messages of one role are
-    merged (tool results become ``tool_result`` blocks of a user turn); ``max_tokens`` defaults to
-    ``default_max_tokens`` because Anthropic requires it.
-    """
+def _refuse_untranslatable_openai(body: Any) -> list:
+    """Refuse what an OpenAI body asks that Anthropic cannot do alike; the body's messages, checked to be a list."""
     if not isinstance(body, dict):
         raise ValidationFailed("request body must be a JSON object")
     if (body.get("n") or 1) != 1:
@@ -136,7 +131,42 @@ def openai_to_anthropic_request(body: dict, default_max_tokens: int = DEFAULT_MA
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ValidationFailed("messages must be a non-empty list")
+    return messages
 
+
+def _openai_user_blocks(content: Any, where: str) -> list[dict]:
+    """An OpenAI user message's content as Anthropic content blocks."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if isinstance(content, list):
+        return [_openai_part_to_block(p, where) for p in content]
+    raise ValidationFailed(f"{where}: user content must be a string or a list of parts")
+
+
+def _openai_assistant_blocks(m: dict, where: str) -> list[dict]:
+    """An OpenAI assistant message (its text, refusals left out, and its tool calls) as Anthropic content blocks."""
+    content = m.get("content")
+    blocks: list[dict] = []
+    text = _text_of(content, where) if not isinstance(content, list) else _text_of(
+        [p for p in content if p.get("type") != "refusal"], where)
+    if text:
+        blocks.append({"type": "text", "text": text})
+    for tc in m.get("tool_calls") or []:
+        fn = tc.get("function") or {}
+        args = fn.get("arguments") or "{}"
+        try:
+            parsed = json.loads(args)
+        except ValueError as exc:
+            raise ValidationFailed(f"{where}: tool call arguments are not JSON") from exc
+        blocks.append({"type": "tool_use", "id": tc.get("id"), "name": fn.get("name"), "input": parsed})
+    if not blocks:
+        blocks.append({"type": "text", "text": ""})
+    return blocks
+
+
+def _openai_messages_to_anthropic(messages: list) -> tuple[list[str], list[dict]]:
+    """OpenAI messages as (the system texts, Anthropic turns): consecutive messages of one role merge into one turn,
+    tool results into a user turn; a turn of a single text block is sent as a plain string."""
     system: list[str] = []
     turns: list[dict] = []  # {"role", "content": [blocks]}
 
@@ -155,29 +185,9 @@ def openai_to_anthropic_request(body: dict, default_max_tokens: int = DEFAULT_MA
         if role in ("system", "developer"):
             system.append(_text_of(content, where))
         elif role == "user":
-            if isinstance(content, str):
-                push("user", [{"type": "text", "text": content}])
-            elif isinstance(content, list):
-                push("user", [_openai_part_to_block(p, where) for p in content])
-            else:
-                raise ValidationFailed(f"{where}: user content must be a string or a list of parts")
+            push("user", _openai_user_blocks(content, where))
         elif role == "assistant":
-            blocks: list[dict] = []
-            text = _text_of(content, where) if not isinstance(content, list) else _text_of(
-                [p for p in content if p.get("type") != "refusal"], where)
-            if text:
-                blocks.append({"type": "text", "text": text})
-            for tc in m.get("tool_calls") or []:
-                fn = tc.get("function") or {}
-                args = fn.get("arguments") or "{}"
-                try:
-                    parsed = json.loads(args)
-                except ValueError as exc:
-                    raise ValidationFailed(f"{where}: tool call arguments are not JSON") from exc
-                blocks.append({"type": "tool_use", "id": tc.get("id"), "name": fn.get("name"), "input": parsed})
-            if not blocks:
-                blocks.append({"type": "text", "text": ""})
-            push("assistant", blocks)
+            push("assistant", _openai_assistant_blocks(m, where))
         elif role == "tool":
             push("user", [{"type": "tool_result", "tool_use_id": m.get("tool_call_id"),
                            "content": _text_of(content, where)}])
@@ -188,13 +198,12 @@ def openai_to_anthropic_request(body: dict, default_max_tokens: int = DEFAULT_MA
     for t in turns:
         if len(t["content"]) == 1 and t["content"][0]["type"] == "text":
             t["content"] = t["content"][0]["text"]
+    return system, turns
 
-    out: dict[str, Any] = {"model": body.get("model"), "messages": turns}
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
-    out["max_tokens"] = int(max_tokens)
-    system = [s for s in system if s]
-    if system:
-        out["system"] = "\n\n".join(system)
+
+def _openai_sampling_to_anthropic(body: dict) -> dict[str, Any]:
+    """Temperature (at most 1), top_p, stop sequences, streaming and the end user, in Anthropic's fields."""
+    out: dict[str, Any] = {}
     if body.get("temperature") is not None:
         temp = float(body["temperature"])
         if temp > 1.0:
@@ -209,18 +218,27 @@ def openai_to_anthropic_request(body: dict, default_max_tokens: int = DEFAULT_MA
         out["stream"] = True
     if body.get("user"):
         out["metadata"] = {"user_id": str(body["user"])}
+    return out
+
+
+def _openai_tools_to_anthropic(tools: list) -> list[dict]:
+    """OpenAI function tool definitions as Anthropic tools (only function tools translate)."""
+    out = []
+    for j, t in enumerate(tools):
+        if t.get("type") != "function":
+            raise ValidationFailed(f"tools[{j}]: only function tools can be translated to Anthropic")
+        fn = t.get("function") or {}
+        tool = {"name": fn.get("name"),
+                "input_schema": fn.get("parameters") or {"type": "object", "properties": {}}}
+        if fn.get("description"):
+            tool["description"] = fn["description"]
+        out.append(tool)
+    return out
+
+
+def _openai_tool_choice_to_anthropic(body: dict) -> dict[str, Any] | None:
+    """``tool_choice`` and ``parallel_tool_calls`` as Anthropic's ``tool_choice`` (None: not sent)."""
     tools = body.get("tools")
-    if tools:
-        out["tools"] = []
-        for j, t in enumerate(tools):
-            if t.get("type") != "function":
-                raise ValidationFailed(f"tools[{j}]: only function tools can be translated to Anthropic")
-            fn = t.get("function") or {}
-            tool = {"name": fn.get("name"),
-                    "input_schema": fn.get("parameters") or {"type": "object", "properties": {}}}
-            if fn.get("description"):
-                tool["description"] = fn["description"]
-            out["tools"].append(tool)
     choice = body.get("tool_choice")
     tc_out: dict[str, Any] | None = None
     if choice == "auto":
@@ -239,8 +257,159 @@ def openai_to_anthropic_request(body: dict, default_max_tokens: int = DEFAULT_MA
     if body.get("parallel_tool_calls") is False and tools:
         tc_out = tc_out or {"type": "auto"}
         tc_out["disable_parallel_tool_use"] = True
-    if tc_out is not None and tools:
+    return tc_out if tools else None
+
+
+def openai_to_anthropic_request(body: dict, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> dict:
+    """Translate an OpenAI chat.completions request body into an Anthropic messages body.
+
+    System and developer messages are hoisted into ``system``; consecutive messages of one role are
+    merged (tool results become ``tool_result`` blocks of a user turn); ``max_tokens`` defaults to
+    ``default_max_tokens`` because Anthropic requires it.
+    """
+    messages = _refuse_untranslatable_openai(body)
+    system, turns = _openai_messages_to_anthropic(messages)
+    out: dict[str, Any] = {"model": body.get("model"), "messages": turns}
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
+    out["max_tokens"] = int(max_tokens)
+    system = [s for s in system if s]
+    if system:
+        out["system"] = "\n\n".join(system)
+    out.update(_openai_sampling_to_anthropic(body))
+    tools = body.get("tools")
+    if tools:
+        out["tools"] = _openai_tools_to_anthropic(tools)
+    tc_out = _openai_tool_choice_to_anthropic(body)
+    if tc_out is not None:
         out["tool_choice"] = tc_out
+    return out
+
+
+def _anthropic_system_to_openai(system: Any) -> list[dict]:
+    """Anthropic's ``system`` (a string or text blocks) as the OpenAI system message it becomes (none if empty)."""
+    if not system:
+        return []
+    if isinstance(system, str):
+        return [{"role": "system", "content": system}]
+    if isinstance(system, list):
+        return [{"role": "system", "content": _tool_result_text(system, "system")}]
+    raise ValidationFailed("system must be a string or a list of text blocks")
+
+
+def _anthropic_assistant_to_openai(content: list, where: str) -> dict:
+    """An Anthropic assistant turn's blocks as one OpenAI assistant message (text and tool calls; reasoning dropped)."""
+    texts: list[str] = []
+    calls: list[dict] = []
+    for b in content:
+        kind = b.get("type")
+        if kind == "text":
+            texts.append(b.get("text", ""))
+        elif kind == "tool_use":
+            calls.append({"id": b.get("id"), "type": "function",
+                          "function": {"name": b.get("name"),
+                                       "arguments": json.dumps(b.get("input") or {})}})
+        elif kind in ("thinking", "redacted_thinking"):
+            continue  # reasoning traces have no OpenAI chat counterpart
+        else:
+            raise ValidationFailed(f"{where}: assistant block {kind!r} cannot be translated to OpenAI")
+    msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _anthropic_user_to_openai(content: list, where: str) -> list[dict]:
+    """An Anthropic user turn's blocks as OpenAI messages: one tool message per tool result, then the rest as one
+    user message (a single text part as a plain string)."""
+    out_msgs: list[dict] = []
+    parts: list[dict] = []
+    for b in content:
+        if b.get("type") == "tool_result":
+            text = _tool_result_text(b.get("content"), where)
+            if b.get("is_error"):
+                text = f"Error: {text}"
+            out_msgs.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": text})
+        else:
+            parts.append(_anthropic_block_to_part(b, where))
+    if parts:
+        if all(p["type"] == "text" for p in parts) and len(parts) == 1:
+            out_msgs.append({"role": "user", "content": parts[0]["text"]})
+        else:
+            out_msgs.append({"role": "user", "content": parts})
+    return out_msgs
+
+
+def _anthropic_messages_to_openai(messages: list) -> list[dict]:
+    """Anthropic user and assistant turns as OpenAI messages."""
+    out_msgs: list[dict] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ValidationFailed(f"{where} must be an object")
+        role, content = m.get("role"), m.get("content")
+        if role not in ("user", "assistant"):
+            raise ValidationFailed(f"{where}: role {role!r} is not an Anthropic role")
+        if isinstance(content, str):
+            out_msgs.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise ValidationFailed(f"{where}: content must be a string or a list of blocks")
+        if role == "assistant":
+            out_msgs.append(_anthropic_assistant_to_openai(content, where))
+        else:
+            out_msgs.extend(_anthropic_user_to_openai(content, where))
+    return out_msgs
+
+
+def _anthropic_sampling_to_openai(body: dict) -> dict[str, Any]:
+    """max_tokens, temperature, top_p, stop sequences, streaming (with usage) and the end user, in OpenAI's fields."""
+    out: dict[str, Any] = {}
+    if body.get("max_tokens") is not None:
+        out["max_tokens"] = int(body["max_tokens"])
+    for key in ("temperature", "top_p"):
+        if body.get(key) is not None:
+            out[key] = body[key]
+    if body.get("stop_sequences"):
+        out["stop"] = list(body["stop_sequences"])
+    if body.get("stream"):
+        out["stream"] = True
+        out["stream_options"] = {"include_usage": True}
+    user = (body.get("metadata") or {}).get("user_id")
+    if user:
+        out["user"] = user
+    return out
+
+
+def _anthropic_tools_to_openai(tools: list) -> list[dict]:
+    """Anthropic custom tool definitions as OpenAI function tools (server tools do not translate)."""
+    out = []
+    for j, t in enumerate(tools):
+        if t.get("type") not in (None, "custom") or "input_schema" not in t:
+            raise ValidationFailed(f"tools[{j}]: server tool {t.get('type') or t.get('name')!r} cannot be "
+                                   "translated to OpenAI")
+        fn = {"name": t.get("name"), "parameters": t["input_schema"]}
+        if t.get("description"):
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _anthropic_tool_choice_to_openai(choice: dict) -> dict[str, Any]:
+    """Anthropic's ``tool_choice`` as OpenAI's ``tool_choice`` (and ``parallel_tool_calls``)."""
+    out: dict[str, Any] = {}
+    kind = choice.get("type")
+    if kind == "auto":
+        out["tool_choice"] = "auto"
+    elif kind == "any":
+        out["tool_choice"] = "required"
+    elif kind == "none":
+        out["tool_choice"] = "none"
+    elif kind == "tool":
+        out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+    else:
+        raise ValidationFailed(f"tool_choice {kind!r} cannot be translated to OpenAI")
+    if choice.get("disable_parallel_tool_use"):
+        out["parallel_tool_calls"] = False
     return out
 
 
@@ -256,101 +425,16 @@ def anthropic_to_openai_request(body: dict) -> dict:
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise ValidationFailed("messages must be a list")
-    out_msgs: list[dict] = []
-    system = body.get("system")
-    if system:
-        if isinstance(system, str):
-            out_msgs.append({"role": "system", "content": system})
-        elif isinstance(system, list):
-            out_msgs.append({"role": "system", "content": _tool_result_text(system, "system")})
-        else:
-            raise ValidationFailed("system must be a string or a list of text blocks")
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ValidationFailed(f"{where} must be an object")
-        role, content = m.get("role"), m.get("content")
-        if role not in ("user", "assistant"):
-            raise ValidationFailed(f"{where}: role {role!r} is not an Anthropic role")
-        if isinstance(content, str):
-            out_msgs.append({"role": role, "content": content})
-            continue
-        if not isinstance(content, list):
-            raise ValidationFailed(f"{where}: content must be a string or a list of blocks")
-        if role == "assistant":
-            texts: list[str] = []
-            calls: list[dict] = []
-            for b in content:
-                kind = b.get("type")
-                if kind == "text":
-                    texts.append(b.get("text", ""))
-                elif kind == "tool_use":
-                    calls.append({"id": b.get("id"), "type": "function",
-                                  "function": {"name": b.get("name"),
-                                               "arguments": json.dumps(b.get("input") or {})}})
-                elif kind in ("thinking", "redacted_thinking"):
-                    continue  # reasoning traces have no OpenAI chat counterpart
-                else:
-                    raise ValidationFailed(f"{where}: assistant block {kind!r} cannot be translated to OpenAI")
-            msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
-            if calls:
-                msg["tool_calls"] = calls
-            out_msgs.append(msg)
-        else:
-            parts: list[dict] = []
-            for b in content:
-                if b.get("type") == "tool_result":
-                    text = _tool_result_text(b.get("content"), where)
-                    if b.get("is_error"):
-                        text = f"Error: {text}"
-                    out_msgs.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": text})
-                else:
-                    parts.append(_anthropic_block_to_part(b, where))
-            if parts:
-                if all(p["type"] == "text" for p in parts) and len(parts) == 1:
-                    out_msgs.append({"role": "user", "content": parts[0]["text"]})
-                else:
-                    out_msgs.append({"role": "user", "content": parts})
+    out_msgs = _anthropic_system_to_openai(body.get("system"))
+    out_msgs.extend(_anthropic_messages_to_openai(messages))
     out: dict[str, Any] = {"model": body.get("model"), "messages": out_msgs}
-    if body.get("max_tokens") is not None:
-        out["max_tokens"] = int(body["max_tokens"])
-    for key in ("temperature", "top_p"):
-        if body.get(key) is not None:
-            out[key] = body[key]
-    if body.get("stop_sequences"):
-        out["stop"] = list(body["stop_sequences"])
-    if body.get("stream"):
-        out["stream"] = True
-        out["stream_options"] = {"include_usage": True}
-    user = (body.get("metadata") or {}).get("user_id")
-    if user:
-        out["user"] = user
+    out.update(_anthropic_sampling_to_openai(body))
     tools = body.get("tools")
     if tools:
-        out["tools"] = []
-        for j, t in enumerate(tools):
-            if t.get("type") not in (None, "custom") or "input_schema" not in t:
-                raise ValidationFailed(f"tools[{j}]: server tool {t.get('type') or t.get('name')!r} cannot be "
-                                       "translated to OpenAI")
-            fn = {"name": t.get("name"), "parameters": t["input_schema"]}
-            if t.get("description"):
-                fn["description"] = t["description"]
-            out["tools"].append({"type": "function", "function": fn})
+        out["tools"] = _anthropic_tools_to_openai(tools)
     choice = body.get("tool_choice")
     if choice and tools:
-        kind = choice.get("type")
-        if kind == "auto":
-            out["tool_choice"] = "auto"
-        elif kind == "any":
-            out["tool_choice"] = "required"
-        elif kind == "none":
-            out["tool_choice"] = "none"
-        elif kind == "tool":
-            out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
-        else:
-            raise ValidationFailed(f"tool_choice {kind!r} cannot be translated to OpenAI")
-        if choice.get("disable_parallel_tool_use"):
-            out["parallel_tool_calls"] = False
+        out.update(_anthropic_tool_choice_to_openai(choice))
     return out
 
 
