@@ -66,6 +66,7 @@ from reef_core.engines.translate import anthropic_count_tokens_to_openai, error_
 from reef_core.engines.staging import check_readable, staged_dir
 from reef_core.engines.untie import tie_in_release
 from reef_core.errors import ConfigError, Conflict, ReefError, UpstreamError, UpstreamTimeout, ValidationFailed
+from reef_core.versions import ServedVersion
 
 log = logging.getLogger("reef.engines.remote")
 
@@ -79,8 +80,8 @@ _REFUSED = ("logit_bias", "presence_penalty", "frequency_penalty")
 
 def adapter_name(version: str) -> str:
     """The server-side adapter name of a LoRA version ``<incarnation>.<key>:<seq>``: ``<key>-v<seq>``."""
-    line, _, seq = version.rpartition(":")
-    return f"{line.rsplit('.', 1)[-1]}-v{seq}"
+    served = ServedVersion.read(version)
+    return f"{served.incarnation.rsplit('.', 1)[-1]}-v{served.seq}"
 
 
 @dataclass

@@ -54,7 +54,7 @@ class VLLMEngine(RemoteEngine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.served_name: str | None = None  # the base model's name on the server (GET /v1/models)
-        self._serving_dir = self.model_dir  # the directory the served full weights were loaded from
+        self._serving_dir: Path  # the directory the served full weights were loaded from (_read_served_root, at start)
         self._ties = False  # the served model ties its output head to its embeddings (see _read_served_root)
         self._lost = False  # a failed update left the server unable to serve what Reef says it serves
 
