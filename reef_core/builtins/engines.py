@@ -101,11 +101,7 @@ def _make_remote_engine(config, data_dir: Path, kind: str, cls):
     # engine.model is the served model's local directory: its tokenizer renders prompts, its weights are the
     # trainer's base and the files a published release is written over.
     model_dir = resolve_model(str(config.model), Path(data_dir), model_cache_dir(config))
-    for key in ("timeout_s", "ready_timeout_s", "drain_timeout_s"):
-        if not float(getattr(config, key)) > 0:
-            raise ConfigError(f"engine.{key} must be positive, got {getattr(config, key)}")
-    if config.retry_timeout_s is not None and not float(config.retry_timeout_s) > 0:
-        raise ConfigError(f"engine.retry_timeout_s must be positive, got {config.retry_timeout_s}")
+    options = remote_options(config, model_dir)
     weights_dir = Path(config.weights_dir) if config.weights_dir else Path(data_dir) / "engine-weights"
     served_dir = model_dir
     if kind == "vllm" and config.launch and ties_embeddings(model_dir):
@@ -121,10 +117,16 @@ def _make_remote_engine(config, data_dir: Path, kind: str, cls):
         raise ConfigError(f"engine.kind={kind} needs engine.url (or REEF_ENGINE_URL), or engine.launch to start one")
     if not str(url).startswith(("http://", "https://")):
         raise ConfigError(f"engine.url must be an http(s) URL, not {url!r}")
-    return cls(
-        str(url), model_dir,
-        version=str(ServedVersion.fresh()),
-        weights_dir=weights_dir,
+    return cls(str(url), model_dir, version=str(ServedVersion.fresh()), weights_dir=weights_dir, options=options,
+               launcher=launcher)
+
+
+def remote_options(config, model_dir: Path):
+    """The tunables of an HTTP serving engine from ``engine.*`` (the sampling defaults as :func:`sampling_defaults`
+    finds them); :class:`~reef_core.engines.remote.RemoteOptions` checks their ranges."""
+    from ..engines.remote import RemoteOptions
+
+    return RemoteOptions(
         timeout_s=float(config.timeout_s),
         ready_timeout_s=float(config.ready_timeout_s),
         retry_timeout_s=float(config.retry_timeout_s) if config.retry_timeout_s is not None else None,
@@ -135,7 +137,6 @@ def _make_remote_engine(config, data_dir: Path, kind: str, cls):
         top_k_logprobs=int(config.top_k_logprobs),
         tool_call_parser=str(config.tool_call_parser),
         max_loaded_loras=int(config.max_loaded_loras),
-        launcher=launcher,
     )
 
 

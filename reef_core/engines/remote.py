@@ -109,32 +109,54 @@ class Generation:
     version: str | None = None
 
 
+@dataclass(frozen=True)
+class RemoteOptions:
+    """:class:`RemoteEngine`'s tunables: the ``engine.*`` keys of the same names (typed by
+    :class:`~reef_core.config.schema.EngineConfig`; the ranges it cannot say are checked here).
+    ``retry_timeout_s=None`` retries until ``timeout_s``."""
+
+    timeout_s: float = 300.0
+    ready_timeout_s: float = 600.0
+    retry_timeout_s: float | None = None
+    drain_timeout_s: float = 30.0
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    top_k_logprobs: int = 0
+    tool_call_parser: str = "none"
+    max_loaded_loras: int = 8
+    check_logprobs: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("timeout_s", "ready_timeout_s", "drain_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"engine.{key} must be positive, got {getattr(self, key)}")
+        if self.retry_timeout_s is not None and not self.retry_timeout_s > 0:
+            raise ConfigError(f"engine.retry_timeout_s must be positive, got {self.retry_timeout_s}")
+        if not 0 <= self.top_k_logprobs <= MAX_K:
+            raise ConfigError(f"engine.top_k_logprobs must be an integer from 0 to {MAX_K}, "
+                              f"got {self.top_k_logprobs!r}")
+        if self.max_loaded_loras < 1:
+            raise ConfigError(f"engine.max_loaded_loras must be at least 1, got {self.max_loaded_loras}")
+        tool_parser(self.tool_call_parser)
+
+
 class RemoteEngine(Engine):
     """A serving engine at ``url`` serving the model whose tokenizer (and base weights) are in ``model_dir``.
 
-    Args mirror ``engine.*`` (see :class:`~reef_core.config.schema.EngineConfig`); ``version`` names the base weights
-    for this process (``<incarnation>:0``); ``weights_dir`` is where releases are written for the server to read
-    (the same path must be readable by the server). Subclasses set ``protocol`` (the server's name in messages)
-    and implement the hooks below."""
+    ``options`` are its tunables (:class:`RemoteOptions`, ``engine.*``); ``version`` names the base weights for this
+    process (``<incarnation>:0``); ``weights_dir`` is where releases are written for the server to read (the same
+    path must be readable by the server). Subclasses set ``protocol`` (the server's name in messages) and implement
+    the hooks below."""
 
     dialects = ("openai",)
     protocol = "server"
 
     def __init__(self, url: str, model_dir: Path, *, version: str, weights_dir: Path, name: str | None = None,
-                 timeout_s: float = 300.0, ready_timeout_s: float = 600.0, retry_timeout_s: float | None = None,
-                 drain_timeout_s: float = 30.0, max_new_tokens: int = 128, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: int | None = None, top_k_logprobs: int = 0,
-                 tool_call_parser: str = "none", max_loaded_loras: int = 8, check_logprobs: bool = True,
-                 launcher=None):
-        if isinstance(top_k_logprobs, bool) or not isinstance(top_k_logprobs, int) or not 0 <= top_k_logprobs <= MAX_K:
-            raise ConfigError(f"engine.top_k_logprobs must be an integer from 0 to {MAX_K}, got {top_k_logprobs!r}")
-        if max_loaded_loras < 1:
-            raise ConfigError(f"engine.max_loaded_loras must be at least 1, got {max_loaded_loras}")
-        for key, value in (("timeout_s", timeout_s), ("ready_timeout_s", ready_timeout_s),
-                           ("drain_timeout_s", drain_timeout_s)):
-            if not value > 0:
-                raise ConfigError(f"engine.{key} must be positive, got {value}")
-        self.tool_call_parser = tool_parser(tool_call_parser)
+                 options: RemoteOptions = RemoteOptions(), launcher=None):
+        self.options = options
+        self.tool_call_parser = options.tool_call_parser
         self.tool_parser: str | None = None  # resolved against the tokenizer's chat template at start
         self.url = url.rstrip("/").removesuffix("/v1")
         # Absolute: the server resolves a relative path against its own working directory, not Reef's.
@@ -144,20 +166,21 @@ class RemoteEngine(Engine):
         self.weights_dir = Path(weights_dir).expanduser().absolute()
         #: The served model's files that full-weight releases are written over (a subclass may serve a copy).
         self.release_base = self.model_dir
-        self.timeout_s = float(timeout_s)
-        self.ready_timeout_s = float(ready_timeout_s)
-        self.retry_timeout_s = float(retry_timeout_s if retry_timeout_s is not None else timeout_s)
-        self.drain_timeout_s = float(drain_timeout_s)
-        self.max_new_tokens = int(max_new_tokens)
-        self.temperature = float(temperature)
-        self.top_p = float(top_p)
-        self.seed = seed
+        self.timeout_s = float(options.timeout_s)
+        self.ready_timeout_s = float(options.ready_timeout_s)
+        retry = options.retry_timeout_s
+        self.retry_timeout_s = float(retry if retry is not None else options.timeout_s)
+        self.drain_timeout_s = float(options.drain_timeout_s)
+        self.max_new_tokens = int(options.max_new_tokens)
+        self.temperature = float(options.temperature)
+        self.top_p = float(options.top_p)
+        self.seed = options.seed
         # engine.seed seeds the engine's sampler once (as the embedded engine does): each request without its own
         # seed gets the next seed of this stream, so runs repeat without every request sampling alike.
-        self._seeds = random.Random(seed) if seed is not None else None
-        self.top_k_logprobs = top_k_logprobs
-        self.max_loaded_loras = int(max_loaded_loras)
-        self.check_logprobs = check_logprobs
+        self._seeds = random.Random(options.seed) if options.seed is not None else None
+        self.top_k_logprobs = options.top_k_logprobs
+        self.max_loaded_loras = int(options.max_loaded_loras)
+        self.check_logprobs = options.check_logprobs
         self.launcher = launcher
         self._client: aiohttp.ClientSession | None = None
         self._proxy = None

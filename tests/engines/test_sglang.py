@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from reef_core.engines.base import TOKENS_EVENT, EngineRequest
+from reef_core.engines.remote import RemoteOptions
 from reef_core.engines.sglang import SGLangEngine, adapter_name
 from reef_core.errors import ConfigError, UpstreamError, UpstreamTimeout, ValidationFailed
 from reef_core.testing import serve_asgi
@@ -55,7 +56,7 @@ def fake(fake_app, fake_url, tiny_model_dir):
 
 def _engine(url, model_dir, tmp_path, **kw):
     return SGLangEngine(url, model_dir, version=kw.pop("version", "inc:0"), weights_dir=tmp_path / "weights",
-                        ready_timeout_s=10, **kw)
+                        options=RemoteOptions(ready_timeout_s=10, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +141,7 @@ def test_readiness_deadline_names_the_key(tiny_model_dir, tmp_path):
     from reef_core.testing.fixtures import free_port
 
     engine = SGLangEngine(f"http://127.0.0.1:{free_port()}", tiny_model_dir, version="inc:0",
-                          weights_dir=tmp_path, ready_timeout_s=0.5)
+                          weights_dir=tmp_path, options=RemoteOptions(ready_timeout_s=0.5))
     with pytest.raises(UpstreamError, match="engine.ready_timeout_s"):
         asyncio.run(engine.start())
 

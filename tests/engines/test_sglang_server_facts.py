@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from reef_core.engines.base import TOKENS_EVENT, EngineRequest
+from reef_core.engines.remote import RemoteOptions
 from reef_core.engines.sglang import SGLangEngine
 from reef_core.errors import ConfigError
 from reef_core.testing import serve_asgi
@@ -32,7 +33,7 @@ def _req(tokens=True, version=None, **body):
 
 def _engine(url, model_dir, weights_dir, **kw):
     return SGLangEngine(url, model_dir, version=kw.pop("version", "inc:0"), weights_dir=weights_dir,
-                        ready_timeout_s=10, **kw)
+                        options=RemoteOptions(ready_timeout_s=10, **kw))
 
 
 @pytest.fixture(scope="module")

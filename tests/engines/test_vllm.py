@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from reef_core.engines.base import TOKENS_EVENT, EngineRequest
+from reef_core.engines.remote import RemoteOptions
 from reef_core.engines.untie import untied_copy
 from reef_core.engines.vllm import VLLMEngine, adapter_name
 from reef_core.errors import ConfigError, UpstreamError, UpstreamTimeout, ValidationFailed
@@ -65,7 +66,7 @@ def fake(fake_app, fake_url, base, served_dir):
 
 def _engine(url, model_dir, tmp_path, **kw):
     return VLLMEngine(url, model_dir, version=kw.pop("version", "inc:0"), weights_dir=tmp_path / "weights",
-                      ready_timeout_s=10, **kw)
+                      options=RemoteOptions(ready_timeout_s=10, **kw))
 
 
 def _close(tokens, model) -> bool:
@@ -303,7 +304,8 @@ def test_paths_sent_to_the_server_are_absolute_whatever_its_working_directory(fa
     monkeypatch.chdir(tmp_path)
 
     async def main():
-        engine = VLLMEngine(url, tiny_model_dir, version="inc:0", weights_dir="relative-weights", ready_timeout_s=10)
+        engine = VLLMEngine(url, tiny_model_dir, version="inc:0", weights_dir="relative-weights",
+                            options=RemoteOptions(ready_timeout_s=10))
         async with engine:
             await engine.load_adapter("A", "inc.aaaaaaaa:1", random_adapter(base, 1))
             await engine.swap_weights("inc:2", None)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from reef_core.engines.base import TOKENS_EVENT, EngineRequest
+from reef_core.engines.remote import RemoteOptions
 from reef_core.engines.vllm import VLLMEngine
 from reef_core.errors import UpstreamError
 from reef_core.testing.remote_checks import perturbed, random_adapter, reference_logprobs, with_adapter
@@ -37,7 +38,8 @@ def _req(version=None, tokens=True, **body):
 
 def _engine(server, tmp_path, **kw):
     return VLLMEngine(server.url, server.trained_dir, version=kw.pop("version", f"t{id(tmp_path) % 10**6}:0"),
-                      weights_dir=tmp_path / "weights", ready_timeout_s=60, timeout_s=120, **kw)
+                      weights_dir=tmp_path / "weights",
+                      options=RemoteOptions(ready_timeout_s=60, timeout_s=120, **kw))
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from reef_core.engines.base import EngineRequest
+from reef_core.engines.remote import RemoteOptions
 from reef_core.engines.untie import untied_copy
 from reef_core.engines.vllm import VLLMEngine
 from reef_core.testing.real_vllm import RealVLLM
@@ -88,7 +89,7 @@ def test_smollm2_logprob_gap_and_lora_and_full_weight_releases(smollm2_vllm, smo
 
     async def main():
         async with VLLMEngine(smollm2_vllm.url, smollm2_dir, version="s:0", weights_dir=tmp_path / "w",
-                              ready_timeout_s=120, timeout_s=300) as engine:
+                              options=RemoteOptions(ready_timeout_s=120, timeout_s=300)) as engine:
             base = [await engine.complete(_req(q, max_tokens=16, temperature=1.0, seed=i))
                     for i, q in enumerate(["Name a fruit.", "Say hello.", "Count to three."])]
             started = time.monotonic()
