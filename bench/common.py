@@ -105,7 +105,7 @@ def wait_for_workers(child: "Child", count: int, timeout: float = 180) -> None:
         for pid in _tree(child.pid)[1:]:
             try:
                 proc = psutil.Process(pid)
-                if "reef_core.serve.worker" in " ".join(proc.cmdline()) and any(
+                if "reef_core.serve.process.worker" in " ".join(proc.cmdline()) and any(
                         c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in proc.net_connections("tcp")):
                     listening += 1
             except psutil.Error:

@@ -53,7 +53,7 @@ from reef_core.grow.trainer import CandidateUpdate, TrainContext, Trainer, Train
 from reef_core.observe.model import Record
 from reef_core.observe.processor import Batch, Processor, Sample, Segment
 from reef_core.background import serve_asgi
-from reef_core.serve.server import serve_reef
+from reef_core.serve.process.server import serve_reef
 from reef_core.surfaces.base import RunAsync, ServingPorts, Surface
 from reef_core.surfaces.adapters import HarnessAdapter, ModelBinding
 from reef_core.surfaces.harness import (

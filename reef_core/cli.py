@@ -125,7 +125,7 @@ def _main(argv: list[str] | None) -> int:
 
 def cmd_serve(args) -> int:
     from .config import compose_config
-    from .serve.server import serve
+    from .serve.process.server import serve
 
     cfg = compose_config(args.overrides)
     if cfg.server.learner:

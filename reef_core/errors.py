@@ -54,7 +54,7 @@ class NotFound(ReefError):
 
 
 class Forbidden(ReefError):
-    """The token may not do this, or not on this scenario (a scoped token: :mod:`reef_core.serve.tenancy`)."""
+    """The token may not do this, or not on this scenario (a scoped token: :mod:`reef_core.serve.middleware.tenancy`)."""
 
     status = 403
     code = "forbidden"

@@ -34,7 +34,7 @@ class ServerConfig:
     admin_tokens: list[str] = field(default_factory=list)
     #: Tokens confined to scenarios (fnmatch patterns) and scopes (infer, report, read, admin), with optional
     #: limits: ``[{name, token | token_sha256 | token_env | token_file, scenarios, scopes, rpm, tpm,
-    #: budget_tokens, budget_period}]`` (see "Tenancy" in the README and reef_core.serve.tenancy).
+    #: budget_tokens, budget_period}]`` (see "Tenancy" in the README and reef_core.serve.middleware.tenancy).
     scoped_tokens: list[Any] = field(default_factory=list)
     #: Limits per scenario: ``[{scenarios, rpm, tpm, budget_tokens, budget_period}]``; the first matching entry
     #: applies, each matching scenario counted on its own.

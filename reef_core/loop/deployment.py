@@ -92,7 +92,7 @@ class Deployment:
         self.shared = store.dialect == "postgresql"
         self._leases: LeaseHolder | None = None
         self._watcher: HeadWatcher | None = None
-        #: ``server.workers`` (:mod:`reef_core.serve.workers`): in a worker, told the scenario of each durable
+        #: ``server.workers`` (:mod:`reef_core.serve.process.workers`): in a worker, told the scenario of each durable
         #: batch of records (the primary wakes its learner); in the primary, the channel to its workers, told
         #: ``{"head": scenario}`` when a head moved and ``{"archived": scenario}`` when a scenario was deleted.
         self.on_records = None

@@ -334,7 +334,7 @@ class RecordStore:
         with self._read() as conn:
             return conn.execute(q.IS_CONSUMED, {"scenario": scenario, "record_id": record_id}).first() is not None
 
-    # -- token usage (rate limits and budgets: reef_core.serve.usage) -------------------------------------------
+    # -- token usage (rate limits and budgets: reef_core.serve.middleware.usage) -------------------------------------------
 
     def add_usage(self, rows: Sequence[tuple[str, str, int, int]]) -> dict[tuple[str, str], tuple[int, int]]:
         """Add ``(key, period, tokens, requests)`` increments; returns each row's stored totals afterwards."""

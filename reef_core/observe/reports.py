@@ -1,6 +1,6 @@
 """A report's generic rules: the fields a report may carry and their checks, before anything is stored.
 
-Shared by the report route (``POST /reef/report``, :mod:`reef_core.serve.reports`), the record import and the offline
+Shared by the report route (``POST /reef/report``, :mod:`reef_core.serve.routes.reports`), the record import and the offline
 loop (:mod:`reef_core.loop.offline`), so a report is the same thing whichever way it arrives: only the known
 top-level fields; ``score`` a finite number and not a bool; ``feedback`` text or a JSON object within a size cap;
 ``metadata`` an object, ``metadata.unscored`` (the unscored sentinel) a boolean, and when true the score null;

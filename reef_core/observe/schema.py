@@ -72,7 +72,7 @@ consumed_ids = sa.Table(
 )
 
 # Token usage per key (``token:<name>`` or ``scenario:<name>``) and period (``2026-11-30``, ``2026-11`` or ``total``):
-# the counters behind rate limits and budgets (reef_core.serve.usage), incremented by upserts so replicas add up.
+# the counters behind rate limits and budgets (reef_core.serve.middleware.usage), incremented by upserts so replicas add up.
 usage_counters = sa.Table(
     "usage_counters",
     metadata,

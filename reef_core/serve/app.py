@@ -11,18 +11,19 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
-from .. import __version__
-from ..errors import ReefError
-from .auth import OPEN_PATHS, AuthMiddleware, TokenSet
-from .errors import dialect_for_path, error_body, new_error_id
-from .forward import ForwardToPrimary
-from .inference import InferenceCall
-from .names import scenario_header
-from .schema import install_openapi
-from . import (docs, harness, imports, install, instructions, metrics, reads, releases, reports, scenario_routes,
-               skills, ui)
-from .observe import ObserveMiddleware
-from .usage import Usage
+from reef_core import __version__
+from reef_core.errors import ReefError
+from reef_core.serve.middleware.auth import OPEN_PATHS, AuthMiddleware, TokenSet
+from reef_core.serve.errors import dialect_for_path, error_body, new_error_id
+from reef_core.serve.process.forward import ForwardToPrimary
+from reef_core.serve.routes.inference import InferenceCall
+from reef_core.serve.routes.names import scenario_header
+from reef_core.serve.schema import install_openapi
+from reef_core.serve.middleware import metrics
+from reef_core.serve.routes import (docs, harness, imports, install, instructions, reads, releases, reports,
+                                    scenario_routes, skills, ui)
+from reef_core.serve.middleware.observe import ObserveMiddleware
+from reef_core.serve.middleware.usage import Usage
 
 log = logging.getLogger("reef.serve")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..errors import ValidationFailed
+from reef_core.errors import ValidationFailed
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 

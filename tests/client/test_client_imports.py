@@ -19,6 +19,6 @@ def test_the_client_imports_without_torch():
 def test_the_server_and_its_install_route_need_no_httpx():
     # httpx is the client's ([client] extra): a server without it still builds its app, install route included.
     done = _python("import sys; sys.modules['httpx'] = None\n"
-                   "import reef_core.serve.app, reef_core.serve.install, reef_core.client.tree\n"
+                   "import reef_core.serve.app, reef_core.serve.routes.install, reef_core.client.tree\n"
                    "from reef_core.cli import main; assert main(['--help']) == 0")
     assert done.returncode == 0, done.stderr

@@ -25,7 +25,7 @@ from reef_core.config import compose_config
 from reef_core.loop.assemble import build_deployment
 from reef_core.observe.processors.per_report import in_holdout
 from reef_core.plugins import PluginManager
-from reef_core.serve.names import RECEIPT_HEADER
+from reef_core.serve.routes.names import RECEIPT_HEADER
 from reef_core.serve.app import create_app
 from reef_core.background import serve_asgi
 from reef_core.testing.fixtures import wait_until

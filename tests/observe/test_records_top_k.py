@@ -39,7 +39,7 @@ def _generation(n_out: int, k: int, seed: int = 0) -> TokenData:
 
 
 def _record(record_id: str, tokens: TokenData) -> Record:
-    """An inference record as the server writes it (see reef_core.serve.inference)."""
+    """An inference record as the server writes it (see reef_core.serve.routes.inference)."""
     reply = " ".join(f"word{i}" for i in range(len(tokens.output_ids)))
     payload = {"route": "chat", "dialect": "openai", "client_dialect": "openai", "engine": "smollm2",
                "request": {"model": "smollm2", "messages": [{"role": "user", "content": "Write a long story."}]},

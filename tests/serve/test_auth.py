@@ -14,9 +14,9 @@ from reef_core.config import compose_config
 from reef_core.config.schema import ServerConfig
 from reef_core.errors import ConfigError
 from reef_core.serve.app import ADMIN, create_app, iter_routes
-from reef_core.serve.auth import TokenSet, is_loopback
+from reef_core.serve.middleware.auth import TokenSet, is_loopback
 from reef_core.loop.assemble import build_deployment
-from reef_core.serve.server import check_bind
+from reef_core.serve.process.server import check_bind
 
 INFERENCE, ADMIN_TOKEN = "inference-token-123", "admin-token-456"
 

@@ -1,4 +1,4 @@
-"""ClientWatch (reef_core.serve.disconnect): work is stopped when, and only when, the client leaves."""
+"""ClientWatch (reef_core.serve.routes.disconnect): work is stopped when, and only when, the client leaves."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from reef_core.serve.disconnect import ClientGone, ClientWatch
+from reef_core.serve.routes.disconnect import ClientGone, ClientWatch
 
 
 class Channel:

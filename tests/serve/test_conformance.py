@@ -28,7 +28,7 @@ import pytest
 
 from reef_core.engines.base import StreamEvent
 from reef_core.engines.translate import OpenAIToAnthropicStream, openai_to_anthropic_response, translate_response
-from reef_core.serve.responses import LiveStream, _event_stream, response_object
+from reef_core.serve.routes.responses import LiveStream, _event_stream, response_object
 
 try:
     import llm_comply

@@ -11,7 +11,7 @@ from reef_core.config import compose_config
 from reef_core.loop.assemble import build_deployment
 from reef_core.serve.app import create_app
 from reef_core.background import serve_asgi
-from reef_core.serve.plot import line_svg
+from reef_core.serve.routes.plot import line_svg
 
 TOKEN, ADMIN = "pages-inference-token", "pages-admin-token"
 

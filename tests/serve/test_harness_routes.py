@@ -71,7 +71,7 @@ class HarnessRouteDeployment:
         return self.harness if scenario.recipe == "gepa" else None
 
     def extra_routers(self):
-        from reef_core.serve import harness
+        from reef_core.serve.routes import harness
 
         return [harness.router]
 

@@ -15,7 +15,7 @@ import pytest
 from reef_core.errors import ValidationFailed
 from reef_core.observe.model import canonical_bytes, compute_content_hash
 from reef_core.serve.errors import error_body
-from reef_core.serve.jsonbody import parse_json_object
+from reef_core.serve.routes.jsonbody import parse_json_object
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"

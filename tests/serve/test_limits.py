@@ -197,7 +197,7 @@ def test_an_answer_given_before_the_body_is_read_reaches_a_client_still_sending(
 def test_a_lingering_connection_closes_once_the_answer_is_out(server):
     """After a refusal the server half-closes at once (the answer then EOF), even while the client keeps its end
     open; it stops reading after LINGER_S."""
-    from reef_core.serve.connection import LINGER_S
+    from reef_core.serve.middleware.connection import LINGER_S
 
     sock = _connect(server)
     sock.sendall(b"POST /v1/messages HTTP/1.1\r\nhost: x\r\nx-odd: a\x01b\r\ncontent-length: 100000\r\n\r\n")
@@ -251,13 +251,13 @@ def _healthy(server) -> bool:
 def test_limits_must_be_positive_and_descriptors_are_reserved():
     from reef_core.config.schema import ServerConfig
     from reef_core.errors import ConfigError
-    from reef_core.serve.connection import ConnectionLimits
+    from reef_core.serve.middleware.connection import ConnectionLimits
 
     assert ConnectionLimits.from_config(ServerConfig(header_timeout_s=0.5)).header_timeout_s == 0.5
     with pytest.raises(ConfigError, match="server.header_timeout_s"):
         ConnectionLimits.from_config(ServerConfig(header_timeout_s=0))
     # With a low soft limit on open files, the server raises it so its connections fit (in a child process).
-    script = ("import resource; from reef_core.serve.connection import reserve_descriptors; "
+    script = ("import resource; from reef_core.serve.middleware.connection import reserve_descriptors; "
               "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]; "
               "resource.setrlimit(resource.RLIMIT_NOFILE, (300, hard)); reserve_descriptors(1024); "
               "soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]; "

@@ -11,7 +11,7 @@ import pytest
 
 from reef_core.config.schema import ServerConfig
 from reef_core.errors import ConfigError
-from reef_core.serve.logs import JsonFormatter, SafeTextFormatter, check
+from reef_core.serve.process.logs import JsonFormatter, SafeTextFormatter, check
 from reef_core.testing.fixtures import wait_until
 
 TOKEN = "log-test-token-do-not-print"

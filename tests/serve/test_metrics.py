@@ -14,7 +14,7 @@ from reef_core.config import compose_config
 from reef_core.errors import ConfigError
 from reef_core.loop.assemble import build_deployment
 from reef_core.serve.app import create_app
-from reef_core.serve.metrics import OVERFLOW, ScenarioLabels, ServeMetrics
+from reef_core.serve.middleware.metrics import OVERFLOW, ScenarioLabels, ServeMetrics
 from reef_core.testing.fixtures import wait_until
 from reef_core.background import serve_asgi
 

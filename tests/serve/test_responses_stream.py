@@ -8,7 +8,7 @@ import json
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from reef_core.serve.responses import LiveStream, response_object
+from reef_core.serve.routes.responses import LiveStream, response_object
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 BODY = {"model": "m", "input": "hi"}

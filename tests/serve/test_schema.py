@@ -14,7 +14,7 @@ import pytest
 
 from reef_core.engines.translate import translate_request
 from reef_core.errors import ValidationFailed
-from reef_core.serve.jsonbody import MAX_DEPTH, parse_json_object
+from reef_core.serve.routes.jsonbody import MAX_DEPTH, parse_json_object
 from reef_core.serve.schema import validate_request
 
 ANTHROPIC = {

@@ -17,7 +17,7 @@ from reef_core.config import compose_config
 from reef_core.errors import ConfigError
 from reef_core.loop.assemble import build_deployment
 from reef_core.serve.app import create_app, iter_routes
-from reef_core.serve.auth import TokenSet
+from reef_core.serve.middleware.auth import TokenSet
 from reef_core.errors import RateLimited
 
 ADMIN, TEAM_A, TEAM_A_ADMIN, LIMITED, BUDGET = "admin-tok", "team-a-tok", "team-a-admin-tok", "limited-tok", "budget-tok"
@@ -193,7 +193,7 @@ def test_a_scenario_limit_applies_to_every_token(served):
 
 
 def test_tokens_per_minute_count_the_engines_usage():
-    from reef_core.serve.usage import Usage
+    from reef_core.serve.middleware.usage import Usage
 
     tenancy = TokenSet.from_config(compose_config(["server.scoped_tokens=[{name:t,token:t,scenarios:['*'],tpm:100}]"]).server)
     principal, clock = tenancy.principal("t"), Clock()
@@ -291,7 +291,7 @@ def test_replicas_add_up_their_spending_at_each_flush(tmp_path):
     import asyncio
 
     from reef_core.observe.records import RecordStore
-    from reef_core.serve.usage import Usage
+    from reef_core.serve.middleware.usage import Usage
 
     tenancy = TokenSet.from_config(compose_config([
         "server.scoped_tokens=[{name:shared,token:t,scenarios:['s-*'],budget_tokens:50,budget_period:day}]"]).server)
@@ -317,7 +317,7 @@ def test_replicas_add_up_their_spending_at_each_flush(tmp_path):
 
 
 def test_windows_keep_only_the_last_minute():
-    from reef_core.serve.usage import SlidingWindow
+    from reef_core.serve.middleware.usage import SlidingWindow
 
     window = SlidingWindow()
     for second in range(600):

@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 
-from reef_core.serve.server import serve_reef
+from reef_core.serve.process.server import serve_reef
 from reef_core.testing import FakeVLLM, serve_asgi
 from reef_core.testing.remote_checks import reference_logprobs
 

@@ -22,7 +22,7 @@ def workers_of(server) -> list[psutil.Process]:
     found = []
     for proc in psutil.Process(server.proc.pid).children():
         try:
-            if "reef_core.serve.worker" in " ".join(proc.cmdline()):
+            if "reef_core.serve.process.worker" in " ".join(proc.cmdline()):
                 found.append(proc)
         except psutil.Error:  # exiting (a zombie until its primary reaps it)
             continue
@@ -176,7 +176,7 @@ def test_a_worker_reports_the_scenarios_it_stored_for_once_per_interval():
     import asyncio
     import socket
 
-    from reef_core.serve.worker import _Channel
+    from reef_core.serve.process.worker import _Channel
 
     mine, theirs = socket.socketpair()
     channel = _Channel(theirs.detach())
@@ -215,7 +215,7 @@ def test_the_primary_wakes_the_learner_of_records_a_worker_stored():
 def test_worker_series_add_up_and_never_go_down_when_a_worker_is_replaced():
     from prometheus_client.samples import Sample
 
-    from reef_core.serve.metrics import WorkerSeries
+    from reef_core.serve.middleware.metrics import WorkerSeries
 
     series = WorkerSeries()
     mine = [Sample("reef_requests_total", {"scenario": "s"}, 2.0)]

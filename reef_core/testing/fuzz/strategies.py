@@ -617,7 +617,7 @@ def scenario_route_names() -> list[str]:
     """The recipe routes under a scenario that the installed plugins register (``reef_register_scenario_routes``),
     as the server under test mounts them (it loads the same plugins)."""
     from reef_core.plugins import get_plugin_manager
-    from reef_core.serve.scenario_routes import ROUTE_NAME
+    from reef_core.serve.routes.scenario_routes import ROUTE_NAME
 
     return sorted(n for n in get_plugin_manager().components.get("scenario_route", {}) if ROUTE_NAME.fullmatch(n))
 

@@ -17,11 +17,11 @@ from urllib.parse import quote
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
-from ..errors import NotFound, ValidationFailed
-from ..observe.instructions import check_training_mode, validate_instruction
-from ..observe.model import Record
-from .inference import read_json_body
-from .names import RECEIPT_HEADER, scenario_header
+from reef_core.errors import NotFound, ValidationFailed
+from reef_core.observe.instructions import check_training_mode, validate_instruction
+from reef_core.observe.model import Record
+from reef_core.serve.routes.inference import read_json_body
+from reef_core.serve.routes.names import RECEIPT_HEADER, scenario_header
 
 router = APIRouter()
 

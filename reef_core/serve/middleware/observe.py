@@ -5,7 +5,7 @@ knows in the request state under ``reef_facts`` (scenario, receipt, upstream tim
 from bodies or headers, so no body, prompt or token can reach a log line.
 
 The request line goes to the ``reef.access`` logger at INFO: with ``server.log_format=json`` it becomes one
-JSON object (see :mod:`reef_core.serve.logs`); the plain-text default shows it only at ``log_level=debug``
+JSON object (see :mod:`reef_core.serve.process.logs`); the plain-text default shows it only at ``log_level=debug``
 because a line per proxied request costs more than the proxying itself.
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import time
 
-from .auth import PATH_SCENARIO
-from .metrics import ServeMetrics
+from reef_core.serve.middleware.auth import PATH_SCENARIO
+from reef_core.serve.middleware.metrics import ServeMetrics
 
 access_log = logging.getLogger("reef.access")
 #: Admin actions and refused requests (401, 403, 429): token name (never the token), scenario, route, status.

@@ -11,11 +11,11 @@ import asyncio
 from fastapi import APIRouter, Query, Request
 from starlette.responses import JSONResponse
 
-from ..errors import ValidationFailed
-from .inference import read_json_body
-from .names import path_scenario
-from .reads import MAX_SEQUENCE
-from .tenancy import principal_of
+from reef_core.errors import ValidationFailed
+from reef_core.serve.routes.inference import read_json_body
+from reef_core.serve.routes.names import path_scenario
+from reef_core.serve.routes.reads import MAX_SEQUENCE
+from reef_core.serve.middleware.tenancy import principal_of
 
 ADMIN = {"x-reef-scope": "admin"}
 router = APIRouter()

@@ -2,7 +2,7 @@
 
 ``server.log_format=json`` puts every record on one line as ``{"ts", "level", "logger", "message", ...}``; a
 request line (logger ``reef.access``) adds its fields (method, route, status, timings, scenario, receipt, token
-counts: see :mod:`reef_core.serve.observe`). ``server.log_level`` sets the root level. Text keeps the terminal
+counts: see :mod:`reef_core.serve.middleware.observe`). ``server.log_level`` sets the root level. Text keeps the terminal
 format and shows request lines only at ``debug``; JSON shows them from ``info``.
 """
 
@@ -13,7 +13,7 @@ import logging
 import re
 import time
 
-from ..errors import ConfigError
+from reef_core.errors import ConfigError
 
 FORMATS = ("text", "json")
 LEVELS = ("debug", "info", "warning", "error", "critical")

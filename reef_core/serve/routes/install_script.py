@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import hashlib
 
-from ..client.tree import SIDECAR, sidecar_text, sorted_paths, tree_digest
-from ..errors import Conflict
+from reef_core.client.tree import SIDECAR, sidecar_text, sorted_paths, tree_digest
+from reef_core.errors import Conflict
 
 
 def sh_quote(text: str) -> str:

@@ -24,8 +24,8 @@ from typing import Any
 
 from starlette.responses import JSONResponse, StreamingResponse
 
-from ..errors import NotFound, ValidationFailed
-from ..observe.processors.conversation import UnusableRecord, exchange_of
+from reef_core.errors import NotFound, ValidationFailed
+from reef_core.observe.processors.conversation import UnusableRecord, exchange_of
 
 RESPONSE_PREFIX = "resp_"
 _ROLES = frozenset({"user", "assistant", "system", "developer"})

@@ -21,8 +21,8 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse
 
-from ..errors import NotFound
-from .names import path_scenario
+from reef_core.errors import NotFound
+from reef_core.serve.routes.names import path_scenario
 
 log = logging.getLogger("reef.serve")
 

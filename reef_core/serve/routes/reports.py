@@ -20,12 +20,12 @@ import uuid
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
-from ..errors import Conflict, ValidationFailed
-from ..observe.model import Record, canonical_bytes
-from ..observe.reports import validate_report
-from .inference import read_json_body
-from .names import RECEIPT_HEADER, scenario_header
-from .tenancy import confined_reference
+from reef_core.errors import Conflict, ValidationFailed
+from reef_core.observe.model import Record, canonical_bytes
+from reef_core.observe.reports import validate_report
+from reef_core.serve.routes.inference import read_json_body
+from reef_core.serve.routes.names import RECEIPT_HEADER, scenario_header
+from reef_core.serve.middleware.tenancy import confined_reference
 
 router = APIRouter()
 

@@ -6,12 +6,12 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 
-from ..config.schema import ReefConfig
-from ..errors import ConfigError
-from .auth import TokenSet, is_loopback
-from .logs import configure as configure_logs
-from ..background import serve_asgi
-from .workers import WorkerPool, check_workers
+from reef_core.config.schema import ReefConfig
+from reef_core.errors import ConfigError
+from reef_core.serve.middleware.auth import TokenSet, is_loopback
+from reef_core.serve.process.logs import configure as configure_logs
+from reef_core.background import serve_asgi
+from reef_core.serve.process.workers import WorkerPool, check_workers
 
 log = logging.getLogger("reef.serve")
 
@@ -25,9 +25,9 @@ def check_bind(cfg: ReefConfig) -> None:
 
 
 def serve(cfg: ReefConfig) -> int:
-    from ..loop.assemble import build_deployment
+    from reef_core.loop.assemble import build_deployment
 
-    from .connection import ConnectionLimits, protocol_class, reserve_descriptors
+    from reef_core.serve.middleware.connection import ConnectionLimits, protocol_class, reserve_descriptors
 
     check_bind(cfg)
     workers = check_workers(cfg.server)
@@ -42,7 +42,7 @@ def serve(cfg: ReefConfig) -> int:
     deployment = build_deployment(cfg, preload=True)
     import uvicorn
 
-    from .app import create_app
+    from reef_core.serve.app import create_app
 
     deployment.pm.notify("reef_startup", config=cfg)
     app = create_app(deployment)
@@ -130,7 +130,7 @@ def serve_reef(overrides: Sequence[str] = ()) -> Iterator[str]:
     from reef_core.config import compose_config
     from reef_core.loop.assemble import build_deployment
     from reef_core.plugins import get_plugin_manager
-    from .app import create_app
+    from reef_core.serve.app import create_app
 
     pm = get_plugin_manager()
     deployment = build_deployment(compose_config(list(overrides), pm), pm)

@@ -10,10 +10,10 @@ import asyncio
 
 from starlette.requests import Request
 
-from ..errors import NotFound, ValidationFailed
-from ..observe.model import MAX_ID_LENGTH as STORED_ID_LENGTH
-from .tenancy import check_scenario
-from ..names import check_record_id, check_scenario_name, header_text, is_record_id, scenario_problem
+from reef_core.errors import NotFound, ValidationFailed
+from reef_core.observe.model import MAX_ID_LENGTH as STORED_ID_LENGTH
+from reef_core.serve.middleware.tenancy import check_scenario
+from reef_core.names import check_record_id, check_scenario_name, header_text, is_record_id, scenario_problem
 
 SCENARIO_HEADER = "x-reef-scenario"
 RECEIPT_HEADER = "x-reef-agent-record-id"

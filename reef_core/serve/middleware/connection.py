@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from ..errors import ConfigError
-from .errors import dialect_for_path, error_body
+from reef_core.errors import ConfigError
+from reef_core.serve.errors import dialect_for_path, error_body
 
 log = logging.getLogger("reef.serve")
 

@@ -6,13 +6,13 @@
   browser without a valid one is sent to ``/ui/login``.
 * ``Authorization: Bearer <token>`` (scheme case-insensitive); when absent, ``x-api-key``
   (what Anthropic SDKs send) is accepted.
-* A token is looked up by its SHA-256 digest (:mod:`reef_core.serve.tenancy`) and never logged; its principal
+* A token is looked up by its SHA-256 digest (:mod:`reef_core.serve.middleware.tenancy`) and never logged; its principal
   (name, scopes, scenario patterns) goes into the request state as ``reef_principal``.
 * Each route needs a scope: ``infer`` (inference POSTs), ``report`` (``POST /reef/report``, record imports,
   ``POST /reef/train``), ``admin`` (routes marked admin: rollback, promote, delete, close-day) or ``read``
   (everything else); a token without it gets 403. A scenario named in the path (``/reef/scenarios/{s}/...``, ``/ui/scenarios/{s}/...``) or
   in ``x-reef-scenario`` outside the token's patterns is a 403 naming it, here, before any body is read (and again
-  where a route reads the header: :func:`reef_core.serve.names.scenario_header`). ``GET /metrics`` labels every
+  where a route reads the header: :func:`reef_core.serve.routes.names.scenario_header`). ``GET /metrics`` labels every
   scenario, so it needs an all-scenario token.
 * With no token configured at all, authentication is off; ``reef serve`` refuses to bind a
   non-loopback address in that state.
@@ -24,8 +24,8 @@ import ipaddress
 import re
 from urllib.parse import unquote
 
-from .errors import dialect_for_path, error_bytes
-from .tenancy import OPEN, Principal, Tenancy
+from reef_core.serve.errors import dialect_for_path, error_bytes
+from reef_core.serve.middleware.tenancy import OPEN, Principal, Tenancy
 
 OPEN_PATHS = frozenset({"/healthz", "/ui/login"})
 #: The dashboard's cookie: the token its login form stored, read for ``/ui`` paths only.
@@ -33,7 +33,7 @@ UI_COOKIE = "reef_ui_token"
 
 
 class TokenSet(Tenancy):
-    """The configured tokens (see :class:`~reef_core.serve.tenancy.Tenancy`) under their older name."""
+    """The configured tokens (see :class:`~reef_core.serve.middleware.tenancy.Tenancy`) under their older name."""
 
     def scope_of(self, token: str) -> str | None:
         """``admin``, ``inference`` or ``None`` (unknown token): the two-level view older callers use."""

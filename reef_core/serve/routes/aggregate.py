@@ -10,8 +10,8 @@ import json
 import time
 from typing import Any, AsyncIterator
 
-from ..engines.base import StreamEvent
-from ..engines.sse import encode_event
+from reef_core.engines.base import StreamEvent
+from reef_core.engines.sse import encode_event
 
 
 class OpenAIAccumulator:

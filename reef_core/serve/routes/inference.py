@@ -35,20 +35,20 @@ from typing import Any, AsyncIterator
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..engines.base import TOKENS_EVENT, DirectResponse, EngineRequest, EngineResponse, StreamEvent, TokenData
-from ..engines.translate import stream_translator, translate_error, translate_request, translate_response
-from ..errors import Conflict, PayloadTooLarge, ReefError, ValidationFailed
-from ..observe.model import Record, canonical_bytes
-from ..engines.sse import encode_event
-from ..names import header_text
-from .aggregate import accumulator_for, receipt_events, synthetic_stream
-from .disconnect import CLIENT_DISCONNECTED, ClientGone, ClientWatch
-from .errors import error_body, new_error_id
-from .jsonbody import parse_json_object
-from . import responses
-from .names import RECEIPT_HEADER, optional_id_header, scenario_header
-from .schema import validate_request
-from .tenancy import principal_of
+from reef_core.engines.base import TOKENS_EVENT, DirectResponse, EngineRequest, EngineResponse, StreamEvent, TokenData
+from reef_core.engines.translate import stream_translator, translate_error, translate_request, translate_response
+from reef_core.errors import Conflict, PayloadTooLarge, ReefError, ValidationFailed
+from reef_core.observe.model import Record, canonical_bytes
+from reef_core.engines.sse import encode_event
+from reef_core.names import header_text
+from reef_core.serve.routes.aggregate import accumulator_for, receipt_events, synthetic_stream
+from reef_core.serve.routes.disconnect import CLIENT_DISCONNECTED, ClientGone, ClientWatch
+from reef_core.serve.errors import error_body, new_error_id
+from reef_core.serve.routes.jsonbody import parse_json_object
+from reef_core.serve.routes import responses
+from reef_core.serve.routes.names import RECEIPT_HEADER, optional_id_header, scenario_header
+from reef_core.serve.schema import validate_request
+from reef_core.serve.middleware.tenancy import principal_of
 
 log = logging.getLogger("reef.serve")
 

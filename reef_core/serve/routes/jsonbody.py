@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 
-from ..errors import ValidationFailed
+from reef_core.errors import ValidationFailed
 
 #: Deepest nesting of arrays and objects a request body may have (the body object is level 1).
 MAX_DEPTH = 64

@@ -2,7 +2,7 @@
 
 Read-only for an inference token; an admin token also sees rollback buttons and, on releases held for review
 (``evaluation.publish=review``), promote buttons; each asks for confirmation on a page of its own before it posts. The token comes from the login form and lives in a cookie scoped to ``/ui``
-(HttpOnly, SameSite=Strict); :class:`~reef_core.serve.auth.AuthMiddleware` reads it there for ``/ui`` paths
+(HttpOnly, SameSite=Strict); :class:`~reef_core.serve.middleware.auth.AuthMiddleware` reads it there for ``/ui`` paths
 only, and sends a browser without a valid one to the login page.
 
 Cross-site posts (D4, #37): SameSite=Strict still sends the cookie from a page on another port of the same host, so
@@ -12,7 +12,7 @@ every dashboard POST is refused (403, nothing stored) when ``Sec-Fetch-Site`` sa
 which a cookie-authenticated POST (logout, rollback, promote) must send back. Login has no session yet: the
 Origin/Sec-Fetch-Site check guards it. A request that presents its token in a header is not a browser's ambient
 credential and needs no form token. Plots are SVG drawn here
-(:mod:`reef_core.serve.plot`): no script and no CDN.
+(:mod:`reef_core.serve.routes.plot`): no script and no CDN.
 
 Pages: ``/ui`` (scenarios with recipe, current release and learner state), ``/ui/scenarios/{s}`` (plots over
 steps of reward, loss, gate score, publish latency and policy lag; the release chain and every gate decision
@@ -34,12 +34,12 @@ from urllib.parse import parse_qs, quote, urlencode, urlsplit
 from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
-from ..errors import Conflict, Forbidden, NotFound, ValidationFailed
-from .auth import UI_COOKIE, _cookie_token, _presented_token
-from .names import path_record, path_scenario
-from .plot import line_svg
-from .reads import MAX_SEQUENCE, record_row
-from .tenancy import visible
+from reef_core.errors import Conflict, Forbidden, NotFound, ValidationFailed
+from reef_core.serve.middleware.auth import UI_COOKIE, _cookie_token, _presented_token
+from reef_core.serve.routes.names import path_record, path_scenario
+from reef_core.serve.routes.plot import line_svg
+from reef_core.serve.routes.reads import MAX_SEQUENCE, record_row
+from reef_core.serve.middleware.tenancy import visible
 
 ADMIN = {"x-reef-scope": "admin"}
 #: The session's random nonce, set at login beside the token cookie; the form token is keyed over it.

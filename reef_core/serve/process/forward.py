@@ -12,7 +12,7 @@ import logging
 
 import aiohttp
 
-from .errors import dialect_for_path, error_bytes
+from reef_core.serve.errors import dialect_for_path, error_bytes
 
 log = logging.getLogger("reef.serve")
 

@@ -24,14 +24,14 @@ import time
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
-from ..errors import Conflict, PayloadTooLarge, ReefError, ValidationFailed
-from ..observe.model import Record, canonical_bytes
-from ..names import check_record_id
-from ..observe.processors.conversation import UnusableRecord, request_messages, response_message
-from ..observe.reports import validate_report
-from .inference import read_json_body
-from .names import RECEIPT_HEADER, scenario_header
-from .tenancy import confined_reference
+from reef_core.errors import Conflict, PayloadTooLarge, ReefError, ValidationFailed
+from reef_core.observe.model import Record, canonical_bytes
+from reef_core.names import check_record_id
+from reef_core.observe.processors.conversation import UnusableRecord, request_messages, response_message
+from reef_core.observe.reports import validate_report
+from reef_core.serve.routes.inference import read_json_body
+from reef_core.serve.routes.names import RECEIPT_HEADER, scenario_header
+from reef_core.serve.middleware.tenancy import confined_reference
 
 router = APIRouter()
 

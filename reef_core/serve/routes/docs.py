@@ -13,7 +13,7 @@ from html import escape
 from fastapi import APIRouter, Request
 from starlette.responses import HTMLResponse
 
-from ..errors import ValidationFailed
+from reef_core.errors import ValidationFailed
 
 router = APIRouter()
 

@@ -2,7 +2,7 @@
 
 ``server.scoped_tokens`` entries name a token (``token``, ``token_sha256``, ``token_env`` or ``token_file``), the
 scenarios it may touch (fnmatch patterns), its scopes (``infer``, ``report``, ``read``, ``admin``; default the first
-three) and optional limits (``rpm``, ``tpm``, ``budget_tokens``, ``budget_period``: see :mod:`reef_core.serve.usage`).
+three) and optional limits (``rpm``, ``tpm``, ``budget_tokens``, ``budget_period``: see :mod:`reef_core.serve.middleware.usage`).
 Plain ``server.tokens`` / ``server.admin_tokens`` (and ``REEF_TOKEN`` / ``REEF_ADMIN_TOKEN``) stay all-scenario
 principals. Everything is checked when the app is built; a mistake is a :class:`ConfigError` naming the entry and key.
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, Forbidden, ReefError
+from reef_core.errors import ConfigError, Forbidden, ReefError
 
 SCOPES = ("infer", "report", "read", "admin")
 DEFAULT_SCOPES = frozenset({"infer", "report", "read"})

@@ -23,11 +23,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
-from ..errors import Conflict, NotFound, ValidationFailed
-from ..surfaces.harness import RELEASE_HEADER
-from ..surfaces.skills import render_skill, validate_slug
-from .inference import read_json_body
-from .names import path_scenario, scenario_header
+from reef_core.errors import Conflict, NotFound, ValidationFailed
+from reef_core.surfaces.harness import RELEASE_HEADER
+from reef_core.surfaces.skills import render_skill, validate_slug
+from reef_core.serve.routes.inference import read_json_body
+from reef_core.serve.routes.names import path_scenario, scenario_header
 
 ADMIN = {"x-reef-scope": "admin"}
 router = APIRouter()

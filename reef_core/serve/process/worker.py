@@ -1,4 +1,4 @@
-"""A worker process of ``server.workers`` (``python -m reef_core.serve.worker FD``; see :mod:`.workers`).
+"""A worker process of ``server.workers`` (``python -m reef_core.serve.process.worker FD``; see :mod:`.workers`).
 
 Started by the primary with one end of a socket pair as file descriptor ``FD``. The first line on it carries
 the configuration (serving only), the port and the primary's Unix socket; later lines name scenarios whose head
@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from .workers import send_line
+from reef_core.serve.process.workers import send_line
 
 log = logging.getLogger("reef.serve")
 
@@ -64,12 +64,12 @@ class _Channel:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    from ..loop.assemble import build_deployment
-    from .app import create_app
-    from .connection import ConnectionLimits, protocol_class, reserve_descriptors
-    from .logs import configure as configure_logs
-    from .server import freeze_startup_objects
-    from .workers import listening_socket
+    from reef_core.loop.assemble import build_deployment
+    from reef_core.serve.app import create_app
+    from reef_core.serve.middleware.connection import ConnectionLimits, protocol_class, reserve_descriptors
+    from reef_core.serve.process.logs import configure as configure_logs
+    from reef_core.serve.process.server import freeze_startup_objects
+    from reef_core.serve.process.workers import listening_socket
 
     argv = list(sys.argv[1:] if argv is None else argv)
     channel = _Channel(int(argv[0]))
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True  # the primary is gone or stopping: finish what runs, then exit
 
     def report_metrics() -> None:
-        from .metrics import worker_report
+        from reef_core.serve.middleware.metrics import worker_report
 
         last = None
         while not server.should_exit:

@@ -28,10 +28,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, PlainTextResponse
 
-from ..errors import Conflict, NotFound, ValidationFailed
-from ..surfaces.harness import RELEASE_HEADER, validate_harness_path
-from .names import scenario_header
-from .tenancy import check_scenario
+from reef_core.errors import Conflict, NotFound, ValidationFailed
+from reef_core.surfaces.harness import RELEASE_HEADER, validate_harness_path
+from reef_core.serve.routes.names import scenario_header
+from reef_core.serve.middleware.tenancy import check_scenario
 
 router = APIRouter()
 _NO_STORE = {"cache-control": "no-store"}

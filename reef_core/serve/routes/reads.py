@@ -7,9 +7,9 @@ import asyncio
 from fastapi import APIRouter, Query, Request
 from starlette.responses import JSONResponse
 
-from ..observe.model import Record
-from .names import path_record, path_scenario
-from .tenancy import visible
+from reef_core.observe.model import Record
+from reef_core.serve.routes.names import path_record, path_scenario
+from reef_core.serve.middleware.tenancy import visible
 
 router = APIRouter()
 #: Bound of sequence and step query parameters: the stores hold them as signed 64-bit integers.

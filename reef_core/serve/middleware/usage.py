@@ -1,6 +1,6 @@
 """Rate limits and token budgets per token and per scenario, with usage kept in the record store.
 
-Limits (see :mod:`reef_core.serve.tenancy` for the config): ``rpm`` requests and ``tpm`` tokens (input + output
+Limits (see :mod:`reef_core.serve.middleware.tenancy` for the config): ``rpm`` requests and ``tpm`` tokens (input + output
 as the engine's usage reports them, counted when the answer is recorded) over the last 60 seconds, and
 ``budget_tokens`` per ``budget_period`` (``day`` and ``month`` in UTC, or ``total``). An inference request is
 checked before the engine is called, against what is already spent: over any limit it is refused with 429 and a
@@ -31,8 +31,8 @@ import time
 from collections import deque
 from typing import Callable
 
-from ..errors import RateLimited
-from .tenancy import Limits, Principal, Tenancy
+from reef_core.errors import RateLimited
+from reef_core.serve.middleware.tenancy import Limits, Principal, Tenancy
 
 log = logging.getLogger("reef.serve")
 

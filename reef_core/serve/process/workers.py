@@ -2,14 +2,14 @@
 
 Python runs one request's code at a time per process; past one core's worth of requests, more processes are the
 way to more throughput. ``reef serve server.workers=N`` runs the usual process (the *primary*) plus ``N - 1``
-*worker* processes (:mod:`reef_core.serve.worker`):
+*worker* processes (:mod:`reef_core.serve.process.worker`):
 
 * All of them listen on the configured host and port (``SO_REUSEPORT``: the kernel spreads new connections over
   the processes).
 * A worker is a serving replica (role ``serve``) on the same data directory and record store: it answers
   inference for the scenarios that exist, writing each record durably before the answer goes out, as the primary
   does. Everything else (reports, release operations, reads, the dashboard, ``/metrics``, a new scenario's first
-  requests) it hands to the primary over a private Unix socket (:mod:`reef_core.serve.forward`).
+  requests) it hands to the primary over a private Unix socket (:mod:`reef_core.serve.process.forward`).
 * The primary runs the learners. Each worker has a channel to it (a socket pair inherited at spawn): the primary
   sends the configuration, then a line per head move (the worker serves the new release at once) and per deleted
   scenario (the worker stops serving it); the worker sends the scenarios it stored records for (the primary wakes
@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 
-from ..errors import ConfigError
+from reef_core.errors import ConfigError
 
 log = logging.getLogger("reef.serve")
 
@@ -102,7 +102,7 @@ class WorkerPool:
     """The primary's side: the sockets, the worker processes, their channels."""
 
     def __init__(self, cfg, deployment, metrics=None):
-        from .metrics import WorkerSeries
+        from reef_core.serve.middleware.metrics import WorkerSeries
 
         self.cfg = cfg
         self.deployment = deployment
@@ -139,7 +139,7 @@ class WorkerPool:
 
     def _launch(self, index: int) -> _Worker:
         mine, theirs = socket.socketpair()
-        proc = subprocess.Popen([sys.executable, "-m", "reef_core.serve.worker", str(theirs.fileno())],
+        proc = subprocess.Popen([sys.executable, "-m", "reef_core.serve.process.worker", str(theirs.fileno())],
                                 pass_fds=[theirs.fileno()])
         theirs.close()
         worker = _Worker(index, proc, mine)

@@ -2,7 +2,7 @@
 
 Two kinds of series:
 
-* **Per request**, counted by :class:`~reef_core.serve.observe.ObserveMiddleware` as each response ends:
+* **Per request**, counted by :class:`~reef_core.serve.middleware.observe.ObserveMiddleware` as each response ends:
   requests by route, dialect, status and scenario, the latency Reef adds and the upstream engine's latency
   (histograms by route: buckets times scenarios would make a scrape slow) and tokens in and out by scenario. These are the only series touched on the inference path (a few label lookups and
   increments per request).
@@ -27,7 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 from starlette.responses import Response
 
-from ..errors import ConfigError, ValidationFailed
+from reef_core.errors import ConfigError, ValidationFailed
 
 # ``*_created`` series double every counter's lines (a scrape's cost) and tell a scraper nothing it lacks.
 disable_created_metrics()

@@ -1,6 +1,6 @@
 """``GET /reef/harness/install?adapter=<name>[&release_id=][&scenario=]``: the install script of a harness release.
 
-Answers ``text/x-shellscript`` (:mod:`reef_core.serve.install_script`) installing the scenario's serving release
+Answers ``text/x-shellscript`` (:mod:`reef_core.serve.routes.install_script`) installing the scenario's serving release
 (or ``release_id``), rendered by the registered harness adapter ``adapter`` (``reef_register_harness_adapters``)
 and bound to the address the client reached (``x-forwarded-proto`` / ``x-forwarded-host`` honoured). The scenario
 comes from ``x-reef-scenario`` or, for ``curl ... | sh`` convenience, ``?scenario=`` (both given must agree). Read-only
@@ -16,12 +16,12 @@ import re
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from ..errors import NotFound, UnknownComponent, ValidationFailed
-from ..names import check_scenario_name, header_text
-from ..surfaces.adapters import ModelBinding
-from .harness import harness_surface, read_release
-from .install_script import render_install_script
-from .names import SCENARIO_HEADER, single_header
+from reef_core.errors import NotFound, UnknownComponent, ValidationFailed
+from reef_core.names import check_scenario_name, header_text
+from reef_core.surfaces.adapters import ModelBinding
+from reef_core.serve.routes.harness import harness_surface, read_release
+from reef_core.serve.routes.install_script import render_install_script
+from reef_core.serve.routes.names import SCENARIO_HEADER, single_header
 
 router = APIRouter()
 PARAMS = ("adapter", "release_id", "scenario")

@@ -1,0 +1,2 @@
+"""What wraps every route: authentication and tenancy, connection limits, rate limits and budgets, metrics and
+the request log line."""
