@@ -1,7 +1,10 @@
 """Reef's hooks for slime (``trainer.backend=slime``): the custom-loss families and the advantage loader.
 
 This module runs inside slime's training processes on the cluster, so it imports only torch and the standard
-library (slime's own log-prob helper is imported when slime is installed; never anything of ``reef_core``).
+library (slime's own log-prob helper is imported when slime is installed; never the ``reef_core`` package, whose
+``__init__`` needs the host's dependencies). The loss terms themselves are Reef's one implementation,
+``reef_core/grow/losses.py`` (torch only, by its own rule), loaded from its file under a private module name
+(:data:`losses`, read when this module is imported) without importing the package around it.
 
 How a Reef job reaches these hooks (``reef_core/grow/slime/flags.py`` builds the arguments):
 
@@ -28,6 +31,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
 
 import torch
@@ -36,6 +42,26 @@ from torch import Tensor
 HEADER = "reef"
 
 Reducer = Callable[[Tensor], Tensor]
+
+
+def _reef_losses() -> ModuleType:
+    """``reef_core/grow/losses.py`` (torch only) as the private module ``reef_slime_hooks._losses``: located with
+    ``find_spec("reef_core")``, which finds the package without running its ``__init__``."""
+    name = f"{__name__}._losses"
+    if name in sys.modules:
+        return sys.modules[name]
+    package = importlib.util.find_spec("reef_core")
+    if package is None or not package.submodule_search_locations:
+        raise ImportError("reef_slime_hooks needs reef-core installed next to it (its reef_core/grow/losses.py)")
+    path = Path(next(iter(package.submodule_search_locations))) / "grow" / "losses.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+losses = _reef_losses()
 
 
 # --------------------------------------------------------------------------------------------------- the job
@@ -107,9 +133,7 @@ def _torch_log_probs(args: Any, batch: dict, logits: Tensor) -> list[Tensor]:
     for tokens, total, response in zip(batch["unconcat_tokens"], batch["total_lengths"], batch["response_lengths"]):
         end += int(total)
         start = end - int(response)
-        chunk = flat[start - 1:end - 1]
-        picked = chunk.gather(-1, tokens[-int(response):].long().unsqueeze(-1)).squeeze(-1)
-        out.append(picked - torch.logsumexp(chunk, dim=-1))
+        out.append(losses.gather_logprobs(flat[start - 1:end - 1], tokens[-int(response):]))
     return out
 
 
@@ -159,10 +183,10 @@ def _dis(family: str, args: Any, batch: dict, logits: Tensor, reduce: Reducer) -
     with torch.no_grad():
         log_ratio = logp.detach() - rollout
         ratio = torch.exp(log_ratio)
-        inside = (ratio > 1.0 - eps_low) & (ratio < 1.0 + eps_high)
-        weight = torch.where(inside, ratio, torch.zeros_like(ratio))
+        weight = losses.dis_weight(ratio, eps_low, eps_high)
     loss = reduce(-weight * adv * logp) * float(header["loss_scale"])
-    return _finish(loss, logits, {"pg_clipfrac": reduce((~inside).to(logp.dtype)), "ppo_kl": reduce(-log_ratio)})
+    # outside the band <=> weight 0 (a ratio is never 0 inside it: eps_clip < 1), as the objective counts it
+    return _finish(loss, logits, {"pg_clipfrac": reduce((weight == 0).to(logp.dtype)), "ppo_kl": reduce(-log_ratio)})
 
 
 def sao_loss(args: Any, batch: dict, logits: Tensor, sum_of_sample_mean: Reducer):
@@ -200,9 +224,8 @@ def openclaw_loss(args: Any, batch: dict, logits: Tensor, sum_of_sample_mean: Re
     logp, rollout, adv = _inputs(args, batch, logits)
     log_ratio = (logp - rollout).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
-    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    per_token = torch.maximum(-adv * ratio, -adv * clipped)
+    per_token = losses.clipped_surrogate(adv, ratio, eps_low, eps_high)
     loss = sum_of_sample_mean(per_token) * (float(header["w_rl"]) * float(header["loss_scale"]))
     with torch.no_grad():
-        clipfrac = sum_of_sample_mean((clipped != ratio).to(logp.dtype))
+        clipfrac = sum_of_sample_mean((ratio.clamp(1.0 - eps_low, 1.0 + eps_high) != ratio).to(logp.dtype))
     return _finish(loss, logits, {"pg_clipfrac": clipfrac, "ppo_kl": sum_of_sample_mean(-log_ratio.detach())})

@@ -1,10 +1,20 @@
 """Training losses and advantage estimators shared by the weight recipes (pure torch).
 
+This module imports torch and the standard library only, never anything else of ``reef_core``: ``reef_slime_hooks``
+(which runs inside slime's processes without the ``reef_core`` package) loads it by its path, so the slime hooks and
+the torch backend's objectives share one implementation of each term (:func:`gather_logprobs`, :func:`dis_weight`,
+:func:`clipped_surrogate`).
+
 Every function works on plain tensors so a recipe can run it on CPU with a tiny model and on a
 GPU with a real one. Shape conventions: ``[B, T]`` for per-token tensors (``B`` samples,
 ``T`` response positions), ``[B]`` for per-sample tensors; ``mask`` selects the tokens a loss
 trains on (1 = model token). Formulas follow the recipe reference (SAO §3, TTT-Discover §5,
 OPD §9.2, the GRPO probe arm §11); the golden vectors of §12 are the unit tests.
+
+What is here has callers outside the tests (the objectives, through ``reef_core.api``, and the slime hooks). The
+recipe reference's token-mean losses (PPO's clipped loss, DIS, TTT's importance sampling, the critic's MSE, the
+sampled-token OPD advantage) have none: every objective scales its loss by the whole batch's normalisers instead.
+They live with their golden vectors in ``tests/grow/test_losses.py``, built on the terms defined here.
 """
 
 from __future__ import annotations
@@ -19,7 +29,6 @@ ENTROPIC_TARGET_KL = math.log(2.0)
 _ENTROPIC_BETA_CAP = 1e6
 _ENTROPIC_BISECT_ITERS = 60
 _ENTROPIC_EPS = 1e-12
-_PPO_LOG_RATIO_CLAMP = 20.0
 
 
 # --------------------------------------------------------------------------- helpers
@@ -84,38 +93,10 @@ def grpo_advantages(
     return adv.reshape(rewards.shape)
 
 
-def ppo_clip_loss(
-    logp: Tensor,
-    old_logp: Tensor | None,
-    advantages: Tensor,
-    mask: Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-) -> tuple[Tensor, dict[str, float]]:
-    """PPO clipped surrogate, token mean over ``mask``.
-
-    Per token ``max(-A·ρ, -A·clip(ρ, 1 - eps_low, 1 + eps_high))`` with
-    ``ρ = exp(clamp(logp - old_logp, -20, 20))``. ``advantages`` is ``[B]`` or ``[B, T]``.
-    ``old_logp`` is normally the rollout log-probs (refused if missing or NaN on a trained token).
-    Metrics: ``clip_fraction`` (masked tokens where the clipped branch wins), ``ratio_mean``,
-    ``approx_kl`` (mean of ``old_logp - logp``).
-    """
-    adv = _per_token(advantages, logp).to(logp.dtype)
-    m = mask.to(torch.bool)
-    safe_old = torch.where(m, _require_rollout_logp(old_logp, m), logp.detach())
-    log_ratio = (logp - safe_old).clamp(-_PPO_LOG_RATIO_CLAMP, _PPO_LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    per_token = torch.maximum(unclipped, clipped)
-    loss = masked_mean(per_token, m)
-    with torch.no_grad():
-        metrics = {
-            "clip_fraction": float(masked_mean((clipped > unclipped).to(logp.dtype), m)),
-            "ratio_mean": float(masked_mean(ratio, m)),
-            "approx_kl": float(masked_mean(-log_ratio, m)),
-        }
-    return loss, metrics
+def clipped_surrogate(advantage: Tensor, ratio: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """PPO's pessimistic surrogate ``max(−A·ρ, −A·clip(ρ, 1 − eps_low, 1 + eps_high))`` elementwise (no mask, no
+    reduction): the per-token term of :func:`ppo_clip_loss`, OpenClaw's RL and OPD terms and its slime hook."""
+    return torch.maximum(-advantage * ratio, -advantage * ratio.clamp(1.0 - eps_low, 1.0 + eps_high))
 
 
 # --------------------------------------------------------------------------- SAO
@@ -182,56 +163,6 @@ def dis_weight(ratio: Tensor, eps_low: float, eps_high: float) -> Tensor:
     """DIS band weight: ``r`` if ``1 - eps_low < r < 1 + eps_high`` (strict) else exactly 0."""
     inside = (ratio > 1.0 - eps_low) & (ratio < 1.0 + eps_high)
     return torch.where(inside, ratio, torch.zeros_like(ratio))
-
-
-def _require_rollout_logp(rollout_logp: Tensor | None, mask: Tensor) -> Tensor:
-    # An importance ratio needs the engine's own log-probs; recomputing them changes the estimator.
-    if rollout_logp is None:
-        raise ValueError("rollout log-probs are required (a rollout without them is never recomputed)")
-    if torch.isnan(torch.where(mask.to(torch.bool), rollout_logp, torch.zeros_like(rollout_logp))).any():
-        raise ValueError("rollout log-probs contain NaN on trained tokens; refusing to recompute them")
-    return rollout_logp
-
-
-def dis_loss(
-    logp: Tensor,
-    rollout_logp: Tensor | None,
-    advantages: Tensor,
-    mask: Tensor,
-    eps_low: float = 0.3,
-    eps_high: float = 5.0,
-) -> tuple[Tensor, dict[str, float]]:
-    """SAO's direct double-sided importance-sampling loss, mean over masked tokens.
-
-    ``ℓ_t = -sg(f(r_t))·A_t·logp_t`` with ``r_t = exp(logp_t - rollout_logp_t)`` and ``f`` the
-    strict band of :func:`dis_weight`: inside the band the gradient is the IS policy gradient,
-    outside it is exactly zero. ``rollout_logp`` must be the engine's log-probs captured at
-    generation time: ``None`` or NaN on a trained token raises :class:`ValueError`.
-    Metrics: ``clip_fraction`` (masked tokens outside the band), ``ratio_mean``.
-    """
-    if not 0.0 <= eps_low < 1.0:
-        raise ValueError(f"eps_low must lie in [0, 1), got {eps_low}")
-    if eps_high <= 0.0:
-        raise ValueError(f"eps_high must be positive, got {eps_high}")
-    m = mask.to(torch.bool)
-    rollout = _require_rollout_logp(rollout_logp, m)
-    adv = _per_token(advantages, logp).to(logp.dtype)
-    with torch.no_grad():
-        ratio = torch.exp(logp.detach() - torch.where(m, rollout, logp.detach()))
-        weight = dis_weight(ratio, eps_low, eps_high)
-    per_token = -weight * adv * logp
-    loss = masked_mean(per_token, m)
-    with torch.no_grad():
-        metrics = {
-            "clip_fraction": float(masked_mean((weight == 0).to(logp.dtype), m)),
-            "ratio_mean": float(masked_mean(ratio, m)),
-        }
-    return loss, metrics
-
-
-def critic_loss(values: Tensor, returns: Tensor, action_mask: Tensor) -> Tensor:
-    """Mean squared error of ``values`` toward ``returns`` over action tokens only."""
-    return masked_mean((values - returns.detach()) ** 2, action_mask)
 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
@@ -335,33 +266,3 @@ def centered_kl_advantages(
     penalty = torch.where(m, kl_coef * (mean_diff - diff), torch.zeros_like(diff))
     return (adv + penalty).detach(), float(mean_diff)
 
-
-def importance_sampling_loss(
-    logp: Tensor, sampler_logp: Tensor | None, advantages: Tensor, mask: Tensor
-) -> Tensor:
-    """TTT-Discover's un-clipped IS loss: ``-Σ_masked exp(logp - sampler_logp)·A`` (token sum).
-
-    Divide by the number of rollouts yourself if you want the probe's per-group scale.
-    ``sampler_logp`` must be the captured rollout log-probs (refused if missing or NaN).
-    """
-    m = mask.to(torch.bool)
-    sampler = _require_rollout_logp(sampler_logp, m)
-    adv = _per_token(advantages, logp).to(logp.dtype)
-    ratio = torch.exp(logp - torch.where(m, sampler, logp.detach()))
-    return -masked_sum(ratio * adv, m)
-
-
-# --------------------------------------------------------------------------- OPD
-
-
-def opd_advantage(teacher_logp: Tensor, rollout_logp: Tensor, clip: float | None = 1.0) -> Tensor:
-    """Sampled-token distillation advantage ``clip(logπ_T - logπ_rollout, -clip, clip)``.
-
-    ``clip=None`` leaves it unclipped (plain sampled-token reverse KL of §9.2). Detached.
-    """
-    adv = (teacher_logp - rollout_logp).detach()
-    if clip is None:
-        return adv
-    if clip <= 0:
-        raise ValueError(f"clip must be positive or None, got {clip}")
-    return adv.clamp(-clip, clip)

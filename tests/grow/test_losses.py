@@ -8,22 +8,139 @@ import random
 import pytest
 import torch
 
+from torch import Tensor
+
 from reef_core.grow.losses import (
+    _per_token,
     centered_kl_advantages,
-    critic_loss,
-    dis_loss,
+    clipped_surrogate,
     dis_weight,
     entropic_adaptive_beta_loo,
     explained_variance,
     gather_logprobs,
     grpo_advantages,
-    importance_sampling_loss,
     length_adaptive_lambda,
     masked_mean,
-    opd_advantage,
-    ppo_clip_loss,
+    masked_sum,
     skip_observation_gae,
 )
+
+# The recipe reference's token-mean losses: no objective calls them (each scales by the whole batch's normalisers),
+# so they live here with their golden vectors, built on the core's terms (moved from reef_core/grow/losses.py).
+
+_PPO_LOG_RATIO_CLAMP = 20.0
+
+
+def ppo_clip_loss(
+    logp: Tensor,
+    old_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO clipped surrogate, token mean over ``mask``.
+
+    Per token ``max(-A·ρ, -A·clip(ρ, 1 - eps_low, 1 + eps_high))`` with
+    ``ρ = exp(clamp(logp - old_logp, -20, 20))``. ``advantages`` is ``[B]`` or ``[B, T]``.
+    ``old_logp`` is normally the rollout log-probs (refused if missing or NaN on a trained token).
+    Metrics: ``clip_fraction`` (masked tokens where the clipped branch wins), ``ratio_mean``,
+    ``approx_kl`` (mean of ``old_logp - logp``).
+    """
+    adv = _per_token(advantages, logp).to(logp.dtype)
+    m = mask.to(torch.bool)
+    safe_old = torch.where(m, _require_rollout_logp(old_logp, m), logp.detach())
+    log_ratio = (logp - safe_old).clamp(-_PPO_LOG_RATIO_CLAMP, _PPO_LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    per_token = clipped_surrogate(adv, ratio, eps_low, eps_high)
+    loss = masked_mean(per_token, m)
+    with torch.no_grad():
+        clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+        metrics = {
+            "clip_fraction": float(masked_mean((clipped > -adv * ratio).to(logp.dtype), m)),
+            "ratio_mean": float(masked_mean(ratio, m)),
+            "approx_kl": float(masked_mean(-log_ratio, m)),
+        }
+    return loss, metrics
+
+
+def _require_rollout_logp(rollout_logp: Tensor | None, mask: Tensor) -> Tensor:
+    # An importance ratio needs the engine's own log-probs; recomputing them changes the estimator.
+    if rollout_logp is None:
+        raise ValueError("rollout log-probs are required (a rollout without them is never recomputed)")
+    if torch.isnan(torch.where(mask.to(torch.bool), rollout_logp, torch.zeros_like(rollout_logp))).any():
+        raise ValueError("rollout log-probs contain NaN on trained tokens; refusing to recompute them")
+    return rollout_logp
+
+
+def dis_loss(
+    logp: Tensor,
+    rollout_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 0.3,
+    eps_high: float = 5.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """SAO's direct double-sided importance-sampling loss, mean over masked tokens.
+
+    ``ℓ_t = -sg(f(r_t))·A_t·logp_t`` with ``r_t = exp(logp_t - rollout_logp_t)`` and ``f`` the
+    strict band of :func:`dis_weight`: inside the band the gradient is the IS policy gradient,
+    outside it is exactly zero. ``rollout_logp`` must be the engine's log-probs captured at
+    generation time: ``None`` or NaN on a trained token raises :class:`ValueError`.
+    Metrics: ``clip_fraction`` (masked tokens outside the band), ``ratio_mean``.
+    """
+    if not 0.0 <= eps_low < 1.0:
+        raise ValueError(f"eps_low must lie in [0, 1), got {eps_low}")
+    if eps_high <= 0.0:
+        raise ValueError(f"eps_high must be positive, got {eps_high}")
+    m = mask.to(torch.bool)
+    rollout = _require_rollout_logp(rollout_logp, m)
+    adv = _per_token(advantages, logp).to(logp.dtype)
+    with torch.no_grad():
+        ratio = torch.exp(logp.detach() - torch.where(m, rollout, logp.detach()))
+        weight = dis_weight(ratio, eps_low, eps_high)
+    per_token = -weight * adv * logp
+    loss = masked_mean(per_token, m)
+    with torch.no_grad():
+        metrics = {
+            "clip_fraction": float(masked_mean((weight == 0).to(logp.dtype), m)),
+            "ratio_mean": float(masked_mean(ratio, m)),
+        }
+    return loss, metrics
+
+
+def critic_loss(values: Tensor, returns: Tensor, action_mask: Tensor) -> Tensor:
+    """Mean squared error of ``values`` toward ``returns`` over action tokens only."""
+    return masked_mean((values - returns.detach()) ** 2, action_mask)
+
+
+def importance_sampling_loss(
+    logp: Tensor, sampler_logp: Tensor | None, advantages: Tensor, mask: Tensor
+) -> Tensor:
+    """TTT-Discover's un-clipped IS loss: ``-Σ_masked exp(logp - sampler_logp)·A`` (token sum).
+
+    Divide by the number of rollouts yourself if you want the probe's per-group scale.
+    ``sampler_logp`` must be the captured rollout log-probs (refused if missing or NaN).
+    """
+    m = mask.to(torch.bool)
+    sampler = _require_rollout_logp(sampler_logp, m)
+    adv = _per_token(advantages, logp).to(logp.dtype)
+    ratio = torch.exp(logp - torch.where(m, sampler, logp.detach()))
+    return -masked_sum(ratio * adv, m)
+
+
+def opd_advantage(teacher_logp: Tensor, rollout_logp: Tensor, clip: float | None = 1.0) -> Tensor:
+    """Sampled-token distillation advantage ``clip(logπ_T - logπ_rollout, -clip, clip)``.
+
+    ``clip=None`` leaves it unclipped (plain sampled-token reverse KL of §9.2). Detached.
+    """
+    adv = (teacher_logp - rollout_logp).detach()
+    if clip is None:
+        return adv
+    if clip <= 0:
+        raise ValueError(f"clip must be positive or None, got {clip}")
+    return adv.clamp(-clip, clip)
+
 
 ATOL = 1e-5
 

@@ -33,7 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from reef_core.api import ConfigError, Objective, Prepared, TokenBatch, action_logits, token_sum
+# clipped_surrogate: PPO's pessimistic surrogate max(−Aρ, −A·clip(ρ, 1 − ε, 1 + ε_h)) elementwise, the core's
+# (the same term the slime hook trains with)
+from reef_core.api import ConfigError, Objective, Prepared, TokenBatch, action_logits, clipped_surrogate, token_sum
 
 from reef_openclaw.options import HINT_SELECTIONS
 
@@ -48,11 +50,6 @@ def opd_advantages(teacher_logprobs: Tensor, old_logprobs: Tensor, clip: float) 
     weight = torch.softmax(old, dim=-1)
     diff = (teacher_logprobs.detach() - old).clamp(-clip, clip)
     return diff * weight, weight
-
-
-def clipped_surrogate(advantage: Tensor, ratio: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    """PPO's pessimistic surrogate ``max(−Aρ, −A·clip(ρ, 1 − ε, 1 + ε_h))`` elementwise."""
-    return torch.maximum(-advantage * ratio, -advantage * ratio.clamp(1.0 - eps_low, 1.0 + eps_high))
 
 
 def select_teacher(student_ids: Tensor, teacher_top: Tensor, mask: Tensor, mode: str) -> Tensor:
