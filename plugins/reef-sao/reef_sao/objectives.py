@@ -38,6 +38,7 @@ from reef_core.api import (
     adamw,
     dis_weight,
     explained_variance,
+    grpo_advantages,
     length_adaptive_lambda,
     sequence_logprobs,
     skip_observation_gae,
@@ -342,10 +343,7 @@ class GRPODISObjective(DISObjective):
         uniform = 0
         for rows in self.groups(batch):
             r = rewards[rows]
-            centred = r - r.mean()
-            if self.normalize_std and len(rows) > 1:
-                centred = centred / (r.std() + 1e-6)
-            adv[rows] = centred
+            adv[rows] = grpo_advantages(r, len(rows), normalize_std=self.normalize_std)
             uniform += int(bool((r == r[0]).all()))
         return adv.float(), uniform
 

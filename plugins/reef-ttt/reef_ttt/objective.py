@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from reef_core.api import Objective, Prepared, TokenBatch, sequence_logprobs, token_sum
+from reef_core.api import Objective, Prepared, TokenBatch, centered_kl_advantages, sequence_logprobs, token_sum
 
 from reef_ttt.advantages import group_advantages
 
@@ -75,10 +75,8 @@ class TTTObjective(Objective):
             "ttt/advantage_abs_max": float(adv.abs().max()) if adv.numel() else 0.0,
         }
         if self.kl_coef > 0:
-            base = self.reference_logprobs(batch)
-            d = (batch.rollout_logprobs - base) * mask
-            d_mean = float(d.sum() / mask.sum().clamp(min=1))
-            per_token = per_token + self.kl_coef * (d_mean - d) * mask
+            per_token, d_mean = centered_kl_advantages(per_token, batch.rollout_logprobs,
+                                                       self.reference_logprobs(batch), mask, self.kl_coef)
             metrics["ttt/kl_to_base"] = d_mean
         self.steps += 1
         return Prepared(batch=batch.with_extras(advantages=per_token), metrics=metrics)
