@@ -16,10 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
-RECEIPT_HEADER = "x-reef-agent-record-id"
-RELEASE_HEADER = "x-reef-release-id"
-SCENARIO_HEADER = "x-reef-scenario"
-TAG_PREFIX = "x-reef-tag-"
+from ..wire import RECORD_ID_HEADER, RELEASE_HEADER, SCENARIO_HEADER, TAG_PREFIX  # noqa: F401 - the client's names
 
 
 @dataclass(frozen=True)
@@ -126,7 +123,7 @@ class _Capture:
 
     def scanner_for(self, response) -> StreamScanner | None:
         release = response.headers.get(RELEASE_HEADER)
-        receipt = response.headers.get(RECEIPT_HEADER)
+        receipt = response.headers.get(RECORD_ID_HEADER)
         if receipt:
             self.log.add(Receipt(receipt, self.scenario, release, streamed=False))
             return None

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
-from .capture import RECEIPT_HEADER, RELEASE_HEADER, SCENARIO_HEADER, StreamScanner
+from .capture import RECORD_ID_HEADER, RELEASE_HEADER, SCENARIO_HEADER, StreamScanner
 from .spool import Spool
 
 _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -81,7 +81,7 @@ class CaptureProxy:
                 if key.lower() not in _HOP or key.lower() == "content-length":
                     handler.send_header(key, value)
             handler.end_headers()
-            receipt = response.headers.get(RECEIPT_HEADER)
+            receipt = response.headers.get(RECORD_ID_HEADER)
             release = response.headers.get(RELEASE_HEADER)
             if receipt and response.status_code < 400:
                 self._capture(receipt, release)

@@ -31,6 +31,7 @@ from .errors import ReefClientError
 from .proxy import CaptureProxy
 from .spool import Spool
 from .tree import read_sidecar
+from ..wire import SCENARIO_HEADER
 
 COMMANDS = ("report", "update", "doctor", "pending", "help")
 PLACEHOLDER_KEY = "reef-capture-proxy"
@@ -109,7 +110,7 @@ def report(setup: Setup, args) -> int:
 
 
 def update(setup: Setup) -> int:
-    headers = {"x-reef-scenario": setup.scenario}
+    headers = {SCENARIO_HEADER: setup.scenario}
     if setup.token:
         headers["authorization"] = f"Bearer {setup.token}"
     try:

@@ -44,13 +44,6 @@ TOKENS_EVENT = "reef.tokens"
 #: Optional first event of a stream: the provider's response headers worth copying (never sent as an event).
 HEADERS_EVENT = "reef.headers"
 
-#: Upstream path of each route, per dialect.
-ROUTE_PATHS: dict[str, str] = {
-    "chat": "/v1/chat/completions",
-    "messages": "/v1/messages",
-    "count_tokens": "/v1/messages/count_tokens",
-    "responses": "/v1/responses",  # OpenAI Responses, passed through to an upstream that serves it
-}
 
 #: The route a dialect uses for generation.
 GENERATE_ROUTE: dict[str, str] = {"openai": "chat", "anthropic": "messages"}

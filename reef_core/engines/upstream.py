@@ -28,7 +28,6 @@ from yarl import URL
 
 from reef_core.engines.base import (
     HEADERS_EVENT,
-    ROUTE_PATHS,
     DirectResponse,
     Engine,
     EngineRequest,
@@ -38,6 +37,7 @@ from reef_core.engines.base import (
 )
 from reef_core.content import content_text
 from reef_core.engines.sse import SSEDecoder, parse_data
+from reef_core.wire import HEADER_PREFIX, RECORD_ID_HEADER, ROUTE_PATHS, TOKEN_COUNT_HEADER
 from reef_core.engines.translate import error_body, error_message
 from reef_core.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable, ValidationFailed
 
@@ -50,7 +50,7 @@ _DROP_REQUEST = frozenset({
 # Response headers never relayed: hop-by-hop and framing (the server re-frames the body) and any receipt.
 _DROP_RESPONSE = frozenset({
     "connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "date", "server",
-    "set-cookie", "x-reef-agent-record-id", "alt-svc", "via", "te", "trailer", "upgrade",
+    "set-cookie", RECORD_ID_HEADER, "alt-svc", "via", "te", "trailer", "upgrade",
 })
 _ANTHROPIC_VERSION = "2023-06-01"
 
@@ -203,7 +203,7 @@ class UpstreamEngine(Engine):
             if stream is not None:
                 body["stream"] = stream
         headers = {k: v for k, v in req.headers.items()
-                   if k.lower() not in _DROP_REQUEST and not k.lower().startswith("x-reef-")}
+                   if k.lower() not in _DROP_REQUEST and not k.lower().startswith(HEADER_PREFIX)}
         headers.update(self._auth)
         return path, json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode(), headers
 
@@ -301,7 +301,7 @@ class UpstreamEngine(Engine):
         self.check_dialect(req)
         if self.count_tokens_mode == "estimate":
             return EngineResponse(200, {"input_tokens": estimate_tokens(req.body)},
-                                  {"x-reef-token-count": "estimate"}, version=req.version)
+                                  {TOKEN_COUNT_HEADER: "estimate"}, version=req.version)
         body = {k: v for k, v in req.body.items() if k in ("model", "messages", "tools", "tool_choice")}
         body["max_tokens"] = 1
         resp = await self.complete(EngineRequest("openai", "chat", body, req.headers, req.version))
@@ -310,7 +310,7 @@ class UpstreamEngine(Engine):
         usage = resp.body.get("usage") or {}
         if not isinstance(usage.get("prompt_tokens"), int):
             raise UpstreamError("provider answer carries no usage.prompt_tokens to count with")
-        return EngineResponse(200, {"input_tokens": usage["prompt_tokens"]}, {"x-reef-token-count": "probe"},
+        return EngineResponse(200, {"input_tokens": usage["prompt_tokens"]}, {TOKEN_COUNT_HEADER: "probe"},
                               version=req.version)
 
     async def stream(self, req: EngineRequest) -> AsyncIterator[StreamEvent]:

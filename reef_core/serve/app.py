@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse
 
 from reef_core import __version__
 from reef_core.errors import ReefError
-from reef_core.serve.middleware.auth import OPEN_PATHS, AuthMiddleware, TokenSet
+from reef_core.serve.middleware.auth import ADMIN, AuthMiddleware, OPEN_PATHS, TokenSet
 from reef_core.serve.errors import dialect_for_path, error_body, new_error_id
 from reef_core.serve.process.forward import ForwardToPrimary
 from reef_core.serve.routes.inference import InferenceCall
@@ -24,11 +24,10 @@ from reef_core.serve.routes import (docs, harness, imports, install, instruction
                                     scenario_routes, skills, ui)
 from reef_core.serve.middleware.observe import ObserveMiddleware
 from reef_core.serve.middleware.usage import Usage
+from reef_core.wire import INFERENCE_ROUTES
 
 log = logging.getLogger("reef.serve")
 
-#: Marker on routes that need the admin token scope (rollback, promote, delete).
-ADMIN = {"x-reef-scope": "admin"}
 
 
 def create_app(deployment, forward_to: str | None = None) -> FastAPI:
@@ -111,13 +110,6 @@ def create_app(deployment, forward_to: str | None = None) -> FastAPI:
     return app
 
 
-#: Inference paths served by the fast path: path -> (client dialect, route).
-INFERENCE_ROUTES = {
-    "/v1/chat/completions": ("openai", "chat"),
-    "/v1/messages": ("anthropic", "messages"),
-    "/v1/messages/count_tokens": ("anthropic", "count_tokens"),
-    "/v1/responses": ("openai", "responses"),
-}
 
 
 class ReefApp(FastAPI):

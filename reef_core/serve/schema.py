@@ -19,6 +19,7 @@ import math
 from typing import Any
 
 from reef_core.errors import ValidationFailed
+from reef_core.wire import RECORD_ID_HEADER, SCENARIO_HEADER, TAG_PREFIX
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -360,12 +361,12 @@ _ENVELOPE = {"type": "object", "required": ["agent_record_id", "request_type", "
 _RELEASE = {"type": "object", "required": ["release_id"], "additionalProperties": False,
             "properties": {"release_id": {"type": "string", "minLength": 1}}}
 
-_SCENARIO = _header("x-reef-scenario", "the scenario the request belongs to", required=True)
+_SCENARIO = _header(SCENARIO_HEADER, "the scenario the request belongs to", required=True)
 _INFERENCE_HEADERS = [
     _SCENARIO,
-    _header("x-reef-agent-record-id", "a client-chosen receipt (a retry with it answers the stored exchange)"),
+    _header(RECORD_ID_HEADER, "a client-chosen receipt (a retry with it answers the stored exchange)"),
     _header("Idempotency-Key", "a retry with the same key answers the stored exchange"),
-    *[_header(f"x-reef-tag-{name}", f"stored as the record's tag {name!r}; any x-reef-tag-<name> header is, "
+    *[_header(f"{TAG_PREFIX}{name}", f"stored as the record's tag {name!r}; any x-reef-tag-<name> header is, "
               "up to 32 of them") for name in ("session", "client", "trial")]]
 
 #: ``(method, path) -> (request body or None, header parameters)`` added to the generated document.

@@ -31,11 +31,9 @@ from typing import Any
 from reef_core.commit.release import RESERVED
 from reef_core.errors import ConfigError, ValidationFailed
 from reef_core.surfaces.base import Surface
+from reef_core.wire import RELEASE_HEADER  # noqa: F401 - a harness answer names its release
 
 log = logging.getLogger("reef.surfaces.harness")
-
-#: Response header naming the release that shaped a request (and the release ``GET /reef/harness`` serves).
-RELEASE_HEADER = "x-reef-release-id"
 
 MAX_PATH_LENGTH = 512
 DEFAULT_MAX_FILE_BYTES = 1 << 20

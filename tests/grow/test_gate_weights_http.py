@@ -25,7 +25,7 @@ from reef_core.config import compose_config
 from reef_core.loop.assemble import build_deployment
 from reef_core.observe.processors.per_report import in_holdout
 from reef_core.plugins import PluginManager
-from reef_core.serve.routes.names import RECEIPT_HEADER
+from reef_core.serve.routes.names import RECORD_ID_HEADER
 from reef_core.serve.app import create_app
 from reef_core.background import serve_asgi
 from reef_core.testing.fixtures import wait_until
@@ -84,7 +84,7 @@ class Client:
     def rollout(self, messages, **extra) -> tuple[str, str]:
         """(receipt, reply text)."""
         raw = self.openai.chat.completions.with_raw_response.create(model="reef", messages=messages, **extra)
-        return raw.headers[RECEIPT_HEADER], raw.parse().choices[0].message.content
+        return raw.headers[RECORD_ID_HEADER], raw.parse().choices[0].message.content
 
     def report(self, receipt: str, score: float) -> None:
         self.http.post("/reef/report", json={"score": score, "references": [receipt]}).raise_for_status()

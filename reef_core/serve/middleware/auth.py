@@ -26,6 +26,14 @@ from urllib.parse import unquote
 
 from reef_core.serve.errors import dialect_for_path, error_bytes
 from reef_core.serve.middleware.tenancy import OPEN, Principal, Tenancy
+from reef_core.wire import SCENARIO_HEADER
+
+_SCENARIO_KEY = SCENARIO_HEADER.encode()
+
+#: The OpenAPI extension that marks a route as needing the admin scope (rollback, promote, delete...), as routes
+#: declare it: ``@router.post(..., openapi_extra=ADMIN)``.
+SCOPE_EXTENSION = "x-reef-scope"
+ADMIN = {SCOPE_EXTENSION: "admin"}
 
 OPEN_PATHS = frozenset({"/healthz", "/ui/login"})
 #: The dashboard's cookie: the token its login form stored, read for ``/ui`` paths only.
@@ -138,7 +146,7 @@ def _outside_scope(principal: Principal, path: str, headers: list[tuple[bytes, b
     if found is not None:
         named.append(found.group(1))
     for key, value in headers:
-        if key == b"x-reef-scenario":
+        if key == _SCENARIO_KEY:
             try:  # an undecodable or invalid name is the route's 400 to give
                 named.append(value.decode("utf-8").strip())
             except UnicodeDecodeError:

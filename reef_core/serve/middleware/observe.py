@@ -16,6 +16,9 @@ import time
 
 from reef_core.serve.middleware.auth import PATH_SCENARIO
 from reef_core.serve.middleware.metrics import ServeMetrics
+from reef_core.wire import SCENARIO_HEADER
+
+_SCENARIO_KEY = SCENARIO_HEADER.encode()
 
 access_log = logging.getLogger("reef.access")
 #: Admin actions and refused requests (401, 403, 429): token name (never the token), scenario, route, status.
@@ -92,7 +95,7 @@ def _scenario_of(scope) -> str | None:
     if found is not None:
         return found.group(1)
     for name, value in scope["headers"]:
-        if name == b"x-reef-scenario":
+        if name == _SCENARIO_KEY:
             return value[:255].decode("utf-8", "replace")
     return None
 

@@ -15,6 +15,8 @@ from starlette.responses import HTMLResponse
 
 from reef_core.errors import ValidationFailed
 
+from reef_core.serve.middleware.auth import SCOPE_EXTENSION
+
 router = APIRouter()
 
 
@@ -32,7 +34,7 @@ async def docs(request: Request):
              '<a href="/openapi.json">openapi.json</a> (send the token as for every route)</p>']
     for path, item in sorted(spec.get("paths", {}).items()):
         for method, op in sorted(item.items()):
-            scope = " (admin token)" if op.get("x-reef-scope") == "admin" else ""
+            scope = " (admin token)" if op.get(SCOPE_EXTENSION) == "admin" else ""
             params = "".join(f"<li><code>{escape(p['name'])}</code> in {escape(p['in'])}"
                              f"{' (required)' if p.get('required') else ''}</li>" for p in op.get("parameters", []))
             body = op.get("requestBody", {}).get("content", {})

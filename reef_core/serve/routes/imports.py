@@ -30,7 +30,7 @@ from reef_core.names import check_record_id
 from reef_core.observe.processors.conversation import UnusableRecord, request_messages, response_message
 from reef_core.observe.reports import validate_report
 from reef_core.serve.routes.inference import read_json_body
-from reef_core.serve.routes.names import RECEIPT_HEADER, scenario_header
+from reef_core.serve.routes.names import RECORD_ID_HEADER, scenario_header
 from reef_core.serve.middleware.tenancy import confined_reference
 
 router = APIRouter()
@@ -168,7 +168,7 @@ async def post_record(request: Request):
     record = envelope_record(body, name)
     await dep.resolve(name)  # refuses an archived or unknown (implicit scenarios off) one; creates nothing
     stored = (await _store(dep, [record], request.scope))[0]
-    return JSONResponse(_receipt(stored), headers={RECEIPT_HEADER: stored.record_id})
+    return JSONResponse(_receipt(stored), headers={RECORD_ID_HEADER: stored.record_id})
 
 
 @router.post("/reef/records/batch")

@@ -46,13 +46,13 @@ from reef_core.serve.routes.disconnect import CLIENT_DISCONNECTED, ClientGone, C
 from reef_core.serve.errors import error_body, new_error_id
 from reef_core.serve.routes.jsonbody import parse_json_object
 from reef_core.serve.routes import responses
-from reef_core.serve.routes.names import RECEIPT_HEADER, optional_id_header, scenario_header
+from reef_core.serve.routes.names import RECORD_ID_HEADER, optional_id_header, scenario_header
 from reef_core.serve.schema import validate_request
 from reef_core.serve.middleware.tenancy import principal_of
+from reef_core.wire import HEADER_PREFIX, IDEMPOTENCY_HEADER, OVERHEAD_HEADER, REPLAYED_HEADER, TAG_PREFIX
 
 log = logging.getLogger("reef.serve")
 
-TAG_PREFIX = "x-reef-tag-"
 #: Request headers never forwarded to an engine: credentials, Reef's own, and hop-by-hop ones.
 _DROP_HEADERS = frozenset({"authorization", "x-api-key", "host", "content-length", "content-type", "connection",
                            "accept-encoding", "cookie", "transfer-encoding", "idempotency-key"})
@@ -98,7 +98,7 @@ def new_record_id() -> str:
 
 def _forward_headers(request: Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items()
-            if k not in _DROP_HEADERS and not k.startswith("x-reef-") and not k.startswith("x-stainless")}
+            if k not in _DROP_HEADERS and not k.startswith(HEADER_PREFIX) and not k.startswith("x-stainless")}
 
 
 def _retry_count(request: Request) -> int:
@@ -130,9 +130,9 @@ class InferenceCall:
             validate_request(self.client_dialect, self.route, body)
         name = scenario_header(request)
         self.tags = tags_of(request)
-        self.client_record_id = optional_id_header(request, RECEIPT_HEADER)
+        self.client_record_id = optional_id_header(request, RECORD_ID_HEADER)
         self.record_id = self.client_record_id or new_record_id()
-        self.idempotency_key = optional_id_header(request, "idempotency-key")
+        self.idempotency_key = optional_id_header(request, IDEMPOTENCY_HEADER)
         # Rate limits and budgets (429 before any engine work, a stream included); in memory, no database trip.
         self.usage = request.app.state.reef_usage
         self.principal = principal_of(request.scope)
@@ -244,14 +244,14 @@ class InferenceCall:
         # A token count is answered as the engine gave it (see _complete); only chat answers are translated.
         body = payload["response"] if self.route == "count_tokens" else translate_response(
             payload["response"], payload["dialect"], self.client_dialect)
-        headers = {RECEIPT_HEADER: record.record_id, "x-reef-replayed": "true"}
+        headers = {RECORD_ID_HEADER: record.record_id, REPLAYED_HEADER: "true"}
         if self.passthrough:
             return responses.passthrough_answer(body, record.record_id, stream, headers)
         if self.responses is not None:
             return responses.answer(self.responses, body, record.record_id, record.created_at, headers)
         if stream:
             return StreamingResponse(synthetic_stream(self.client_dialect, body, record.record_id),
-                                     media_type="text/event-stream", headers={"x-reef-replayed": "true"})
+                                     media_type="text/event-stream", headers={REPLAYED_HEADER: "true"})
         return JSONResponse(body, headers=headers)
 
     # -- non-streaming ---------------------------------------------------------------------------
@@ -283,7 +283,7 @@ class InferenceCall:
         body = result.body if self.route == "count_tokens" else translate_response(
             result.body, self.engine_dialect, self.client_dialect)
         overhead = (time.perf_counter() - self.started) * 1000 - engine_ms
-        headers = {RECEIPT_HEADER: stored.record_id, **self.extra_headers, "x-reef-overhead-ms": f"{overhead:.2f}"}
+        headers = {RECORD_ID_HEADER: stored.record_id, **self.extra_headers, OVERHEAD_HEADER: f"{overhead:.2f}"}
         if self.responses is not None and not self.passthrough:
             return responses.answer(self.responses, body, stored.record_id, self.created_at, headers)
         return JSONResponse(body, headers=headers)

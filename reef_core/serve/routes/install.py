@@ -22,6 +22,7 @@ from reef_core.surfaces.adapters import ModelBinding
 from reef_core.serve.routes.harness import harness_surface, read_release
 from reef_core.serve.routes.install_script import render_install_script
 from reef_core.serve.routes.names import SCENARIO_HEADER, single_header
+from reef_core.wire import RELEASE_HEADER
 
 router = APIRouter()
 PARAMS = ("adapter", "release_id", "scenario")
@@ -91,4 +92,4 @@ async def install(request: Request):
     script = render_install_script(url=url, scenario=scenario, adapter_name=name, adapter=adapter,
                                    release_id=row.release_id, content_id=row.content_id, files=rendered)
     return Response(script, media_type="text/x-shellscript; charset=utf-8",
-                    headers={"cache-control": "no-store", "x-reef-release-id": row.release_id})
+                    headers={"cache-control": "no-store", RELEASE_HEADER: row.release_id})

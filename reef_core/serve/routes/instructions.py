@@ -21,7 +21,7 @@ from reef_core.errors import NotFound, ValidationFailed
 from reef_core.observe.instructions import check_training_mode, validate_instruction
 from reef_core.observe.model import Record
 from reef_core.serve.routes.inference import read_json_body
-from reef_core.serve.routes.names import RECEIPT_HEADER, scenario_header
+from reef_core.serve.routes.names import RECORD_ID_HEADER, SCENARIO_HEADER, scenario_header
 
 router = APIRouter()
 
@@ -39,7 +39,7 @@ BODY = {"requestBody": {"required": True, "content": {"application/json": {"sche
                                                     "release": {"type": "string"},
                                                     "commands": {"type": "array", "items": {"type": "string"}}}},
         "agent_record_id": {"type": "string", "description": "client-chosen receipt, for retry safety"}}}}}},
-    "parameters": [{"name": "x-reef-scenario", "in": "header", "required": True, "schema": {"type": "string"}}]}
+    "parameters": [{"name": SCENARIO_HEADER, "in": "header", "required": True, "schema": {"type": "string"}}]}
 
 
 @router.post("/reef/train", openapi_extra=BODY)
@@ -62,4 +62,4 @@ async def post_instruction(request: Request):
     stored = await dep.record_stored(record)
     return JSONResponse({"agent_record_id": stored.record_id, "scenario": scenario.name, "request_type": "train",
                          "status_path": f"/reef/scenarios/{quote(scenario.name, safe='')}/status"},
-                        headers={RECEIPT_HEADER: stored.record_id})
+                        headers={RECORD_ID_HEADER: stored.record_id})

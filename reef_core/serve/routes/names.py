@@ -13,10 +13,9 @@ from starlette.requests import Request
 from reef_core.errors import NotFound, ValidationFailed
 from reef_core.observe.model import MAX_ID_LENGTH as STORED_ID_LENGTH
 from reef_core.serve.middleware.tenancy import check_scenario
+from reef_core.wire import RECORD_ID_HEADER, SCENARIO_HEADER  # noqa: F401 - read here
 from reef_core.names import check_record_id, check_scenario_name, header_text, is_record_id, scenario_problem
 
-SCENARIO_HEADER = "x-reef-scenario"
-RECEIPT_HEADER = "x-reef-agent-record-id"
 
 
 def single_header(request: Request, header: str) -> str | None:

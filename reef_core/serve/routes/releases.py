@@ -16,8 +16,8 @@ from reef_core.serve.routes.inference import read_json_body
 from reef_core.serve.routes.names import path_scenario
 from reef_core.serve.routes.reads import MAX_SEQUENCE
 from reef_core.serve.middleware.tenancy import principal_of
+from reef_core.serve.middleware.auth import ADMIN
 
-ADMIN = {"x-reef-scope": "admin"}
 router = APIRouter()
 _NO_STORE = {"cache-control": "no-store"}
 

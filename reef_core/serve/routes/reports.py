@@ -24,7 +24,7 @@ from reef_core.errors import Conflict, ValidationFailed
 from reef_core.observe.model import Record, canonical_bytes
 from reef_core.observe.reports import validate_report
 from reef_core.serve.routes.inference import read_json_body
-from reef_core.serve.routes.names import RECEIPT_HEADER, scenario_header
+from reef_core.serve.routes.names import RECORD_ID_HEADER, scenario_header
 from reef_core.serve.middleware.tenancy import confined_reference
 
 router = APIRouter()
@@ -63,4 +63,4 @@ async def post_report(request: Request):
         raise Conflict(f"another report already holds {key!r} in scenario {scenario.name!r}",
                        param="metadata", key=key) from None
     return JSONResponse({"agent_record_id": stored.record_id, "scenario": scenario.name, "request_type": "report"},
-                        headers={RECEIPT_HEADER: stored.record_id})
+                        headers={RECORD_ID_HEADER: stored.record_id})

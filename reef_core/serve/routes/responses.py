@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from reef_core.errors import NotFound, ValidationFailed
 from reef_core.observe.processors.conversation import UnusableRecord, exchange_of
+from reef_core.wire import HEADER_PREFIX
 
 RESPONSE_PREFIX = "resp_"
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
@@ -287,7 +288,7 @@ def answer(body: dict, completion: dict, record_id: str, created_at: float,
     if body.get("stream"):
         return StreamingResponse(_event_stream(response, record_id), media_type="text/event-stream",
                                  headers={"cache-control": "no-store", **{k: v for k, v in headers.items()
-                                                                          if k.startswith("x-reef-")}})
+                                                                          if k.startswith(HEADER_PREFIX)}})
     return JSONResponse(response, headers=headers)
 
 

@@ -28,8 +28,8 @@ from reef_core.surfaces.harness import RELEASE_HEADER
 from reef_core.surfaces.skills import render_skill, validate_slug
 from reef_core.serve.routes.inference import read_json_body
 from reef_core.serve.routes.names import path_scenario, scenario_header
+from reef_core.serve.middleware.auth import ADMIN
 
-ADMIN = {"x-reef-scope": "admin"}
 router = APIRouter()
 _NO_STORE = {"cache-control": "no-store"}
 

@@ -35,13 +35,12 @@ from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
 from reef_core.errors import Conflict, Forbidden, NotFound, ValidationFailed
-from reef_core.serve.middleware.auth import UI_COOKIE, _cookie_token, _presented_token
+from reef_core.serve.middleware.auth import ADMIN, UI_COOKIE, _cookie_token, _presented_token
 from reef_core.serve.routes.names import path_record, path_scenario
 from reef_core.serve.routes.plot import line_svg
 from reef_core.serve.routes.reads import MAX_SEQUENCE, record_row
 from reef_core.serve.middleware.tenancy import visible
 
-ADMIN = {"x-reef-scope": "admin"}
 #: The session's random nonce, set at login beside the token cookie; the form token is keyed over it.
 UI_SESSION_COOKIE = "reef_ui_session"
 #: ``Sec-Fetch-Site`` values of a post the dashboard's own pages (or the user, typing) made.
