@@ -315,14 +315,15 @@ class RayDataParallel:
     """Mixin over a :class:`~reef_core.grow.torch_backend.TorchTrainer` class (see :func:`with_ray`): its policy
     update runs on Ray workers (see the module docstring); the rest of the trainer is unchanged."""
 
-    def __init__(self, objective: Objective, load_base_model, *, ray: RayOptions | None = None, **settings):
+    def __init__(self, objective: Objective, load_base_model, options=None, *, ray: RayOptions | None = None,
+                 **settings):
         self.ray_options = ray if ray is not None else RayOptions()
         # The workers' copy of the objective, taken before the learner's setup builds its auxiliary models.
         self._worker_objective = copy.deepcopy(objective)
         self._workers: list | None = None
         self._replicas_stale = False
         self._ray_lock = threading.Lock()
-        super().__init__(objective, load_base_model, **settings)
+        super().__init__(objective, load_base_model, options, **settings)
 
     # -- workers -----------------------------------------------------------------------------------------------
 

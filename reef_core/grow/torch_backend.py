@@ -53,6 +53,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -162,18 +163,12 @@ def policy_lag(versions: list[list[str | None]], serving: str | None) -> list[in
     return lags
 
 
-class TorchTrainer(Trainer):
-    """One scenario's policy and optimizer, stepped by an objective (see the module docstring).
+@dataclass(frozen=True)
+class TorchTrainerOptions:
+    """The settings of a :class:`TorchTrainer`; the knobs of the ``trainer`` config section default to that section's
+    values (their one source), :meth:`from_config` reads them from a deployment's section.
 
-    Args:
-        objective: the recipe's loss.
-        load_base_model: ``() -> (model, tokenizer)`` (``TrainerSetup.load_base_model``): the model a full-weight
-            policy starts from (the scenario's head checkpoint on a restart).
-        load_reference_model: ``() -> (model, tokenizer)`` of the scenario's base, never a later checkpoint
-            (``TrainerSetup.load_reference_model``): the reference model, the base under a LoRA adapter and the
-            base a rollback to the creation release restores. Default: ``load_base_model``.
-        reference_key: the base's identity in the process-wide reference cache (two trainers with equal keys share
-            one frozen copy); default: ``load_reference_model`` itself.
+    Fields:
         lr, weight_decay, betas: AdamW settings (constant learning rate).
         lora, lora_rank, lora_alpha, lora_dropout, lora_target_modules: train a LoRA adapter instead of every
             weight (``peft``; ``"all-linear"`` adapts every linear layer but the output head).
@@ -188,8 +183,80 @@ class TorchTrainer(Trainer):
         lag_metric_prefix: prefix of the ``policy_lag_*`` metric names (``"sao/"`` gives SAO's names).
         seed: seeds the adapter initialisation (the caller's RNG state is left alone).
         name: recorded in the release provenance.
-        eval_model_dir, eval_generation, eval_max_new_tokens: the private evaluation engine of :meth:`run_task`
-            (the served model's directory, ``evaluation.options.generation``, the reply budget by default).
+        eval_model_dir, eval_generation, eval_max_new_tokens: the private evaluation engine of
+            :meth:`TorchTrainer.run_task` (the served model's directory, ``evaluation.options.generation``, the reply
+            budget by default).
+    """
+
+    lr: float = TrainerConfig.lr
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    lora: bool = TrainerConfig.lora
+    lora_rank: int = TrainerConfig.lora_rank
+    lora_alpha: float = TrainerConfig.lora_alpha
+    lora_dropout: float = 0.0
+    lora_target_modules: str | list[str] = "all-linear"
+    lora_layers: int | None = TrainerConfig.lora_layers
+    grad_accumulation: int = TrainerConfig.grad_accumulation
+    max_grad_norm: float | None = 1.0
+    device: str | None = TrainerConfig.device
+    export_objective_state: bool = False
+    lag_metric_prefix: str = ""
+    seed: int = 0
+    name: str = "torch"
+    eval_model_dir: str | Path | None = None
+    eval_generation: EvalGeneration | None = None
+    eval_max_new_tokens: int = 64
+
+    @classmethod
+    def from_config(cls, trainer: TrainerConfig, context: Any = None, **overrides) -> "TorchTrainerOptions":
+        """The options a deployment's ``trainer`` section gives (``lr``, ``lora``, ``lora_rank``, ``lora_alpha``,
+        ``lora_layers``, ``grad_accumulation``, ``device``) with what the learner's ``context`` adds (the engine's
+        device when ``trainer.device`` is unset, the seed, the evaluation engine's settings); ``overrides`` win."""
+        settings: dict[str, Any] = dict(
+            lr=trainer.lr, lora=trainer.lora, lora_rank=trainer.lora_rank, lora_alpha=trainer.lora_alpha,
+            lora_layers=trainer.lora_layers, grad_accumulation=trainer.grad_accumulation,
+            device=trainer.device if trainer.device is not None else getattr(context, "device", None),
+            seed=int(getattr(context, "seed", 0) or 0))
+        evaluation = getattr(context, "evaluation", None)
+        engine = getattr(context, "engine", None)
+        # The gate's replies come from a private copy of the served model (see TorchTrainer.run_task).
+        settings.update(eval_model_dir=getattr(engine, "model_dir", None),
+                        eval_max_new_tokens=getattr(engine, "max_new_tokens", 64),
+                        eval_generation=EvalGeneration.from_options(
+                            (getattr(evaluation, "options", None) or {}).get("generation")))
+        settings.update(overrides)
+        return cls(**settings)
+
+    def check(self) -> None:
+        """Refuse settings the backend cannot train with."""
+        if not self.lr > 0:
+            raise ConfigError(f"trainer lr must be positive, got {self.lr}")
+        if isinstance(self.grad_accumulation, bool) or int(self.grad_accumulation) < 1:
+            raise ConfigError(f"trainer grad_accumulation must be a positive integer, got {self.grad_accumulation}")
+        if self.lora and int(self.lora_rank) < 1:
+            raise ConfigError(f"trainer lora_rank must be positive, got {self.lora_rank}")
+        layers = self.lora_layers
+        if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+            raise ConfigError(f"trainer lora_layers must be a positive integer or null, got {layers!r}")
+
+
+_OPTION_NAMES = frozenset(f.name for f in fields(TorchTrainerOptions))
+
+
+class TorchTrainer(Trainer):
+    """One scenario's policy and optimizer, stepped by an objective (see the module docstring).
+
+    Args:
+        objective: the recipe's loss.
+        load_base_model: ``() -> (model, tokenizer)`` (``TrainerSetup.load_base_model``): the model a full-weight
+            policy starts from (the scenario's head checkpoint on a restart).
+        options: the backend's settings (:class:`TorchTrainerOptions`; default: every default).
+        load_reference_model: ``() -> (model, tokenizer)`` of the scenario's base, never a later checkpoint
+            (``TrainerSetup.load_reference_model``): the reference model, the base under a LoRA adapter and the
+            base a rollback to the creation release restores. Default: ``load_base_model``.
+        reference_key: the base's identity in the process-wide reference cache (two trainers with equal keys share
+            one frozen copy); default: ``load_reference_model`` itself.
     """
 
     artifact_kind = "weights"
@@ -216,87 +283,48 @@ class TorchTrainer(Trainer):
             return build_trainer(objective, context, trainer, who=who, **overrides)
         if context is None or getattr(context, "load_base_model", None) is None:
             raise ConfigError(f"{who} needs a local base model to train (engine.kind=local)")
-        settings = dict(lr=trainer.lr, lora=trainer.lora, lora_rank=trainer.lora_rank, lora_alpha=trainer.lora_alpha,
-                        lora_layers=trainer.lora_layers,
-                        grad_accumulation=trainer.grad_accumulation,
-                        device=trainer.device if trainer.device is not None else getattr(context, "device", None),
-                        seed=int(getattr(context, "seed", 0) or 0))
+        # Overrides of the options go into them; the rest (a backend's own, e.g. ``ray``) to the constructor.
+        options = TorchTrainerOptions.from_config(
+            trainer, context, **{k: v for k, v in overrides.items() if k in _OPTION_NAMES})
+        extra = {k: v for k, v in overrides.items() if k not in _OPTION_NAMES}
         if getattr(context, "load_reference_model", None) is not None:
-            settings["load_reference_model"] = context.load_reference_model
-        evaluation = getattr(context, "evaluation", None)
-        engine = getattr(context, "engine", None)
-        # The gate's replies come from a private copy of the served model (see run_task).
-        settings.update(eval_model_dir=getattr(engine, "model_dir", None),
-                        eval_max_new_tokens=getattr(engine, "max_new_tokens", 64),
-                        eval_generation=EvalGeneration.from_options(
-                            (getattr(evaluation, "options", None) or {}).get("generation")))
-        settings.update(overrides)
-        return cls(objective, context.load_base_model, **settings)
+            extra.setdefault("load_reference_model", context.load_reference_model)
+        return cls(objective, context.load_base_model, options, **extra)
 
-    def __init__(
-        self,
-        objective: Objective,
-        load_base_model: Callable[[], tuple[Any, Any]],
-        *,
-        # The knobs of the ``trainer`` config section default to that section's values (their one source).
-        lr: float = TrainerConfig.lr,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        lora: bool = TrainerConfig.lora,
-        lora_rank: int = TrainerConfig.lora_rank,
-        lora_alpha: float = TrainerConfig.lora_alpha,
-        lora_dropout: float = 0.0,
-        lora_target_modules: str | list[str] = "all-linear",
-        lora_layers: int | None = TrainerConfig.lora_layers,
-        grad_accumulation: int = TrainerConfig.grad_accumulation,
-        max_grad_norm: float | None = 1.0,
-        device: str | None = TrainerConfig.device,
-        export_objective_state: bool = False,
-        lag_metric_prefix: str = "",
-        seed: int = 0,
-        name: str = "torch",
-        load_reference_model: Callable[[], tuple[Any, Any]] | None = None,
-        reference_key: Any = None,
-        eval_model_dir: str | Path | None = None,
-        eval_generation: EvalGeneration | None = None,
-        eval_max_new_tokens: int = 64,
-    ):
+    def __init__(self, objective: Objective, load_base_model: Callable[[], tuple[Any, Any]],
+                 options: TorchTrainerOptions | None = None, *,
+                 load_reference_model: Callable[[], tuple[Any, Any]] | None = None, reference_key: Any = None):
         if load_base_model is None:
             raise ConfigError("the torch trainer needs a base model loader (TrainerSetup.load_base_model)")
-        if not lr > 0:
-            raise ConfigError(f"trainer lr must be positive, got {lr}")
-        if isinstance(grad_accumulation, bool) or int(grad_accumulation) < 1:
-            raise ConfigError(f"trainer grad_accumulation must be a positive integer, got {grad_accumulation}")
-        if lora and int(lora_rank) < 1:
-            raise ConfigError(f"trainer lora_rank must be positive, got {lora_rank}")
-        if lora_layers is not None and (isinstance(lora_layers, bool) or not isinstance(lora_layers, int)
-                                        or lora_layers < 1):
-            raise ConfigError(f"trainer lora_layers must be a positive integer or null, got {lora_layers!r}")
+        options = options if options is not None else TorchTrainerOptions()
+        options.check()
+        self.options = options
         self.objective = objective
-        self.lr = float(lr)
-        self.lora = bool(lora)
-        self.grad_accumulation = int(grad_accumulation)
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        spec, field = (device, "trainer.device") if device is not None else (EngineConfig.device, "engine.device")
+        self.lr = float(options.lr)
+        self.lora = bool(options.lora)
+        self.grad_accumulation = int(options.grad_accumulation)
+        self.max_grad_norm = None if options.max_grad_norm is None else float(options.max_grad_norm)
+        spec, field = ((options.device, "trainer.device") if options.device is not None
+                       else (EngineConfig.device, "engine.device"))
         self.device = torch.device(resolve_device(spec, field=field))
-        self.export_objective_state = bool(export_objective_state)
-        self.lag_metric_prefix = lag_metric_prefix
-        self.name = name
+        self.export_objective_state = bool(options.export_objective_state)
+        self.lag_metric_prefix = options.lag_metric_prefix
+        self.name = options.name
         self.steps = 0
         self._loader = load_base_model
         self._reference_loader = load_reference_model if load_reference_model is not None else load_base_model
         self._reference_key = reference_key if reference_key is not None else self._reference_loader
         self._reference: ReferenceModel | None = None
-        self._lora_args = (int(lora_rank), float(lora_alpha), float(lora_dropout), lora_target_modules, int(seed),
-                           lora_layers)
-        self._opt_args = {"lr": self.lr, "betas": tuple(betas), "weight_decay": float(weight_decay)}
+        self._lora_args = (int(options.lora_rank), float(options.lora_alpha), float(options.lora_dropout),
+                           options.lora_target_modules, int(options.seed), options.lora_layers)
+        self._opt_args = {"lr": self.lr, "betas": tuple(options.betas), "weight_decay": float(options.weight_decay)}
         self._loaded = False
         self._load_lock = threading.Lock()
         self._expected_release: str | None = None
         self._first_step = True
         self._last_update: CandidateUpdate | None = None
-        self._eval_model_dir = eval_model_dir
-        self._eval_settings = (eval_generation or EvalGeneration(), int(eval_max_new_tokens))
+        self._eval_model_dir = options.eval_model_dir
+        self._eval_settings = (options.eval_generation or EvalGeneration(), int(options.eval_max_new_tokens))
         self._eval_engine: EvalEngine | None = None
         #: Candidates made by this process (a retried step may reuse a candidate id, never this count).
         self._candidates_made = 0

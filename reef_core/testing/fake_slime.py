@@ -229,7 +229,7 @@ def run_job(job_dir: str | Path) -> None:
     from reef_core.grow.slime.finish import finish
     from reef_core.grow.slime.marker import CHECKPOINT, RUNNING, read_marker
     from reef_core.grow.token_batch import TokenBatch
-    from reef_core.grow.torch_backend import TorchTrainer
+    from reef_core.grow.torch_backend import TorchTrainer, TorchTrainerOptions
 
     job_dir = Path(job_dir)
     job = json.loads((job_dir / jobs.JOB).read_text())
@@ -253,7 +253,8 @@ def run_job(job_dir: str | Path) -> None:
     def load():
         return AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(tokenizer_dir)
 
-    trainer = TorchTrainer(objective, load, lr=args.lr, device="cpu", seed=args.seed, name="fake-slime")
+    trainer = TorchTrainer(objective, load,
+                           TorchTrainerOptions(lr=args.lr, device="cpu", seed=args.seed, name="fake-slime"))
     trainer.load()
     _crash_if(RUNNING)
     start = args.start_rollout_id or 0  # slime starts at 0 when --load is not a Megatron checkpoint

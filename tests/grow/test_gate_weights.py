@@ -20,7 +20,7 @@ from reef_core.errors import ConfigError
 from reef_core.grow.eval_engine import EvalGeneration
 from reef_core.models.loading import ensure_tiny_model, load_model
 from reef_core.grow.objective import Objective
-from reef_core.grow.torch_backend import TorchTrainer
+from reef_core.grow.torch_backend import TorchTrainer, TorchTrainerOptions
 from reef_core.loop.assemble import build_deployment
 from reef_core.observe.model import Record
 from reef_core.observe.processors import PerReportProcessor
@@ -53,8 +53,9 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def trainer_for(model_dir: Path, **generation) -> TorchTrainer:
-    return TorchTrainer(Unused(), lambda: load_model(model_dir), device="cpu", eval_model_dir=model_dir,
-                        eval_max_new_tokens=8, eval_generation=EvalGeneration(**generation))
+    return TorchTrainer(Unused(), lambda: load_model(model_dir),
+                        TorchTrainerOptions(device="cpu", eval_model_dir=model_dir, eval_max_new_tokens=8,
+                                            eval_generation=EvalGeneration(**generation)))
 
 
 def steered_payload(model_dir: Path, letters: str) -> dict:
@@ -131,7 +132,7 @@ def test_the_gate_compares_candidate_and_current_on_tasks(model_dir):
 
 
 def test_run_task_without_a_local_model_directory_is_a_config_error(model_dir):
-    trainer = TorchTrainer(Unused(), lambda: load_model(model_dir), device="cpu")
+    trainer = TorchTrainer(Unused(), lambda: load_model(model_dir), TorchTrainerOptions(device="cpu"))
     with pytest.raises(ConfigError, match="engine.kind=local"):
         trainer.run_task(Current("s", None), TASK)
 
@@ -275,8 +276,9 @@ def test_replay_runs_the_candidate_on_held_out_prompts_against_reported_scores(m
 
 
 def test_lora_current_is_the_snapshot_adapter(model_dir):
-    trainer = TorchTrainer(Unused(), lambda: load_model(model_dir), device="cpu", lora=True, lora_rank=4,
-                           eval_model_dir=model_dir, eval_max_new_tokens=8)
+    trainer = TorchTrainer(Unused(), lambda: load_model(model_dir),
+                           TorchTrainerOptions(device="cpu", lora=True, lora_rank=4, eval_model_dir=model_dir,
+                                               eval_max_new_tokens=8))
     try:
         base_reply = trainer.run_task(Current("s", None), TASK)
         gen = torch.Generator().manual_seed(0)

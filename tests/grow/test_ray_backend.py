@@ -22,7 +22,7 @@ from reef_core.models.loading import build_tiny_model
 from reef_core.grow.objective import Objective, Prepared, sequence_logprobs, token_sum
 from reef_core.grow.ray_backend import RayBackendError, RayDataParallel, RayOptions, with_ray
 from reef_core.grow.token_batch import TokenBatch, row_from_tokens
-from reef_core.grow.torch_backend import TorchTrainer
+from reef_core.grow.torch_backend import TorchTrainer, TorchTrainerOptions
 from reef_core.grow.trainer import TrainContext, TrainerSetup
 from reef_core.testing import learn_in_rounds
 
@@ -81,9 +81,10 @@ def batch(tok, n=5, seed=0) -> TokenBatch:
 def trainers(tok, **settings):
     """A torch trainer and a 2-worker Ray trainer on the same seed-0 tiny model and settings."""
     load = lambda: build_tiny_model(seed=0, tokenizer=tok)  # noqa: E731
-    local = TorchTrainer(Reinforce(), load, device="cpu", **settings)
-    distributed = with_ray(TorchTrainer)(Reinforce(), load, device="cpu", ray=RayOptions(**WORKER),
-                                         **{**settings, "grad_accumulation": 3})
+    local = TorchTrainer(Reinforce(), load, TorchTrainerOptions(device="cpu", **settings))
+    distributed = with_ray(TorchTrainer)(Reinforce(), load,
+                                         TorchTrainerOptions(device="cpu", **{**settings, "grad_accumulation": 3}),
+                                         ray=RayOptions(**WORKER))
     return local, distributed
 
 

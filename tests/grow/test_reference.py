@@ -13,7 +13,7 @@ from reef_core.models.loading import build_tiny_model
 from reef_core.grow.objective import Objective, Prepared, sequence_logprobs, token_sum
 from reef_core.grow.reference import AdapterBaseReference, SharedBaseReference, reference_cache
 from reef_core.grow.token_batch import TokenBatch, TokenDataError, TokenRow, row_from_tokens
-from reef_core.grow.torch_backend import TorchTrainer
+from reef_core.grow.torch_backend import TorchTrainer, TorchTrainerOptions
 
 #: Tiny models run fastest single-threaded (intra-op threads mostly wait on each other).
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -93,7 +93,8 @@ def test_an_objective_that_does_not_ask_gets_none_and_nothing_is_loaded(tok):
     cached = len(reference_cache)
     for lora in (False, True):
         objective, reference_loader = OldSetup(), Loader(tok)
-        trainer = TorchTrainer(objective, Loader(tok), load_reference_model=reference_loader, lora=lora, lr=1e-2)
+        trainer = TorchTrainer(objective, Loader(tok),
+                               TorchTrainerOptions(lora=lora, lr=1e-2), load_reference_model=reference_loader)
         train(trainer, batch(tok), steps=1)
         assert objective.set_up and objective.reference is None and trainer.reference is None
         # no frozen copy: full weights never call the base loader; a LoRA policy is itself built on the base
@@ -121,7 +122,7 @@ def test_from_config_passes_the_deployments_base_loader(tok):
 
 def test_lora_reference_is_the_base_under_the_adapter_before_and_after_training(tok):
     objective = WithReference()
-    trainer = TorchTrainer(objective, Loader(tok), lora=True, lr=5e-2, seed=3)
+    trainer = TorchTrainer(objective, Loader(tok), TorchTrainerOptions(lora=True, lr=5e-2, seed=3))
     tb = batch(tok)
     base, _ = build_tiny_model(seed=0, tokenizer=tok)
     expected = base_logprobs(base, tb)
@@ -143,7 +144,7 @@ def test_lora_reference_is_the_base_under_the_adapter_before_and_after_training(
 def test_lora_reference_holds_no_second_copy_of_the_weights(tok):
     cached = len(reference_cache)
     reference_loader = Loader(tok)
-    trainer = TorchTrainer(WithReference(), reference_loader, lora=True)
+    trainer = TorchTrainer(WithReference(), reference_loader, TorchTrainerOptions(lora=True))
     trainer.load()
     assert trainer.reference.model is trainer.policy
     policy_storage = {p.untyped_storage().data_ptr() for p in trainer.policy.parameters()}
@@ -155,7 +156,8 @@ def test_lora_reference_holds_no_second_copy_of_the_weights(tok):
 def test_lora_policy_and_reference_use_the_scenarios_base_not_a_later_checkpoint(tok):
     """After a restart the start loader gives the head checkpoint; a LoRA policy restores its adapter over the base."""
     checkpoint, base_loader = Loader(tok, seed=1), Loader(tok, seed=0)
-    trainer = TorchTrainer(WithReference(), checkpoint, load_reference_model=base_loader, lora=True)
+    trainer = TorchTrainer(WithReference(), checkpoint,
+                           TorchTrainerOptions(lora=True), load_reference_model=base_loader)
     tb = batch(tok)
     base, _ = build_tiny_model(seed=0, tokenizer=tok)
     assert torch.allclose(trainer.reference.logprobs(tb), base_logprobs(base, tb), atol=1e-6)
@@ -167,7 +169,7 @@ def test_lora_policy_and_reference_use_the_scenarios_base_not_a_later_checkpoint
 
 def test_full_reference_is_a_frozen_copy_unchanged_by_training(tok):
     objective = WithReference()
-    trainer = TorchTrainer(objective, Loader(tok), lr=1e-2)
+    trainer = TorchTrainer(objective, Loader(tok), TorchTrainerOptions(lr=1e-2))
     tb = batch(tok)
     base, _ = build_tiny_model(seed=0, tokenizer=tok)
     expected = base_logprobs(base, tb)
@@ -187,8 +189,8 @@ def test_full_reference_is_a_frozen_copy_unchanged_by_training(tok):
 
 def test_full_reference_is_shared_by_trainers_of_the_same_base(tok):
     base_loader = Loader(tok)
-    first = TorchTrainer(WithReference(), Loader(tok), load_reference_model=base_loader, lr=1e-2)
-    second = TorchTrainer(WithReference(), Loader(tok), load_reference_model=base_loader, lr=1e-2)
+    first = TorchTrainer(WithReference(), Loader(tok), TorchTrainerOptions(lr=1e-2), load_reference_model=base_loader)
+    second = TorchTrainer(WithReference(), Loader(tok), TorchTrainerOptions(lr=1e-2), load_reference_model=base_loader)
     tb = batch(tok)
     before = second.reference.logprobs(tb)
     first.reference.logprobs(tb)
@@ -230,7 +232,7 @@ def by_hand(model, prompt, row_ids, row_action):
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_other_prompts_score_the_same_tokens_realigned_to_the_students_positions(tok, lora):
-    trainer = TorchTrainer(WithReference(), Loader(tok), lora=lora, lr=1e-2)
+    trainer = TorchTrainer(WithReference(), Loader(tok), TorchTrainerOptions(lora=lora, lr=1e-2))
     tb = batch(tok)
     train(trainer, tb, steps=1)  # a LoRA policy now carries a non-zero adapter the teacher must not see
     base, _ = build_tiny_model(seed=0, tokenizer=tok)
@@ -270,7 +272,7 @@ def test_plain_scores_are_exactly_sequence_logprobs_of_the_base(tok):
 
 
 def test_other_prompts_are_checked(tok):
-    trainer = TorchTrainer(WithReference(), Loader(tok), lora=True)
+    trainer = TorchTrainer(WithReference(), Loader(tok), TorchTrainerOptions(lora=True))
     tb = batch(tok)
     with pytest.raises(TokenDataError, match="prompts for a batch"):
         trainer.reference.logprobs(tb, prompts=[[1]])
@@ -289,7 +291,7 @@ def test_lora_restart_restores_the_adapter_over_the_base_once(tok):
     from reef_core.surfaces.weights import state_dict_from_files
 
     base_loader = Loader(tok)
-    before = TorchTrainer(WithReference(), base_loader, lora=True, lr=5e-2, seed=3)
+    before = TorchTrainer(WithReference(), base_loader, TorchTrainerOptions(lora=True, lr=5e-2, seed=3))
     tb = batch(tok)
     train(before, tb)
     files = dict(before._files(before._payload()))
@@ -299,7 +301,8 @@ def test_lora_restart_restores_the_adapter_over_the_base_once(tok):
         model.load_state_dict(state_dict_from_files(files, base_loader), strict=False)
         return model, tokenizer
 
-    after = TorchTrainer(WithReference(), head_checkpoint, load_reference_model=base_loader, lora=True, seed=3)
+    after = TorchTrainer(WithReference(), head_checkpoint,
+                         TorchTrainerOptions(lora=True, seed=3), load_reference_model=base_loader)
     after._sync(TrainContext(scenario="s", step=4, serving_release_id="r3", serving_version="x:3",
                              algorithm_state=None, current_files=lambda: files))
     with torch.no_grad():

@@ -25,7 +25,7 @@ from reef_core.grow.slime.flags import job_argv
 from reef_core.grow.slime.learner_side import loss_header, token_advantages
 from reef_core.grow.slime.trainer import SlimeTrainer
 from reef_core.grow.token_batch import TokenBatch, TokenRow
-from reef_core.grow.torch_backend import TorchTrainer
+from reef_core.grow.torch_backend import TorchTrainer, TorchTrainerOptions
 from reef_core.grow.trainer import TrainerSetup
 from reef_core.testing import fake_slime, slime_batch
 from reef_openclaw.objective import OpenClawObjective
@@ -162,8 +162,8 @@ def test_importing_the_hooks_loads_nothing_of_reef_core():
 
 
 def test_a_custom_family_job_names_the_hooks_and_the_per_token_loss():
-    argv = job_argv(SAOObjective.slime_loss, {"--global-batch-size": 4}, lr=1e-6, rollout="r.pt", hf_in="i", hf_out="o", save="m",
-                    samples=4)
+    argv = job_argv(SAOObjective.slime_loss, {"--global-batch-size": 4}, lr=1e-6, rollout="r.pt", hf_in="i",
+                    hf_out="o", save="m", samples=4)
     pairs = dict(zip(argv, argv[1:]))
     assert pairs["--custom-loss-function-path"] == "reef_slime_hooks.sao_loss"
     assert pairs["--custom-advantage-function-path"] == "reef_slime_hooks.reef_advantages"
@@ -226,7 +226,8 @@ def test_an_sao_step_through_the_fake_job_equals_the_torch_backends(tok, tmp_pat
         return build_tiny_model(seed=0, tokenizer=tok)
 
     batch = _batch(4)
-    torch_trainer = TorchTrainer(sao(), load, lr=1e-2, device="cpu", seed=3, export_objective_state=True)
+    torch_trainer = TorchTrainer(sao(), load,
+                                 TorchTrainerOptions(lr=1e-2, device="cpu", seed=3, export_objective_state=True))
     expected = torch_trainer.step(TokenBatch.from_samples(batch.samples))
 
     t = SlimeTrainer(sao(), launch=LAUNCH, flags={"--seed": 3, "--global-batch-size": 4}, jobs_dir=tmp_path,

@@ -19,6 +19,7 @@ from reef_core.grow.torch_backend import (
     ADAPTER_WEIGHTS,
     MODEL_FILE,
     TorchTrainer,
+    TorchTrainerOptions,
     policy_lag,
 )
 from reef_core.grow.trainer import TrainContext
@@ -188,7 +189,7 @@ def logits(model, ids=torch.tensor([[1, 40, 41, 42, 300, 17, 2]])):
 
 
 def test_full_step_changes_weights_and_payload_reloads_identically(tok, tmp_path):
-    trainer = TorchTrainer(Reinforce(), loader(tok), lr=1e-2)
+    trainer = TorchTrainer(Reinforce(), loader(tok), TorchTrainerOptions(lr=1e-2))
     before = weights(trainer.policy)
     update = trainer.step(TokenBatch.from_rows(rows(tok)))
     after = weights(trainer.policy)
@@ -214,7 +215,7 @@ def test_full_step_changes_weights_and_payload_reloads_identically(tok, tmp_path
 
 
 def test_payload_is_a_snapshot_not_a_view(tok):
-    trainer = TorchTrainer(Reinforce(), loader(tok), lr=1e-2)
+    trainer = TorchTrainer(Reinforce(), loader(tok), TorchTrainerOptions(lr=1e-2))
     first = trainer.step(TokenBatch.from_rows(rows(tok)))
     kept = {k: v.clone() for k, v in first.payload.items()}
     trainer.step(TokenBatch.from_rows(rows(tok, seed=1)))
@@ -225,7 +226,7 @@ def test_payload_is_a_snapshot_not_a_view(tok):
 
 
 def test_lora_step_trains_only_the_adapter_and_exports_a_peft_dir(tok, tmp_path):
-    trainer = TorchTrainer(Reinforce(), loader(tok), lr=1e-2, lora=True, lora_rank=4, lora_alpha=8)
+    trainer = TorchTrainer(Reinforce(), loader(tok), TorchTrainerOptions(lr=1e-2, lora=True, lora_rank=4, lora_alpha=8))
     base_before = {k: v.clone() for k, v in trainer.policy.get_base_model().state_dict().items() if "lora_" not in k}
     update = trainer.step(TokenBatch.from_rows(rows(tok)))
     # B starts at zero, so one step moves it off zero; the base weights never move.
@@ -269,8 +270,8 @@ def _captured_grads(trainer):
 
 def test_gradient_accumulation_matches_one_big_batch(tok):
     batch = TokenBatch.from_rows(rows(tok, 4), pad_token_id=tok.pad_token_id)
-    one = TorchTrainer(Reinforce(), loader(tok), lr=1e-3, max_grad_norm=None)
-    two = TorchTrainer(Reinforce(), loader(tok), lr=1e-3, max_grad_norm=None, grad_accumulation=2)
+    one = TorchTrainer(Reinforce(), loader(tok), TorchTrainerOptions(lr=1e-3, max_grad_norm=None))
+    two = TorchTrainer(Reinforce(), loader(tok), TorchTrainerOptions(lr=1e-3, max_grad_norm=None, grad_accumulation=2))
     g1, g2 = _captured_grads(one), _captured_grads(two)
     u1, u2 = one.step(batch), two.step(batch)
     assert u1.metrics["loss"] == pytest.approx(u2.metrics["loss"], rel=1e-5)
@@ -282,7 +283,7 @@ def test_gradient_accumulation_matches_one_big_batch(tok):
 
 
 def test_rejected_restores_the_last_accepted_state_and_accepted_commits(tok):
-    trainer = TorchTrainer(Reinforce(), loader(tok), lr=1e-2)
+    trainer = TorchTrainer(Reinforce(), loader(tok), TorchTrainerOptions(lr=1e-2))
     start = weights(trainer.policy)
     first = trainer.step(TokenBatch.from_rows(rows(tok)))
     trainer.accepted(first, "rel-1")
@@ -306,7 +307,7 @@ def _batch(samples):
 
 
 def test_train_refuses_a_batch_without_log_probs_before_touching_the_policy(tok):
-    trainer = TorchTrainer(Reinforce(), loader(tok), lr=1e-2)
+    trainer = TorchTrainer(Reinforce(), loader(tok), TorchTrainerOptions(lr=1e-2))
     before = weights(trainer.policy)
     ctx = TrainContext(scenario="s", step=1, serving_release_id=None, serving_version="base", algorithm_state=None)
     bad = sample([{"prompt_ids": [1, 2], "output_ids": [3], "version": "base"}])
@@ -316,7 +317,7 @@ def test_train_refuses_a_batch_without_log_probs_before_touching_the_policy(tok)
 
 
 def test_train_reports_metrics_and_resumes_from_a_release(tok):
-    trainer = TorchTrainer(Reinforce(), loader(tok), lr=1e-2, lag_metric_prefix="x/")
+    trainer = TorchTrainer(Reinforce(), loader(tok), TorchTrainerOptions(lr=1e-2, lag_metric_prefix="x/"))
     prompt = tok("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     model, _ = build_tiny_model(seed=0, tokenizer=tok)
     with torch.no_grad():
@@ -331,7 +332,7 @@ def test_train_reports_metrics_and_resumes_from_a_release(tok):
     assert update.source["objective"] == "reinforce" and update.algorithm_state["steps"] == 1
     json.dumps(update.metrics)  # JSON-safe
     # A fresh trainer whose scenario serves that release resumes from its files, and its step counter.
-    resumed = TorchTrainer(Reinforce(), loader(tok), lr=1e-2)
+    resumed = TorchTrainer(Reinforce(), loader(tok), TorchTrainerOptions(lr=1e-2))
     files = {k: update.files[k] for k in update.files}
     ctx2 = TrainContext(scenario="s", step=2, serving_release_id="rel-1", serving_version="base:6",
                         algorithm_state=update.algorithm_state, current_files=lambda: files)
@@ -350,9 +351,9 @@ def test_constructor_validation(tok):
     with pytest.raises(ConfigError):
         TorchTrainer(Reinforce(), None)
     with pytest.raises(ConfigError):
-        TorchTrainer(Reinforce(), loader(tok), lr=0)
+        TorchTrainer(Reinforce(), loader(tok), TorchTrainerOptions(lr=0))
     with pytest.raises(ConfigError):
-        TorchTrainer(Reinforce(), loader(tok), grad_accumulation=0)
+        TorchTrainer(Reinforce(), loader(tok), TorchTrainerOptions(grad_accumulation=0))
 
 
 def test_trainer_device_follows_the_engine_and_holds_policy_batches_and_payload(tok):
@@ -373,11 +374,12 @@ def test_trainer_device_follows_the_engine_and_holds_policy_batches_and_payload(
     with pytest.raises(ConfigError, match=r"^trainer\.device=cuda:99 names a device this machine lacks"):
         TorchTrainer.from_config(Reinforce(), setup, TrainerConfig(device="cuda:99"), who="test")
     with pytest.raises(ConfigError, match=r"^trainer\.device must be one of"):
-        TorchTrainer(Reinforce(), loader(tok), device="gpu")
+        TorchTrainer(Reinforce(), loader(tok), TorchTrainerOptions(device="gpu"))
 
 
 def test_lora_layers_adapts_only_the_top_layers_and_the_served_adapter_says_so(tok):
-    trainer = TorchTrainer(Reinforce(), loader(tok), lr=1e-2, lora=True, lora_rank=4, lora_alpha=8, lora_layers=1)
+    trainer = TorchTrainer(Reinforce(), loader(tok),
+                           TorchTrainerOptions(lr=1e-2, lora=True, lora_rank=4, lora_alpha=8, lora_layers=1))
     adapted = {n.split(".layers.")[1].split(".")[0] for n, _ in trainer.policy.named_parameters() if "lora_" in n}
     last = str(trainer.policy.get_base_model().config.num_hidden_layers - 1)
     assert adapted == {last}
@@ -395,18 +397,18 @@ def test_lora_layers_adapts_only_the_top_layers_and_the_served_adapter_says_so(t
 @pytest.mark.parametrize("layers", [0, -1, True, 2.5])
 def test_lora_layers_is_validated(tok, layers):
     with pytest.raises(ConfigError, match="lora_layers"):
-        TorchTrainer(Reinforce(), loader(tok), lr=1e-2, lora=True, lora_layers=layers)
+        TorchTrainer(Reinforce(), loader(tok), TorchTrainerOptions(lr=1e-2, lora=True, lora_layers=layers))
 
 
 def test_lora_layers_beyond_the_model_is_an_error_naming_the_key(tok):
-    trainer = TorchTrainer(Reinforce(), loader(tok), lr=1e-2, lora=True, lora_layers=99)
+    trainer = TorchTrainer(Reinforce(), loader(tok), TorchTrainerOptions(lr=1e-2, lora=True, lora_layers=99))
     with pytest.raises(ConfigError, match="lora_layers is 99"):
         trainer.load()
 
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_rollback_to_the_creation_release_resyncs_the_policy_to_the_base(tok, lora):
-    trainer = TorchTrainer(Reinforce(), loader(tok), lr=1e-2, lora=lora, lora_rank=4, lora_alpha=8)
+    trainer = TorchTrainer(Reinforce(), loader(tok), TorchTrainerOptions(lr=1e-2, lora=lora, lora_rank=4, lora_alpha=8))
     base = logits(trainer.policy)
     creation = {"base.json": b'{"digest": "sha256:0", "model": "tiny"}'}
     ctx = TrainContext(scenario="s", step=2, serving_release_id="rel-0", serving_version="base:0",

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from reef_core.api import ConfigError, TokenBatch, TokenRow, TrainerSetup, build_tiny_model
+from reef_core.api import ConfigError, TokenBatch, TokenRow, TorchTrainerOptions, TrainerSetup, build_tiny_model
 from reef_openclaw.objective import (
     TEACHER_BASE,
     TEACHER_HINT,
@@ -89,7 +89,7 @@ def test_objective_validates_its_knobs():
 def _trainer(tok, lr=1e-2, **weights) -> OpenClawTrainer:
     setup = TrainerSetup(data_dir=None, load_base_model=lambda: build_tiny_model(seed=0, tokenizer=tok), seed=0)
     objective = OpenClawObjective(**weights)
-    return OpenClawTrainer(objective, setup.load_base_model, lr=lr, max_grad_norm=None)
+    return OpenClawTrainer(objective, setup.load_base_model, TorchTrainerOptions(lr=lr, max_grad_norm=None))
 
 
 def _rollout(trainer, tok, messages, n_tokens=6, seed=0):
@@ -212,8 +212,8 @@ def test_hinted_messages_append_to_the_last_user_message():
 
 def test_with_lora_the_teacher_is_the_adapter_free_base(tok):
     setup = TrainerSetup(data_dir=None, load_base_model=lambda: build_tiny_model(seed=0, tokenizer=tok), seed=0)
-    trainer = OpenClawTrainer(OpenClawObjective(w_rl=1.0, w_opd=1.0), setup.load_base_model, lr=1e-2, lora=True,
-                              lora_rank=4, max_grad_norm=None)
+    trainer = OpenClawTrainer(OpenClawObjective(w_rl=1.0, w_opd=1.0), setup.load_base_model,
+                              TorchTrainerOptions(lr=1e-2, lora=True, lora_rank=4, max_grad_norm=None))
     hint = trainer._prompt_ids(hinted_messages(PROMPT, "Answer with the word yes."))
     rows = [_rollout(trainer, tok, PROMPT, seed=s) for s in range(2)]
     rows[0].reward, rows[1].reward = 1.0, -1.0

@@ -16,6 +16,7 @@ from reef_core.api import (
     TokenBatch,
     TokenRow,
     TorchTrainer,
+    TorchTrainerOptions,
     ValidationFailed,
     build_tiny_model,
     row_from_sample,
@@ -178,7 +179,8 @@ def test_multi_turn_sample_end_to_end_through_the_sao_trainer(tok):
                     reward=1.0, report_id="rep")
     row = row_from_sample(sample)
     assert sum(row.action_mask) == len(first.output_ids) + 2 and row.turns_matched == 2
-    trainer = TorchTrainer(sao(critic_lr=1e-2), lambda: build_tiny_model(seed=0, tokenizer=tok), lr=1e-2)
+    trainer = TorchTrainer(sao(critic_lr=1e-2), lambda: build_tiny_model(seed=0, tokenizer=tok),
+                           TorchTrainerOptions(lr=1e-2))
     batch = TokenBatch.from_rows([row], pad_token_id=tok.pad_token_id)
     with torch.no_grad():
         lp = sequence_logprobs(trainer.policy, batch)
@@ -191,7 +193,8 @@ def test_multi_turn_sample_end_to_end_through_the_sao_trainer(tok):
 
 def test_critic_only_warm_up_yields_no_candidate_then_trains_the_actor(tok):
     trainer = TorchTrainer(sao(num_critic_only_steps=1, critic_lr=1e-2),
-                           lambda: build_tiny_model(seed=0, tokenizer=tok), lr=1e-2)
+                           lambda: build_tiny_model(seed=0, tokenizer=tok),
+                           TorchTrainerOptions(lr=1e-2))
     batch = TokenBatch.from_rows([row_from_tokens([1, 2, 3], [4, 5], [-6.0, -6.0], 1.0)])
     trainer.load()
     head_before = trainer.objective.critic.head.weight.detach().clone()
@@ -203,7 +206,8 @@ def test_critic_only_warm_up_yields_no_candidate_then_trains_the_actor(tok):
 
 
 def test_rejection_rolls_the_critic_back_with_the_policy(tok):
-    trainer = TorchTrainer(sao(critic_lr=1e-2), lambda: build_tiny_model(seed=0, tokenizer=tok), lr=1e-2)
+    trainer = TorchTrainer(sao(critic_lr=1e-2), lambda: build_tiny_model(seed=0, tokenizer=tok),
+                           TorchTrainerOptions(lr=1e-2))
     batch = TokenBatch.from_rows([row_from_tokens([1, 2, 3], [4, 5], [-6.0, -6.0], 1.0)])
     trainer.load()
     critic0 = {k: v.clone() for k, v in trainer.objective.critic.state_dict().items()}
@@ -216,7 +220,8 @@ def test_rejection_rolls_the_critic_back_with_the_policy(tok):
 
 def test_a_lora_critic_trains_its_adapter_and_head_over_a_frozen_body(tok):
     trainer = TorchTrainer(sao(critic_lr=1e-2, critic_lora=(4, 8.0, None)),
-                           lambda: build_tiny_model(seed=0, tokenizer=tok), lr=1e-2)
+                           lambda: build_tiny_model(seed=0, tokenizer=tok),
+                           TorchTrainerOptions(lr=1e-2))
     batch = TokenBatch.from_rows([row_from_tokens([1, 2, 3], [4, 5], [-6.0, -6.0], 1.0)])
     trainer.load()
     critic = trainer.objective.critic
@@ -234,7 +239,8 @@ def test_a_lora_critic_trains_its_adapter_and_head_over_a_frozen_body(tok):
 
 def test_a_lora_critic_on_the_top_layer_leaves_the_layers_below_it_alone(tok):
     trainer = TorchTrainer(sao(critic_lr=1e-2, critic_lora=(4, 8.0, 1)),
-                           lambda: build_tiny_model(seed=0, tokenizer=tok), lr=1e-2, lora=True, lora_layers=1)
+                           lambda: build_tiny_model(seed=0, tokenizer=tok),
+                           TorchTrainerOptions(lr=1e-2, lora=True, lora_layers=1))
     trainer.load()
     critic = trainer.objective.critic
     last = critic.body.config.num_hidden_layers - 1

@@ -83,11 +83,11 @@ class LearnerSide:
 
     def _setup(self) -> None:
         if needs_models(self.objective):
-            from ..torch_backend import TorchTrainer
+            from ..torch_backend import TorchTrainer, TorchTrainerOptions
 
-            kwargs = {"load_reference_model": self._load_reference} if self._load_reference else {}
-            self._models = TorchTrainer(self.objective, self._load_base, device=self._device, name="slime-learner",
-                                        **kwargs)
+            self._models = TorchTrainer(self.objective, self._load_base,
+                                        TorchTrainerOptions(device=self._device, name="slime-learner"),
+                                        load_reference_model=self._load_reference)
             self._models.load()  # builds the critic / passes the frozen base to setup()
         else:
             self.objective.setup(None, None, torch.device("cpu"))
