@@ -48,6 +48,7 @@ from ..models.adapter import AdapterWeights
 from ..models.release_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_REFERENCE, MODEL_FILE, base_reference
 from ..errors import ConfigError, Conflict, ValidationFailed
 from ..versions import ServedVersion
+from ..engines.capabilities import AdapterSink, WeightSink
 from .base import ServingPorts, Surface
 
 log = logging.getLogger("reef.surfaces")
@@ -115,7 +116,7 @@ class WeightsSurface(Surface):
 
     def __init__(self, ports: ServingPorts, options: Mapping[str, Any] | None = None):
         engine = ports.engine
-        if not hasattr(engine, "swap_weights"):
+        if not isinstance(engine, WeightSink):
             raise ConfigError(f"the weights surface needs an engine that can swap weights (engine.kind=local, sglang or vllm), "
                               f"not {getattr(engine, 'name', type(engine).__name__)!r}")
         self.ports = ports
@@ -241,7 +242,7 @@ class WeightsSurface(Surface):
 
     def _next_adapter_version(self, scenario: str, adapter: AdapterWeights | None) -> str:
         """Load ``adapter`` (None: the base) as ``scenario``'s next version; its sequence moves only once loaded."""
-        if not hasattr(self.engine, "load_adapter"):
+        if not isinstance(self.engine, AdapterSink):
             raise ConfigError(f"scenario {scenario!r} trains a LoRA adapter, but engine "
                               f"{getattr(self.engine, 'name', '?')!r} cannot serve adapters (engine.kind=local, sglang or vllm can)")
         seq = self.adapters.get(scenario, 0) + 1

@@ -182,7 +182,7 @@ def test_a_learner_claims_with_its_trainers_mode_and_a_full_weight_scenario_besi
     from reef_core.loop.pool import LearnerPool
     from reef_core.loop.ports import LearnerPorts, LearnerSettings
 
-    engine = SimpleNamespace(version="inc:0", swap_weights=None)
+    engine = SimpleNamespace(version="inc:0", swap_weights=lambda *a, **k: None)
     serving = ServingPorts(engine=engine, artifacts=None, run_async=None, load_base_model=None)
     surface = WeightsSurface(serving)
     pool = LearnerPool(workers=1)
