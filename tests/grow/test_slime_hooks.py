@@ -161,6 +161,23 @@ def test_importing_the_hooks_loads_nothing_of_reef_core():
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_the_loss_terms_the_hooks_share_import_only_torch_and_the_standard_library():
+    """reef_slime_hooks loads reef_core/grow/losses.py from its file inside slime's processes (no reef_core package
+    there): the module the torch backend's objectives use is the one the hooks run."""
+    import ast
+
+    from reef_core.grow import losses
+
+    assert hooks.losses.__file__ == losses.__file__
+    tree = ast.parse(Path(losses.__file__).read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported <= {"__future__", "math", "torch"}, imported
+    for name in ("gather_logprobs", "dis_weight", "clipped_surrogate"):
+        assert getattr(hooks.losses, name).__code__.co_filename == getattr(losses, name).__code__.co_filename
+
+
 def test_a_custom_family_job_names_the_hooks_and_the_per_token_loss():
     argv = job_argv(SAOObjective.slime_loss, {"--global-batch-size": 4}, lr=1e-6, rollout="r.pt", hf_in="i",
                     hf_out="o", save="m", samples=4)
