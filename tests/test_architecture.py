@@ -214,3 +214,25 @@ def test_every_import_runs_down_the_floors():
                 offences.add(f"{path.relative_to(ROOT)}:{line}: {room} (floor {floor_of.get(room)}) imports "
                                 f"{target} ({other}, floor {floor_of.get(other)})")
     assert not offences, "imports that run back up (or across) the floors:\n" + "\n".join(sorted(offences))
+
+
+#: What ``serve/`` may not reach through the deployment: it asks ``ServePorts`` (``reef_core/loop/ports.py``) instead.
+_BEHIND_THE_PORT = {"store", "artifacts", "pm"}
+
+
+def test_serve_asks_its_port_and_reaches_nothing_behind_it():
+    offences = []
+    for path in sorted((CORE / "serve").rglob("*.py")):
+        for node in ast.walk(_parse(path)):
+            if isinstance(node, ast.Attribute) and node.attr in _BEHIND_THE_PORT:
+                offences.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    assert not offences, "serve/ reaches behind ServePorts:\n" + "\n".join(offences)
+
+
+def test_serve_ports_names_what_the_deployment_implements():
+    from reef_core.loop.deployment import Deployment
+    from reef_core.loop.ports import ServePorts
+
+    wanted = {name for name in vars(ServePorts) if not name.startswith("_")} | set(ServePorts.__annotations__)
+    missing = sorted(name for name in wanted if not hasattr(Deployment, name) and name not in ("engine",))
+    assert not missing, f"Deployment does not implement ServePorts: {missing}"

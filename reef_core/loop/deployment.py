@@ -36,7 +36,7 @@ from ..commit.pg_log import PgCommitLog
 from ..commit.release import scenario_path
 from ..config.recipes import RecipeBinding, check_components, recipe_bindings
 from ..config.schema import ReefConfig
-from ..errors import ConfigError, NotFound, ReefError, ScenarioQuarantined
+from ..errors import ConfigError, Conflict, NotFound, ReefError, ScenarioQuarantined
 from ..grow.eval_engine import EvalGeneration
 from ..observe.instructions import TRAINING_MODES
 from ..observe.records import RecordStore, Scenario
@@ -519,6 +519,101 @@ class Deployment:
         self._quarantined.pop(name, None)
         if self.tell_workers is not None:
             self.tell_workers({"archived": name})
+
+    # -- what serve/ asks (loop/ports.py: ServePorts) -------------------------------------------
+
+    @property
+    def server(self):
+        return self.cfg.server
+
+    def find_scenario(self, name: str) -> Scenario | None:
+        return self.store.get_scenario(name)
+
+    def list_scenarios(self) -> list[Scenario]:
+        return self.store.scenarios()
+
+    def find_record(self, record_id: str):
+        return self.store.get(record_id)
+
+    def find_by_idempotency_key(self, scenario: str, key: str):
+        return self.store.find_by_idempotency_key(scenario, key)
+
+    def find_recent_by_request_hash(self, scenario: str, request_hash: str):
+        return self.store.find_recent_by_request_hash(scenario, request_hash)
+
+    def records_page(self, scenario: str, after_sequence: int, limit: int) -> list:
+        return self.store.page(scenario, after_sequence, limit)
+
+    def last_sequence(self, scenario: str) -> int:
+        return self.store.last_sequence(scenario)
+
+    def find_release(self, release_id: str):
+        """A release of the chain by id (NotFound for an unknown or malformed id)."""
+        return self.artifacts.get(release_id)
+
+    def release_files(self, release_id: str):
+        return self.artifacts.read_files(release_id)
+
+    def republish(self, scenario: Scenario, operation: str, release_id: str):
+        """Roll ``scenario`` back to, or promote, ``release_id`` (``operation``: ``rollback`` / ``promote``)."""
+        return self.learner(scenario).republish(operation, release_id)
+
+    def commit_rows(self, scenario: Scenario, after_step, limit: int, record_id: str | None) -> list[dict]:
+        return self.learner(scenario).commit_rows(after_step, limit, record_id)
+
+    def preview_samples(self, scenario: Scenario, limit: int) -> list:
+        """What the scenario's processor would train on next (nothing reserved or consumed)."""
+        processor = self.learner(scenario).processor
+        return processor.preview(limit) if processor is not None else []
+
+    def close_batch(self, scenario: Scenario) -> tuple[int, Any]:
+        """Close the scenario's open batch through its newest record now and wake its learner:
+        ``(the sequence closed through, what is still waiting)``; Conflict when its processor cannot."""
+        learner = self.learner(scenario)
+        processor = getattr(learner, "processor", None)
+        if processor is None or not callable(getattr(processor, "close_batch", None)):
+            raise Conflict(f"the processor of scenario {scenario.name!r} cannot close a batch early")
+        through = self.store.last_sequence(scenario.name)
+        waiting = processor.close_batch(through)
+        learner.wake()
+        return through, waiting
+
+    def find_retry(self, scenario: str, request_hash: str, record_id: str, **lookup):
+        """:func:`reef_core.loop.inference.find_retry` on this deployment's records (blocking)."""
+        from .inference import find_retry
+
+        return find_retry(self, scenario, request_hash, record_id, **lookup)
+
+    async def plan_inference(self, scenario: Scenario, client_dialect: str, route: str, body: dict,
+                             forward_headers: dict[str, str]):
+        """:func:`reef_core.loop.inference.plan`: the engine request for a validated body of ``scenario``."""
+        from .inference import plan
+
+        return await plan(self, scenario, client_dialect, route, body, forward_headers, self.cfg.engine.max_new_tokens)
+
+    def harness_adapter(self, name: str):
+        """The registered harness adapter ``name`` (UnknownComponent names the registered ones)."""
+        return self.pm.create("harness_adapter", name)
+
+    def announce_startup(self) -> None:
+        """The ``reef_startup`` hook, once the server is listening."""
+        self.pm.notify("reef_startup", config=self.cfg)
+
+    def model_ids(self) -> list[str]:
+        return self.engine.model_ids()
+
+    def writer_stats(self):
+        """The record writer's counters (None for a store without a writer)."""
+        return getattr(self.store, "stats", None)
+
+    def plugin_failures(self) -> dict[str, str]:
+        return dict(getattr(self.pm, "failures", None) or {})
+
+    def usage_rows(self, periods: list[str]) -> list[tuple[str, str, int, int]]:
+        return self.store.usage_rows(periods)
+
+    def add_usage(self, rows: list[tuple[str, str, int, int]]) -> None:
+        self.store.add_usage(rows)
 
     def scenario_view(self, scenario: Scenario):
         """The :class:`~reef_core.loop.ports.ScenarioView` a recipe's route handler reads (starts the learner)."""

@@ -36,12 +36,12 @@ def create_app(deployment, forward_to: str | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await deployment.start()
-        await app.state.reef_usage.start(deployment.store)
+        await app.state.reef_usage.start(deployment)
         try:
             yield
         finally:
             try:
-                await app.state.reef_usage.stop(deployment.store)  # the last usage increments, before the store closes
+                await app.state.reef_usage.stop(deployment)  # the last usage increments, before the store closes
             finally:
                 try:
                     await deployment.stop()
@@ -53,7 +53,7 @@ def create_app(deployment, forward_to: str | None = None) -> FastAPI:
     if forward_to is not None:
         app.reef_forward = ForwardToPrimary(forward_to)
     app.state.reef = deployment
-    app.state.reef_metrics = metrics.ServeMetrics(deployment, deployment.cfg.server.metrics_max_scenarios)
+    app.state.reef_metrics = metrics.ServeMetrics(deployment, deployment.server.metrics_max_scenarios)
 
     @app.get("/healthz")
     async def healthz():
@@ -61,7 +61,7 @@ def create_app(deployment, forward_to: str | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request):
-        ids = deployment.engine.model_ids() or ["reef"]
+        ids = deployment.model_ids() or ["reef"]
         now = int(time.time())
         if request.headers.get("anthropic-version"):
             data = [{"id": m, "type": "model", "display_name": m, "created_at": "1970-01-01T00:00:00Z"} for m in ids]
@@ -95,9 +95,9 @@ def create_app(deployment, forward_to: str | None = None) -> FastAPI:
     install_openapi(app)  # request bodies and headers the routes read, in /openapi.json
     admin_routes = [(route.path_regex, frozenset(route.methods or ()))
                     for route in iter_routes(app.routes) if getattr(route, "openapi_extra", None) == ADMIN]
-    tokens = app.state.reef_tokens = TokenSet.from_config(deployment.cfg.server)
+    tokens = app.state.reef_tokens = TokenSet.from_config(deployment.server)
     app.state.reef_usage = Usage(tokens)
-    open_paths = OPEN_PATHS | ({"/metrics"} if deployment.cfg.server.metrics_public else set())
+    open_paths = OPEN_PATHS | ({"/metrics"} if deployment.server.metrics_public else set())
     inference_paths = frozenset(INFERENCE_ROUTES)
     app.add_middleware(AuthMiddleware, tokens=tokens, admin_routes=admin_routes, open_paths=open_paths,
                        inference_paths=inference_paths)

@@ -67,8 +67,38 @@ class HarnessRouteDeployment:
         self.store.rows["gone"] = Scenario("gone", "gepa", 0.0, archived=True)
         self.harness = HarnessSurface(self.artifacts, {"inject": "system"})
 
+    @property
+    def server(self):
+        return self.cfg.server
+
     def surface_for(self, scenario):
         return self.harness if scenario.recipe == "gepa" else None
+
+    def find_scenario(self, name):
+        return self.store.get_scenario(name)
+
+    def find_release(self, release_id):
+        return self.artifacts.get(release_id)
+
+    def release_files(self, release_id):
+        return self.artifacts.read_files(release_id)
+
+    def release_rows(self, scenario):
+        head = self.artifacts.head(scenario)
+        return [{**release.to_dict(), "current": head is not None and release.release_id == head.release_id}
+                for release in self.artifacts.releases(scenario)]
+
+    def model_ids(self):
+        return self.engine.model_ids()
+
+    def learners(self):
+        return {}
+
+    def writer_stats(self):
+        return None
+
+    def plugin_failures(self):
+        return {}
 
     def extra_routers(self):
         from reef_core.serve.routes import harness

@@ -120,11 +120,15 @@ class _Learner:
 class _Deployment:
     def __init__(self, n):
         self._learners = {f"scenario-{i:03d}": _Learner(i) for i in range(n)}
-        self.pm = None
-        self.store = None
 
     def learners(self):
         return dict(self._learners)
+
+    def writer_stats(self):
+        return None
+
+    def plugin_failures(self):
+        return {}
 
 
 def test_scrape_of_100_scenarios_is_cheap_and_bounded():

@@ -211,15 +211,14 @@ class DeploymentCollector:
     def collect(self):
         yield from self._writer()
         yield from self._learners()
-        failures = getattr(getattr(self.dep, "pm", None), "failures", None) or {}
+        failures = self.dep.plugin_failures()
         yield GaugeMetricFamily("reef_plugin_load_failures", "Plugins that failed to load at startup",
                                 value=len(failures))
 
     def _writer(self):
-        store = getattr(self.dep, "store", None)
-        if store is None or not hasattr(store, "stats"):
+        stats = self.dep.writer_stats()
+        if stats is None:
             return
-        stats = store.stats
         yield GaugeMetricFamily("reef_record_writer_queue_depth", "Writes queued for the record writer",
                                 value=stats.pending)
         yield CounterMetricFamily("reef_record_writer_batches", "Append batches attempted", value=stats.batches)
@@ -244,7 +243,7 @@ class DeploymentCollector:
                                       ("publish_latency_seconds", "Latency of the last publication"))}
         # Past the cap, scenarios share one label: their counters add up, their gauges keep the last one seen.
         summed: dict[tuple[str, str], float] = {}
-        learners = self.dep.learners() if hasattr(self.dep, "learners") else {}
+        learners = self.dep.learners()
         for name, learner in learners.items():
             scenario = self.scenario_label(name)
             for key in counters:

@@ -44,7 +44,7 @@ def serve(cfg: ReefConfig) -> int:
 
     from reef_core.serve.app import create_app
 
-    deployment.pm.notify("reef_startup", config=cfg)
+    deployment.announce_startup()
     app = create_app(deployment)
     # The httptools protocol with Reef's connection limits (header size and count, read timeouts, connection cap).
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, http=protocol_class(limits),

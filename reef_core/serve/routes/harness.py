@@ -16,8 +16,8 @@ requested path is validated (400 for traversal, absolute paths, backslashes, enc
 and then only looked up among the release's own files, which come from git objects or memory:
 nothing outside the artifact is ever opened.
 
-Relies on ``deployment.artifacts`` (a ``GitArtifactStore``), ``deployment.store.get_scenario`` and
-``deployment.surface_for(scenario)``.
+Asks the deployment (``ServePorts``) for the scenario (``find_scenario``), its surface (``surface_for``) and the
+release (``find_release``, ``release_files``, ``release_rows``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ async def harness_surface(request: Request, name: str | None = None) -> tuple[An
     dep = request.app.state.reef
     name = name or scenario_header(request)
     check_scenario(request.scope, name)
-    scenario = await asyncio.to_thread(dep.store.get_scenario, name)
+    scenario = await asyncio.to_thread(dep.find_scenario, name)
     if scenario is None or getattr(scenario, "archived", False):
         raise NotFound(f"unknown scenario {name!r}")
     surface = dep.surface_for(scenario)
@@ -70,7 +70,6 @@ def _checked_path(path: str | None) -> str | None:
 
 def read_release(dep, surface, scenario: str, release_id: str | None) -> tuple[Any, dict[str, str]]:
     """The release (manifest) and its files as text: the serving one, or ``release_id`` of this scenario."""
-    store = dep.artifacts
     if release_id is None:
         served = surface.current(scenario)
         if served is None or served.release_id is None:
@@ -78,17 +77,17 @@ def read_release(dep, surface, scenario: str, release_id: str | None) -> tuple[A
         release_id = served.release_id
         files = dict(served.files)
         try:
-            release = store.get(release_id)
+            release = dep.find_release(release_id)
         except NotFound:  # a live (not durable) release: served from memory only
             release = None
         return _Row.of(release, release_id), files
-    release = store.get(release_id)  # NotFound for unknown / malformed ids
+    release = dep.find_release(release_id)  # NotFound for unknown / malformed ids
     if release.scenario != scenario:
         raise NotFound(f"release {release.release_id} is not a release of scenario {scenario!r}")
     if not release.restorable:
         raise NotFound(f"release {release.release_id} is not restorable")
     try:
-        raw = store.read_files(release.release_id)
+        raw = dep.release_files(release.release_id)
     except Conflict:
         raise NotFound(f"release {release.release_id} is not restorable") from None
     return _Row.of(release, release.release_id), surface.checked(raw)
@@ -143,20 +142,10 @@ async def get_harness_file(request: Request, path: str):
 
 
 def _release_rows(dep, scenario: str) -> list[dict]:
-    """The scenario's releases, oldest first, each with its catalog ``step``.
-
-    The deployment's own rows (``release_rows``: manifest metrics plus publish latency, ``current``
-    as the learner sees it) when it offers them, else the artifact store's."""
-    if callable(getattr(dep, "release_rows", None)):
-        rows = [dict(r) for r in dep.release_rows(scenario)]
-    else:
-        head = dep.artifacts.head(scenario)
-        rows = []
-        for release in dep.artifacts.releases(scenario):
-            row = release.to_dict()
-            row["current"] = head is not None and release.release_id == head.release_id
-            rows.append(row)
-    rows.reverse()  # both list newest first
+    """The scenario's releases, oldest first, each with its catalog ``step`` (the deployment's rows: manifest
+    metrics plus publish latency, ``current`` as the learner sees it)."""
+    rows = [dict(r) for r in dep.release_rows(scenario)]
+    rows.reverse()  # listed newest first
     for step, row in enumerate(rows):
         row["step"] = step
     return rows

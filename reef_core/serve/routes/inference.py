@@ -29,15 +29,15 @@ import asyncio
 import hashlib
 import logging
 import time
-import uuid
 from typing import Any, AsyncIterator
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from reef_core.engines.base import TOKENS_EVENT, DirectResponse, EngineRequest, EngineResponse, StreamEvent, TokenData
-from reef_core.engines.translate import stream_translator, translate_error, translate_request, translate_response
-from reef_core.errors import Conflict, PayloadTooLarge, ReefError, ValidationFailed
+from reef_core.engines.base import TOKENS_EVENT, DirectResponse, EngineResponse, StreamEvent, TokenData
+from reef_core.engines.translate import stream_translator, translate_error, translate_response
+from reef_core.errors import PayloadTooLarge, ReefError, ValidationFailed
+from reef_core.loop.inference import Exchange, new_record_id
 from reef_core.observe.model import Record, canonical_bytes
 from reef_core.engines.sse import encode_event
 from reef_core.names import header_text
@@ -92,10 +92,6 @@ def tags_of(request: Request) -> dict[str, str]:
     return tags
 
 
-def new_record_id() -> str:
-    return uuid.uuid4().hex
-
-
 def _forward_headers(request: Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items()
             if k not in _DROP_HEADERS and not k.startswith(HEADER_PREFIX) and not k.startswith("x-stainless")}
@@ -121,7 +117,7 @@ class InferenceCall:
 
     async def run(self) -> Response:
         dep, request = self.dep, self.request
-        body = await read_json_body(request, dep.cfg.server.max_body_bytes)
+        body = await read_json_body(request, dep.server.max_body_bytes)
         #: the Responses request (``POST /v1/responses``), which runs as the chat body it stands for
         self.responses: dict | None = body if self.route == "responses" else None
         if self.responses is not None:
@@ -131,7 +127,6 @@ class InferenceCall:
         name = scenario_header(request)
         self.tags = tags_of(request)
         self.client_record_id = optional_id_header(request, RECORD_ID_HEADER)
-        self.record_id = self.client_record_id or new_record_id()
         self.idempotency_key = optional_id_header(request, IDEMPOTENCY_HEADER)
         # Rate limits and budgets (429 before any engine work, a stream included); in memory, no database trip.
         self.usage = request.app.state.reef_usage
@@ -148,41 +143,27 @@ class InferenceCall:
         if self.passthrough:
             self.client_dialect, self.route = "openai", "responses"
         elif self.responses is not None:
-            body = await responses.chat_body(dep.store, self.scenario.name, body)
+            body = await responses.chat_body(dep.find_record, self.scenario.name, body)
             validate_request("openai", "chat", body)
             self.client_dialect, self.route = "openai", "chat"
         self.client_body = body
-        self.retry_of: str | None = None
 
-        replay = await self._find_retry()
-        if replay is not None:
-            return self._replay(replay, stream=bool(body.get("stream")))
-
-        engine = dep.engine
-        self.engine_dialect = self.client_dialect if self.client_dialect in engine.dialects else engine.dialects[0]
-        engine_route = self.route if self.engine_dialect == self.client_dialect else (
-            "chat" if self.engine_dialect == "openai" else "messages")
-        if not dep.is_active(self.scenario.name) and dep.serves_a_seed(self.scenario):
-            # The recipe serves its first request from a seed release (a harness trainer's initial files): create
-            # the scenario now, once the whole request, body included, has passed the door.
-            self.scenario = await dep.create_scenario(self.scenario.name)
-        # A harness surface may shape the request (e.g. the current system prompt). A scenario not stored yet has
-        # no release to serve, and asking its surface would leave state behind for a request that may be refused.
-        recipe_surface = dep.surface_for(self.scenario)
-        surface = recipe_surface if dep.is_active(self.scenario.name) else None
-        self.release_id = None
-        self.extra_headers: dict[str, str] = {}
-        if surface is not None and self.route != "count_tokens":
-            body, self.release_id = surface.prepare_request(self.scenario.name, self.client_dialect, body)
-            self.extra_headers = surface.response_headers(self.scenario.name, self.release_id)
-        upstream_body = translate_request(body, self.client_dialect, self.engine_dialect,
-                                          dep.cfg.engine.max_new_tokens)
-        self.version = dep.serving_version(self.scenario)
-        # Token data is what a weights recipe trains on; other scenarios may take an engine's plain route.
-        trains_weights = getattr(recipe_surface, "kind", None) == "weights"
-        self.engine_request = EngineRequest(dialect=self.engine_dialect, route=engine_route, body=upstream_body,
-                                            headers=_forward_headers(request), version=self.version,
-                                            tokens=trains_weights)
+        retry = await asyncio.to_thread(
+            dep.find_retry, self.scenario.name, self.request_hash, self.client_record_id or new_record_id(),
+            client_record_id=self.client_record_id, idempotency_key=self.idempotency_key,
+            sdk_retry=_retry_count(request) > 0)
+        if retry.replay is not None:
+            return self._replay(retry.replay, stream=bool(body.get("stream")))
+        self.record_id = retry.record_id
+        plan = await dep.plan_inference(self.scenario, self.client_dialect, self.route, body, _forward_headers(request))
+        self.scenario, self.engine_dialect, self.engine_request = plan.scenario, plan.engine_dialect, plan.engine_request
+        self.extra_headers = plan.response_headers
+        self.exchange = Exchange(
+            record_id=self.record_id, scenario=self.scenario.name, client_dialect=self.client_dialect, plan=plan,
+            engine_name=dep.engine.name, tags=self.tags, request_hash=self.request_hash, created_at=self.created_at,
+            retry_of=retry.retry_of,
+            responses_entry=responses.record_entry(self.responses, self.record_id) if self.responses is not None
+            else None)
         # From here on the client may leave; the watch notices (and owns the receive channel).
         self.watch = ClientWatch(request.receive)
         try:
@@ -194,49 +175,7 @@ class InferenceCall:
             self.watch.close()
         return response
 
-    # -- retries -------------------------------------------------------------------------------
-
-    async def _find_retry(self) -> Record | None:
-        """The complete record a retried request replays, or ``None`` when the request is to run.
-
-        A request repeats an earlier one when it carries a record id or an ``Idempotency-Key`` already used in the
-        scenario (for another request: :class:`Conflict`), or is an SDK retry of the same body. Only a complete
-        record is replayed: when every earlier attempt is incomplete, the request runs again and its record names
-        the latest attempt in ``retry_of`` (the store then points the key at it).
-        """
-        store, scenario = self.dep.store, self.scenario.name
-        attempts: list[Record] = []
-        if self.client_record_id:
-            found = await _in_thread(store.get, self.client_record_id)
-            if found is not None:
-                if found.scenario != scenario or found.request_hash != self.request_hash:
-                    raise Conflict(f"record id {self.client_record_id!r} was already used for another request")
-                if found.complete:
-                    return found
-                attempts.append(found)
-        keyed = None
-        if self.idempotency_key:
-            keyed = await _in_thread(store.find_by_idempotency_key, scenario, self.idempotency_key)
-            if keyed is not None:
-                if keyed.request_hash != self.request_hash:
-                    raise Conflict(f"Idempotency-Key {self.idempotency_key!r} was already used for another request")
-                if keyed.complete:
-                    return keyed
-                attempts.append(keyed)
-        # A key follows its latest attempt; a record id or an SDK retry only says "this body again": its latest
-        # attempt is the newest record of the same request (a complete retry of a cut attempt, or the attempt).
-        if keyed is None and (attempts or _retry_count(self.request) > 0):
-            found = await _in_thread(store.find_recent_by_request_hash, scenario, self.request_hash)
-            if found is not None:
-                if found.complete:
-                    return found
-                attempts.append(found)
-        if attempts:
-            latest = max(attempts, key=lambda record: record.sequence or 0)
-            self.retry_of = latest.record_id
-            if any(attempt.record_id == self.record_id for attempt in attempts):
-                self.record_id = new_record_id()  # the client's id names the incomplete attempt
-        return None
+    # -- replies -------------------------------------------------------------------------------
 
     def _replay(self, record: Record, stream: bool) -> Response:
         payload = record.payload
@@ -297,34 +236,13 @@ class InferenceCall:
 
     def _record(self, *, response: Any, tokens: TokenData | None, version: str | None, engine_ms: float,
                 complete: bool, error: str | None = None, stream: bool = False) -> Record:
-        payload: dict[str, Any] = {
-            "route": self.engine_request.route,
-            "dialect": self.engine_dialect,
-            "client_dialect": self.client_dialect,
-            "request": self.engine_request.body,
-            "response": response,
-            "engine": self.dep.engine.name,
-            "stream": stream,
-            "timings": {"engine_ms": round(engine_ms, 3),
-                        "total_ms": round((time.perf_counter() - self.started) * 1000, 3)},
-        }
-        if tokens is not None:
-            payload["tokens"] = tokens.to_dict()
-        if error:
-            payload["error"] = error
-        if self.release_id:
-            payload["release_id"] = self.release_id  # the harness release that shaped the request
-        if self.retry_of:
-            payload["retry_of"] = self.retry_of  # the incomplete attempt this request repeats
+        """The call's record (:meth:`Exchange.record`); counts its tokens for the request log and the budgets."""
         counted = _usage(response)
         self.facts.update(receipt=self.record_id, engine_ms=round(engine_ms, 3), stream=stream, **counted)
         self.usage.spend(self.principal, self.scenario.name, sum(counted.values()))
-        if self.responses is not None:
-            payload["responses"] = responses.record_entry(self.responses, self.record_id)
-        top_k = tokens.packed_top_k() if tokens is not None else None
-        return Record(record_id=self.record_id, scenario=self.scenario.name, kind="inference", payload=payload,
-                      tags=self.tags, version=(tokens.version if tokens else None) or version or self.version,
-                      complete=complete, request_hash=self.request_hash, created_at=self.created_at, top_k=top_k)
+        return self.exchange.record(response=response, tokens=tokens, version=version, engine_ms=engine_ms,
+                                    total_ms=(time.perf_counter() - self.started) * 1000, complete=complete,
+                                    error=error, stream=stream)
 
     # -- streaming -------------------------------------------------------------------------------
 
@@ -541,7 +459,3 @@ def _usage(response: Any) -> dict[str, int]:
     found = {"tokens_in": usage.get("prompt_tokens", usage.get("input_tokens")),
              "tokens_out": usage.get("completion_tokens", usage.get("output_tokens"))}
     return {k: v for k, v in found.items() if isinstance(v, int) and not isinstance(v, bool)}
-
-
-async def _in_thread(fn, *args):
-    return await asyncio.to_thread(fn, *args)

@@ -16,7 +16,7 @@ import re
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from reef_core.errors import NotFound, UnknownComponent, ValidationFailed
+from reef_core.errors import UnknownComponent, ValidationFailed
 from reef_core.names import check_scenario_name, header_text
 from reef_core.surfaces.adapters import ModelBinding
 from reef_core.serve.routes.harness import harness_surface, read_release
@@ -74,12 +74,9 @@ async def install(request: Request):
     dep = request.app.state.reef
     params = _params(request)
     name = params["adapter"]
-    pm = getattr(dep, "pm", None)
-    if pm is None:
-        raise NotFound("this deployment has no harness adapters")
     try:
         # Only registered names: a ``module:Name`` path would import whatever a query names.
-        adapter = pm.create("harness_adapter", name) if ":" not in name else None
+        adapter = dep.harness_adapter(name) if ":" not in name else None
     except UnknownComponent as exc:
         raise ValidationFailed(f"adapter: {exc.message}", param="adapter") from None
     if adapter is None:
@@ -87,7 +84,7 @@ async def install(request: Request):
     url = _base_url(request)
     dep, scenario, surface = await harness_surface(request, _scenario(request, params))
     row, files = await asyncio.to_thread(read_release, dep, surface, scenario, params.get("release_id"))
-    models = dep.engine.model_ids() or ["reef"]
+    models = dep.model_ids() or ["reef"]
     rendered = adapter.render(dict(files), ModelBinding(url=url, scenario=scenario, model=models[0]))
     script = render_install_script(url=url, scenario=scenario, adapter_name=name, adapter=adapter,
                                    release_id=row.release_id, content_id=row.content_id, files=rendered)

@@ -46,10 +46,10 @@ BODY = {"requestBody": {"required": True, "content": {"application/json": {"sche
 async def post_instruction(request: Request):
     """Store an instruction for a ``manual`` or ``hybrid`` scenario; it stays pending until a commit consumes it."""
     dep = request.app.state.reef
-    body = await read_json_body(request, dep.cfg.server.max_report_body_bytes)
+    body = await read_json_body(request, dep.server.max_report_body_bytes)
     name = scenario_header(request)
     payload, record_id = validate_instruction(body)
-    found = await asyncio.to_thread(dep.store.get_scenario, name)
+    found = await asyncio.to_thread(dep.find_scenario, name)
     if found is None or found.archived:
         raise NotFound(f"unknown scenario {name!r} (instructions never create one)")
     scenario = await dep.resolve(name)

@@ -58,7 +58,7 @@ async def path_scenario(dep, name: str, *, archived: bool = False):
     """The stored scenario a URL path names (archived ones only when ``archived``): 400 for a name the rule
     refuses and no row holds, 404 for a valid name that is unknown."""
     problem = scenario_problem(name)
-    found = await asyncio.to_thread(dep.store.get_scenario, name) if _storable_lookup(name) else None
+    found = await asyncio.to_thread(dep.find_scenario, name) if _storable_lookup(name) else None
     if found is None or (found.archived and not archived):
         if problem is not None:
             check_scenario_name(name, "scenario")
@@ -68,7 +68,7 @@ async def path_scenario(dep, name: str, *, archived: bool = False):
 
 async def path_record(dep, scenario: str, record_id: str):
     """The record ``{id}`` of ``scenario`` names: 400 for an id outside the grammar that no row holds, else 404."""
-    found = await asyncio.to_thread(dep.store.get, record_id) if _storable_lookup(record_id) else None
+    found = await asyncio.to_thread(dep.find_record, record_id) if _storable_lookup(record_id) else None
     if found is None or found.scenario != scenario:
         if not is_record_id(record_id):
             check_record_id(record_id, "record_id")

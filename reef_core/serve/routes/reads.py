@@ -35,7 +35,7 @@ def record_row(record: Record) -> dict:
 @router.get("/reef/scenarios")
 async def list_scenarios(request: Request):
     dep = request.app.state.reef
-    rows = visible(request.scope, await asyncio.to_thread(dep.store.scenarios))
+    rows = visible(request.scope, await asyncio.to_thread(dep.list_scenarios))
     return JSONResponse({"scenarios": [
         {"scenario": s.name, "recipe": s.recipe, "created_at": s.created_at, "archived": s.archived}
         for s in rows]}, headers=_NO_STORE)
@@ -45,7 +45,7 @@ async def list_scenarios(request: Request):
 async def list_records(request: Request, scenario: str, after_sequence: int = Query(0, ge=0, le=MAX_SEQUENCE),
                        limit: int = Query(50, ge=1, le=100)):
     await path_scenario(request.app.state.reef, scenario, archived=True)
-    rows = await asyncio.to_thread(request.app.state.reef.store.page, scenario, after_sequence, limit)
+    rows = await asyncio.to_thread(request.app.state.reef.records_page, scenario, after_sequence, limit)
     next_after = rows[-1].sequence if len(rows) == limit else None
     return JSONResponse({"scenario": scenario, "records": [record_row(r) for r in rows],
                          "next_after_sequence": next_after}, headers=_NO_STORE)

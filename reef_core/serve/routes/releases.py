@@ -28,7 +28,7 @@ async def _scenario(request: Request, name: str):
 
 
 async def _release_id(request: Request) -> str:
-    body = await read_json_body(request, request.app.state.reef.cfg.server.max_admin_body_bytes)
+    body = await read_json_body(request, request.app.state.reef.server.max_admin_body_bytes)
     unknown = sorted(set(body) - {"release_id"})
     if unknown:
         raise ValidationFailed(f"unknown field(s): {', '.join(unknown)}")
@@ -48,7 +48,7 @@ async def list_releases(request: Request, scenario: str):
 async def _republish(request: Request, scenario: str, operation: str) -> dict:
     dep, found = await _scenario(request, scenario)
     release_id = await _release_id(request)
-    release = await asyncio.to_thread(dep.learner(found).republish, operation, release_id)
+    release = await asyncio.to_thread(dep.republish, found, operation, release_id)
     return {"scenario": found.name, "release_id": release.release_id, "content_id": release.content_id}
 
 
@@ -77,7 +77,7 @@ async def list_commits(request: Request, scenario: str, after_step: int = Query(
     dep, found = await _scenario(request, scenario)
     if len(record_id) > 100:
         raise ValidationFailed("at most 100 record_id filters")
-    rows = await asyncio.to_thread(dep.learner(found).commit_rows, after_step, limit, record_id or None)
+    rows = await asyncio.to_thread(dep.commit_rows, found, after_step, limit, record_id or None)
     next_after = rows[-1]["step"] if len(rows) == limit else None
     return JSONResponse({"scenario": found.name, "commits": rows, "next_after_step": next_after},
                         headers=_NO_STORE)
@@ -93,8 +93,7 @@ async def scenario_status(request: Request, scenario: str):
 async def preview_samples(request: Request, scenario: str, limit: int = Query(20, ge=1, le=100)):
     """What the processor would train on next (nothing is reserved or consumed)."""
     dep, found = await _scenario(request, scenario)
-    processor = dep.learner(found).processor
-    samples = await asyncio.to_thread(processor.preview, limit) if processor is not None else []
+    samples = await asyncio.to_thread(dep.preview_samples, found, limit)
     rows = [{"messages": s.messages, "reward": s.reward, "feedback": s.feedback, "metadata": s.metadata,
              "source_ids": s.source_ids, "report_id": s.report_id, "versions": s.versions,
              "turns": len(s.segments), "group_key": s.group_key} for s in samples]

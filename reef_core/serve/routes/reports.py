@@ -33,7 +33,7 @@ router = APIRouter()
 @router.post("/reef/report")
 async def post_report(request: Request):
     dep = request.app.state.reef
-    body = await read_json_body(request, dep.cfg.server.max_report_body_bytes)
+    body = await read_json_body(request, dep.server.max_report_body_bytes)
     name = scenario_header(request)
     report = validate_report(body)
     scenario = await dep.resolve(name)  # creates nothing: storing the report does

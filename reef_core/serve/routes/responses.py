@@ -148,10 +148,10 @@ def _chat_turns(items: str | list) -> list[dict]:
     return turns
 
 
-async def previous_turns(store, scenario: str, response_id: str) -> list[dict]:
+async def previous_turns(find_record, scenario: str, response_id: str) -> list[dict]:
     """The conversation ``previous_response_id`` names, its reply included (its instructions left out)."""
     record_id = response_id[len(RESPONSE_PREFIX):] if response_id.startswith(RESPONSE_PREFIX) else None
-    record = await asyncio.to_thread(store.get, record_id) if record_id else None
+    record = await asyncio.to_thread(find_record, record_id) if record_id else None
     meta = (record.payload.get("responses") or {}) if record is not None and record.kind == "inference" else None
     if record is None or record.scenario != scenario or not meta or meta.get("store") is False:
         raise NotFound(f"Previous response with id {response_id!r} not found.", param="previous_response_id")
@@ -165,13 +165,13 @@ async def previous_turns(store, scenario: str, response_id: str) -> list[dict]:
     return [*messages, reply]
 
 
-async def chat_body(store, scenario: str, body: dict) -> dict:
+async def chat_body(find_record, scenario: str, body: dict) -> dict:
     """The Chat Completions body a validated Responses request stands for."""
     turns: list[dict] = []
     if body.get("instructions"):
         turns.append({"role": "system", "content": body["instructions"]})
     if body.get("previous_response_id"):
-        turns += await previous_turns(store, scenario, body["previous_response_id"])
+        turns += await previous_turns(find_record, scenario, body["previous_response_id"])
     turns += _chat_turns(body["input"])
     chat: dict[str, Any] = {"model": body["model"], "messages": turns}
     if body.get("stream"):  # relayed live: the usage arrives as the chat stream's last chunk

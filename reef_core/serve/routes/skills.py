@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
-from reef_core.errors import Conflict, NotFound, ValidationFailed
+from reef_core.errors import NotFound, ValidationFailed
 from reef_core.surfaces.harness import RELEASE_HEADER
 from reef_core.surfaces.skills import render_skill, validate_slug
 from reef_core.serve.routes.inference import read_json_body
@@ -38,7 +38,7 @@ async def _skill_surface(request: Request) -> tuple[str, Any]:
     """(scenario name, skills surface) for the request, or NotFound."""
     dep = request.app.state.reef
     name = scenario_header(request)
-    scenario = await asyncio.to_thread(dep.store.get_scenario, name)
+    scenario = await asyncio.to_thread(dep.find_scenario, name)
     if scenario is None or getattr(scenario, "archived", False):
         raise NotFound(f"unknown scenario {name!r}")
     surface = dep.surface_for(scenario)
@@ -79,20 +79,14 @@ async def get_skill(request: Request, slug: str):
 @router.post("/reef/scenarios/{scenario}/skills/close-day", openapi_extra=ADMIN)
 async def close_day(request: Request, scenario: str):
     dep = request.app.state.reef
-    body = await read_json_body(request, dep.cfg.server.max_admin_body_bytes) if await _has_body(request) else {}
+    body = await read_json_body(request, dep.server.max_admin_body_bytes) if await _has_body(request) else {}
     if body:
         raise ValidationFailed(f"close-day takes no fields; got {', '.join(sorted(body))}")
     found = await path_scenario(dep, scenario)
     surface = dep.surface_for(found)
     if surface is None or not getattr(surface, "serves_skills", False):
         raise NotFound(f"the recipe of scenario {found.name!r} serves no skill pool")
-    learner = dep.learner(found)
-    processor = getattr(learner, "processor", None)
-    if processor is None or not callable(getattr(processor, "close_batch", None)):
-        raise Conflict(f"the processor of scenario {found.name!r} cannot close a batch early")
-    through = await asyncio.to_thread(dep.store.last_sequence, found.name)
-    waiting = processor.close_batch(through)
-    learner.wake()
+    through, waiting = await asyncio.to_thread(dep.close_batch, found)
     return JSONResponse({"scenario": found.name, "closed_through": through, "waiting": waiting}, headers=_NO_STORE)
 
 

@@ -108,7 +108,7 @@ def _scope(request: Request) -> str:
 async def _form(request: Request, *, session: bool = True) -> dict[str, str]:
     """A urlencoded form body, size-limited; its last value per field. A cookie-authenticated post of a session
     (``session``: all but login) must carry the session's form token (``csrf``), else 403."""
-    limit = request.app.state.reef.cfg.server.max_admin_body_bytes
+    limit = request.app.state.reef.server.max_admin_body_bytes
     body = b""
     async for chunk in request.stream():
         body += chunk
@@ -171,7 +171,7 @@ async def scenarios(request: Request):
     dep = request.app.state.reef
     status = await asyncio.to_thread(dep.status)
     rows = []
-    for s in visible(request.scope, await asyncio.to_thread(dep.store.scenarios)):
+    for s in visible(request.scope, await asyncio.to_thread(dep.list_scenarios)):
         if s.archived:
             continue
         found = status.get("scenarios", {}).get(s.name) or {}
@@ -310,9 +310,9 @@ async def release_page(request: Request, scenario: str, release_id: str):
     if row is None:
         raise NotFound(f"scenario {found.name!r} has no release {release_id[:80]!r}")
     try:
-        files = await asyncio.to_thread(dep.artifacts.read_files, release_id)
+        files = await asyncio.to_thread(dep.release_files, release_id)
         parent_id = row.get("parent_release_id")
-        parent = await asyncio.to_thread(dep.artifacts.read_files, parent_id) if parent_id else {}
+        parent = await asyncio.to_thread(dep.release_files, parent_id) if parent_id else {}
     except Conflict as exc:  # weights garbage-collected: the release is listed, its files are gone
         return _page(f"Release {release_id[:12]}", f"<p>{escape(exc.message)}</p>")
     listing, diffs = [], []
@@ -365,7 +365,7 @@ async def records_page(request: Request, scenario: str, after: int = Query(0, ge
     wanted = _tag_filter(tag)
     shown, cursor, more = [], after, False
     for _ in range(20):
-        rows = await asyncio.to_thread(dep.store.page, found.name, cursor, 100)
+        rows = await asyncio.to_thread(dep.records_page, found.name, cursor, 100)
         for r in rows:
             cursor = r.sequence
             if type and r.kind != type:
@@ -442,7 +442,7 @@ async def _republish(request: Request, scenario: str, operation: str) -> Respons
     release_id = form.get("release_id", "")
     if form.get("confirm") != "yes" or not release_id:
         raise ValidationFailed(f"a {operation} needs release_id and confirm=yes (from the confirmation page)")
-    await asyncio.to_thread(dep.learner(found).republish, operation, release_id)
+    await asyncio.to_thread(dep.republish, found, operation, release_id)
     return RedirectResponse(f"/ui/scenarios/{_q(found.name)}", status_code=303, headers=_HEADERS)
 
 
