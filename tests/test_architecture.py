@@ -236,3 +236,18 @@ def test_serve_ports_names_what_the_deployment_implements():
     wanted = {name for name in vars(ServePorts) if not name.startswith("_")} | set(ServePorts.__annotations__)
     missing = sorted(name for name in wanted if not hasattr(Deployment, name) and name not in ("engine",))
     assert not missing, f"Deployment does not implement ServePorts: {missing}"
+
+
+#: The longest a function of reef_core may be: a longer one does several things (split it by what they are).
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_is_longer_than_it_can_be_read():
+    long = []
+    for path in sorted(CORE.rglob("*.py")):
+        for node in ast.walk(_parse(path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.name} ({lines} lines)")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)

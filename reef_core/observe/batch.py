@@ -344,6 +344,22 @@ def apply_appends(conn: sa.Connection, dialect: str, batch: list[AppendRequest])
         except ReefError as exc:
             results.append(exc)
 
+    assigned = _write_staged(conn, dialect, batch, results, new, encoded, new_keys, stored_keys)
+    for req, result in zip(batch, results):
+        if isinstance(result, BaseException):
+            req.outcome = result
+        else:
+            req.outcome = [
+                new[rid].with_sequence(assigned[rid]) if rid in new else existing[rid] for rid in result
+            ]
+    return len(new)
+
+
+def _write_staged(conn: sa.Connection, dialect: str, batch: list[AppendRequest], results: list,
+                  new: dict[str, Record], encoded: dict[str, tuple[str, str, str]],
+                  new_keys: dict[tuple[str, str], str], stored_keys: dict[tuple[str, str], str]) -> dict[str, int]:
+    """Write what the batch staged: the scenarios its accepted requests create, the new records with their
+    sequence numbers (returned), and the idempotency keys added or moved to a newer attempt."""
     fresh_scenarios = {req.records[0].scenario: req.new_scenario_recipe for req, result in zip(batch, results)
                        if req.new_scenario_recipe is not None and not isinstance(result, BaseException)}
     now = time.time()
@@ -363,15 +379,7 @@ def apply_appends(conn: sa.Connection, dialect: str, batch: list[AppendRequest])
         conn.execute(q.REPOINT_KEY, [
             {"key_scenario": s, "key_name": k, "new_record_id": rid} for (s, k), rid in repointed
         ])
-
-    for req, result in zip(batch, results):
-        if isinstance(result, BaseException):
-            req.outcome = result
-        else:
-            req.outcome = [
-                new[rid].with_sequence(assigned[rid]) if rid in new else existing[rid] for rid in result
-            ]
-    return len(new)
+    return assigned
 
 
 def _assign_sequences(conn: sa.Connection, dialect: str, fresh: list[Record]) -> dict[str, int]:

@@ -29,6 +29,7 @@ import asyncio
 import hashlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from starlette.requests import ClientDisconnect, Request
@@ -283,92 +284,94 @@ class InferenceCall:
 
     async def _relay(self, first: StreamEvent | None, events: AsyncIterator[StreamEvent]):
         """The client's SSE frames; stores the record before the terminal event (receipt or error)."""
+        # A Responses stream: the chat chunks become typed events as they arrive.
+        live = (responses.LiveStream(self.responses, self.record_id, self.created_at)
+                if self.responses is not None and not self.passthrough else None)
+        state = _RelayState()
+        if live is not None:
+            for frame in live.start(self.engine_request.body.get("model")):
+                yield frame
+        try:
+            async for frame in self._frames(first, events, live, state):
+                yield frame
+            if not state.terminal_seen or not self.accumulator.complete:
+                state.error = "stream ended before its terminal event"
+        except ReefError as exc:
+            state.error = exc.message
+        except Exception:  # noqa: BLE001 - headers are out: end the stream with an error event, never drop it
+            error_id = new_error_id()
+            log.exception("unhandled error %s in a stream of %s", error_id, self.route)
+            state.error = f"internal error (id {error_id})"
+        # A cancellation (client gone, server stopping) ends the relay here: _RecordedStream stores the record.
+        stored = await self._store_stream(state.error)
+        for frame in self._ending(state, stored, live):
+            yield frame
+
+    async def _frames(self, first: StreamEvent | None, events: AsyncIterator[StreamEvent],
+                      live: "responses.LiveStream | None", state: "_RelayState"):
+        """The frames of the engine's events as they arrive, the terminal one held back (``state`` says it came)."""
         # The client's own stream_options: a request translated to Anthropic carries none.
         options = self.client_body.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
         translator = stream_translator(self.engine_dialect, self.client_dialect, include_usage=include_usage,
                                        model=self.engine_request.body.get("model"))
-        accumulator = self.accumulator
-        terminal_seen = False
-        error: str | None = None
-        # A Responses stream: the chat chunks become typed events as they arrive.
-        live = (responses.LiveStream(self.responses, self.record_id, self.created_at)
-                if self.responses is not None and not self.passthrough else None)
-        held: StreamEvent | None = None  # a passed-through Responses stream's terminal event, sent with the receipt
-        if live is not None:
-            for frame in live.start(self.engine_request.body.get("model")):
-                yield frame
 
-        async def source():
-            if first is not None:
-                yield first
-            async for event in events:
-                yield event
+        def client_frames(out: StreamEvent):
+            if _is_terminal(self.client_dialect, out):
+                state.terminal_seen = True  # held until the record is durable
+                return []
+            if out.is_reef:
+                return []
+            return live.feed(out.data) if live is not None else [encode_event(out)]
 
-        try:
-            async for event in source():
-                if event.event == TOKENS_EVENT:
-                    self.tokens = TokenData.from_dict(event.data)
-                    continue
-                accumulator.feed(event)
-                if self.passthrough:
-                    if event.is_reef:
-                        continue
-                    if responses.is_terminal(event.data):
-                        terminal_seen, held = True, event
-                    elif isinstance(event.data, dict):
-                        yield responses.frame(event.data)
-                    continue
-                for out in (translator.feed(event) if translator else [event]):
-                    if _is_terminal(self.client_dialect, out):
-                        terminal_seen = True
-                        continue  # held until the record is durable
-                    if out.is_reef:
-                        continue
-                    for frame in (live.feed(out.data) if live is not None else [encode_event(out)]):
-                        yield frame
-            if translator is not None and not terminal_seen:
-                for out in translator.finish():
-                    if _is_terminal(self.client_dialect, out):
-                        terminal_seen = True
-                    elif not out.is_reef:
-                        for frame in (live.feed(out.data) if live is not None else [encode_event(out)]):
-                            yield frame
-            if not terminal_seen or not accumulator.complete:
-                error = "stream ended before its terminal event"
-        except ReefError as exc:
-            error = exc.message
-        except Exception:  # noqa: BLE001 - headers are out: end the stream with an error event, never drop it
-            error_id = new_error_id()
-            log.exception("unhandled error %s in a stream of %s", error_id, self.route)
-            error = f"internal error (id {error_id})"
-        # A cancellation (client gone, server stopping) ends the relay here: _RecordedStream stores the record.
-        stored = await self._store_stream(error)
+        async for event in _chain(first, events):
+            if event.event == TOKENS_EVENT:
+                self.tokens = TokenData.from_dict(event.data)
+                continue
+            self.accumulator.feed(event)
+            if self.passthrough:
+                for frame in self._passthrough_frame(event, state):
+                    yield frame
+                continue
+            for out in (translator.feed(event) if translator else [event]):
+                for frame in client_frames(out):
+                    yield frame
+        if translator is not None and not state.terminal_seen:
+            for out in translator.finish():
+                for frame in client_frames(out):
+                    yield frame
+
+    @staticmethod
+    def _passthrough_frame(event: StreamEvent, state: "_RelayState") -> list[bytes]:
+        """A passed-through Responses event as its frame; its terminal event is held to go with the receipt."""
+        if event.is_reef:
+            return []
+        if responses.is_terminal(event.data):
+            state.terminal_seen, state.held = True, event
+            return []
+        return [responses.frame(event.data)] if isinstance(event.data, dict) else []
+
+    def _ending(self, state: "_RelayState", stored: Record | None, live: "responses.LiveStream | None"):
+        """The frames after the record is stored: the held terminal event with the receipt, or an error event."""
+        error = state.error
         if self.passthrough:
-            if error is not None or stored is None or held is None:
+            if error is not None or stored is None or state.held is None:
                 fields = {"type": "error", "code": "upstream_error", "message": error or "the answer was not stored",
                           "param": None}
                 if stored is not None:
                     fields["reef"] = {"agent_record_id": stored.record_id, "complete": False}
-                yield responses.frame(fields)
-                return
-            yield responses.frame({**held.data, "reef": {"agent_record_id": stored.record_id}})
-            return
+                return [responses.frame(fields)]
+            return [responses.frame({**state.held.data, "reef": {"agent_record_id": stored.record_id}})]
         if live is not None:
             if error is not None or stored is None:
-                for frame in live.error(error or "the answer could not be stored", stored and stored.record_id):
-                    yield frame
-                return
-            completion = translate_response(accumulator.body(), self.engine_dialect, "openai")
-            for frame in live.finish(responses.response_object(self.responses, completion, stored.record_id,
-                                                               self.created_at)):
-                yield frame
-            return
+                return list(live.error(error or "the answer could not be stored", stored and stored.record_id))
+            completion = translate_response(self.accumulator.body(), self.engine_dialect, "openai")
+            return list(live.finish(responses.response_object(self.responses, completion, stored.record_id,
+                                                              self.created_at)))
         if error is not None:
-            yield encode_event(_error_event(self.client_dialect, error, stored.record_id if stored else None))
-            return
-        for out in receipt_events(self.client_dialect, stored.record_id, self.engine_request.body.get("model")):
-            yield encode_event(out)
+            return [encode_event(_error_event(self.client_dialect, error, stored.record_id if stored else None))]
+        return [encode_event(out) for out in receipt_events(self.client_dialect, stored.record_id,
+                                                            self.engine_request.body.get("model"))]
 
     async def _store_stream(self, error: str | None) -> Record | None:
         """Store what the stream carried (once per stream), complete when ``error`` is ``None``. The append is
@@ -423,6 +426,23 @@ class _RecordedStream(StreamingResponse):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError as exc:  # ASGI servers of spec 2.4+ report a closed connection on send
             raise ClientGone() from exc
+
+
+@dataclass
+class _RelayState:
+    """What a relay has seen so far: the terminal event (passed-through Responses streams hold it), an error."""
+
+    terminal_seen: bool = False
+    held: StreamEvent | None = None
+    error: str | None = None
+
+
+async def _chain(first: StreamEvent | None, events: AsyncIterator[StreamEvent]) -> AsyncIterator[StreamEvent]:
+    """The stream's first event (already read, to tell a stream from a direct answer), then the rest."""
+    if first is not None:
+        yield first
+    async for event in events:
+        yield event
 
 
 async def _first_event(events: AsyncIterator[StreamEvent]) -> StreamEvent | None:
