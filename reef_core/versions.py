@@ -16,6 +16,7 @@ and the trainer's version checks use it.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from dataclasses import dataclass
 
@@ -39,6 +40,12 @@ def format_version(incarnation: str, seq: int) -> str:
     if incarnation == BASE and seq == 0:
         return BASE
     return f"{incarnation}:{int(seq)}"
+
+
+def adapter_key(scenario: str) -> str:
+    """A scenario's short, version-safe key in its adapter line (8 hex digits of its name's sha256). Not
+    :func:`reef_core.commit.release.scenario_key`, the fixed-length key of its refs and file names."""
+    return hashlib.sha256(scenario.encode()).hexdigest()[:8]
 
 
 def adapter_line(incarnation: str, key: str) -> str:

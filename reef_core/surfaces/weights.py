@@ -11,7 +11,7 @@ Two kinds of weights scenario, never both on one engine:
   engine has one set of weights.
 * **LoRA adapters**: any number of scenarios, each served by its own adapter kept unmerged on the shared base
   (``LocalEngine.load_adapter``). Each has its own version line ``<incarnation>.<key>:<sequence>`` (``key``:
-  :func:`scenario_key`), so staleness and policy lag count only that scenario's updates; before its first adapter
+  :func:`~reef_core.versions.adapter_key`), so staleness and policy lag count only that scenario's updates; before its first adapter
   it is served by the base under the engine's version (sequence 0 of every line, see
   ``reef_core.observe.processors.eligibility``).
 
@@ -47,7 +47,7 @@ from typing import Any, Callable, Mapping
 from ..models.adapter import AdapterWeights
 from ..models.release_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_REFERENCE, MODEL_FILE, base_reference
 from ..errors import ConfigError, Conflict, ValidationFailed
-from ..versions import ServedVersion
+from ..versions import ServedVersion, adapter_key
 from ..engines.capabilities import AdapterSink, WeightSink
 from .base import ServingPorts, Surface
 
@@ -55,11 +55,6 @@ log = logging.getLogger("reef.surfaces")
 
 #: The files that carry a weights release (written by ``reef_core.grow.torch_backend``).
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "BASE_REFERENCE", "MODEL_FILE", "WeightsSurface"]
-
-
-def scenario_key(scenario: str) -> str:
-    """The short, version-safe key of a scenario in its adapter versions (8 hex digits of its name's sha256)."""
-    return hashlib.sha256(scenario.encode()).hexdigest()[:8]
 
 
 def model_digest(model_dir: Path) -> str:
@@ -246,7 +241,7 @@ class WeightsSurface(Surface):
             raise ConfigError(f"scenario {scenario!r} trains a LoRA adapter, but engine "
                               f"{getattr(self.engine, 'name', '?')!r} cannot serve adapters (engine.kind=local, sglang or vllm can)")
         seq = self.adapters.get(scenario, 0) + 1
-        version = str(ServedVersion(self.incarnation, seq).adapter_line(scenario_key(scenario)))
+        version = str(ServedVersion(self.incarnation, seq).adapter_line(adapter_key(scenario)))
         self.ports.run_async(self.engine.load_adapter(scenario, version, adapter))
         self.adapters[scenario] = seq
         self._on_line[scenario] = True
@@ -265,5 +260,5 @@ class WeightsSurface(Surface):
 
     def serving_version(self, scenario: str) -> str | None:
         if self._on_line.get(scenario):
-            return str(ServedVersion(self.incarnation, self.adapters[scenario]).adapter_line(scenario_key(scenario)))
+            return str(ServedVersion(self.incarnation, self.adapters[scenario]).adapter_line(adapter_key(scenario)))
         return str(self.engine.version)

@@ -17,7 +17,7 @@ import torch
 
 from reef_core.commit.git_store import GitArtifactStore
 from reef_core.models.adapter import AdapterWeights
-from reef_core.surfaces.weights import scenario_key
+from reef_core.versions import adapter_key
 from reef_core.testing import FakeSGLang, ensure_tiny_model, serve_asgi, wait_until
 
 reef_sao_tasks = pytest.importorskip("reef_sao.tasks")
@@ -83,7 +83,7 @@ def _head_files(server, store, scenario):
 def test_two_lora_scenarios_share_one_server_each_with_its_own_versioned_adapter(reef_server, tmp_path):
     model_dir = ensure_tiny_model(Path(os.environ["REEF_MODEL_CACHE"]) / "tiny")
     app = FakeSGLang(model_dir)
-    key = {s: scenario_key(s) for s in ("lora-a", "lora-b")}
+    key = {s: adapter_key(s) for s in ("lora-a", "lora-b")}
     with serve_asgi(app) as url:
         server = reef_server("+recipe=sao", "+sao_profile=tiny", "trainer.lora=true", "engine.kind=sglang",
                              f"engine.url={url}", "engine.seed=0", "seed=0", "trainer.checkpoint_every_n_versions=1")

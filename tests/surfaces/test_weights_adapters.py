@@ -18,7 +18,8 @@ from reef_core.models.loading import load_model
 from reef_core.grow.torch_backend import policy_lag
 from reef_core.surfaces.base import ServingPorts
 from reef_core.observe.processors.eligibility import CROSS_INCARNATION, STALE, staleness_reason
-from reef_core.surfaces.weights import WeightsSurface, scenario_key
+from reef_core.surfaces.weights import WeightsSurface
+from reef_core.versions import adapter_key
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 
@@ -98,7 +99,7 @@ def served(tiny_model_dir):
 def test_two_lora_scenarios_each_serve_their_own_adapter_on_their_own_version_line(served, base, tiny_model_dir):
     surface, creation = served.surface, served.surface.creation_files()
     a1, a2, b1 = _adapter(base, 1), _adapter(base, 2), _adapter(base, 3)
-    ka, kb = scenario_key("math-a"), scenario_key("math-b")
+    ka, kb = adapter_key("math-a"), adapter_key("math-b")
     for name in ("math-a", "math-b"):
         surface.claim(name, lora=True)
         surface.activate(name, f"{name}-0", files=lambda: creation)
@@ -164,14 +165,14 @@ def test_a_full_weight_owner_refuses_adapters(served, base):
 
 
 def test_staleness_and_policy_lag_count_a_scenarios_own_updates():
-    line = f"inc.{scenario_key('a')}"
+    line = f"inc.{adapter_key('a')}"
     assert staleness_reason("inc:0", f"{line}:2", 2) is None  # the base is step 0 of every adapter line
     assert staleness_reason("inc:0", f"{line}:2", 1) == STALE
     assert staleness_reason(f"{line}:1", f"{line}:2", 1) is None
-    assert staleness_reason(f"inc.{scenario_key('b')}:1", f"{line}:2", 5) == CROSS_INCARNATION
+    assert staleness_reason(f"inc.{adapter_key('b')}:1", f"{line}:2", 5) == CROSS_INCARNATION
     assert staleness_reason("inc:1", f"{line}:2", 5) == CROSS_INCARNATION  # a full-weight version is no base
     assert staleness_reason("old:0", f"{line}:2", 5) == CROSS_INCARNATION
-    assert policy_lag([["inc:0"], [f"{line}:1", f"{line}:2"], [f"inc.{scenario_key('b')}:1"]], f"{line}:2") == [2, 1]
+    assert policy_lag([["inc:0"], [f"{line}:1", f"{line}:2"], [f"inc.{adapter_key('b')}:1"]], f"{line}:2") == [2, 1]
 
 
 def test_a_learner_claims_with_its_trainers_mode_and_a_full_weight_scenario_beside_adapters_does_not_train(tmp_path):
