@@ -20,6 +20,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from ..errors import ConfigError
+
 #: Keys whose values are secrets: ``reef config`` prints them redacted, logs never show them.
 SECRET_KEYS = frozenset({"tokens", "admin_tokens", "upstream_api_key", "token"})
 
@@ -75,6 +77,10 @@ class ServerConfig:
     #: inference, plus ``workers - 1`` serving processes on the same data directory and record store that
     #: answer inference themselves and hand every other request to this one (see "Workers" in the README).
     workers: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.follow_interval_s > 0:
+            raise ConfigError("server.follow_interval_s must be a positive number of seconds")
 
 
 @dataclass
@@ -207,6 +213,10 @@ class TrainerConfig:
     #: ``reef_core.grow.ray_backend.RayOptions``).
     options: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.learner_workers < 1:
+            raise ConfigError("trainer.learner_workers must be at least 1")
+
 
 @dataclass
 class EvaluationConfig:
@@ -305,7 +315,6 @@ def option_default(target: str, *, _node_: Any) -> Any:
     """Resolver ``reef.default``: the default of the field named like the key it fills, in the option
     dataclass ``target`` (``"pkg.module:Options"``)."""
     from ..plugins import load_object
-    from ..errors import ConfigError
 
     options = load_object(target)
     key = str(_node_._key())

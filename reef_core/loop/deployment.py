@@ -61,8 +61,6 @@ class Deployment:
         role = role or ("all" if cfg.server.learner else "serve")
         if role not in ROLES:
             raise ConfigError(f"deployment role must be one of {', '.join(ROLES)}, not {role!r}")
-        if not cfg.server.follow_interval_s > 0:
-            raise ConfigError("server.follow_interval_s must be a positive number of seconds")
         self.role = role
         self.cfg = cfg
         self.pm = plugin_manager
@@ -83,8 +81,6 @@ class Deployment:
         self._quarantined: dict[str, str] = {}  # scenario -> why it could not start
         self._loop: asyncio.AbstractEventLoop | None = None
         self._writer_lock: WriterLock | None = None
-        if cfg.trainer.learner_workers < 1:
-            raise ConfigError("trainer.learner_workers must be at least 1")
         self.pool = LearnerPool(workers=cfg.trainer.learner_workers)
         self.serving_ports = ServingPorts(engine=engine, artifacts=artifacts, run_async=self.run_async,
                                           load_base_model=self.load_base_model)
