@@ -35,6 +35,7 @@ from reef_core.engines.base import (
     StreamEvent,
     TokenData,
 )
+from reef_core.engines.capabilities import AdapterSink, WeightSink
 from reef_core.engines.translate import translate_request, translate_response
 from reef_core.errors import (
     ConfigError,
@@ -205,7 +206,7 @@ __all__ = [
     "ArtifactStore", "FileValue", "Release", "scenario_key", "scenario_path",
     # serve: surfaces and engines
     "Surface", "ServingPorts", "RunAsync", "ScenarioView", "HarnessAdapter", "ModelBinding", "ServedVersion",
-    "Engine", "EngineRequest", "EngineResponse", "StreamEvent", "TokenData", "DirectResponse",
+    "Engine", "EngineRequest", "EngineResponse", "StreamEvent", "TokenData", "DirectResponse", "WeightSink", "AdapterSink",
     "UpstreamEngine", "translate_request", "translate_response",
     # helpers
     "load_object", "load_callable", "option_values", "serve_asgi", "serve_reef", "content_text",
