@@ -107,6 +107,29 @@ class Objective(ABC):
         """Final metrics of a step from the summed micro-batch ``sums`` (default: the sums as they are)."""
         return dict(sums)
 
+    # -- trainer.backend=slime (an objective whose ``slime_loss`` is a reef_slime_hooks function) ----------------
+
+    def check_slime(self) -> None:
+        """Refuse, when a slime trainer is built, a setting this objective's slime hook cannot train (default:
+        none); raise :class:`~reef_core.errors.ConfigError`."""
+
+    def slime_advantages(self, prepared: Prepared) -> Tensor:
+        """``[B, L]`` per-token advantages the slime hook trains on (default: what :meth:`prepare` attached as
+        ``batch.extras["advantages"]``)."""
+        adv = prepared.batch.extras.get("advantages")
+        if adv is None:
+            raise ValueError(f"objective {self.name!r}: prepare() attached no per-token advantages")
+        return adv.detach().float().cpu()
+
+    def slime_header(self, batch: TokenBatch) -> dict[str, Any]:
+        """The constants the slime hook reads from the job's header, and ``loss_norm``: the normaliser ``D`` this
+        objective divides its loss by (see ``reef_slime_hooks``). Default: the clip band (``eps_clip``,
+        ``eps_clip_high``) of an objective with ``eps_low``/``eps_high``, and ``D`` the batch's action tokens."""
+        header: dict[str, Any] = {"loss_norm": float(max(batch.norm_tokens, 1))}
+        if hasattr(self, "eps_low"):
+            header.update(eps_clip=float(self.eps_low), eps_clip_high=float(self.eps_high))
+        return header
+
     # -- algorithm state ---------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Tensor]:

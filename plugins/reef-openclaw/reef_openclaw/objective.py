@@ -95,6 +95,22 @@ class OpenClawObjective(Objective):
         self.adv_diff_clip = float(adv_diff_clip)
         self.hint_selection = hint_selection
 
+    # -- trainer.backend=slime (the RL half only) ------------------------------------------------------------------
+
+    def check_slime(self) -> None:
+        if self.w_opd > 0:
+            raise ConfigError("trainer.backend=slime: openclaw's OPD term (w_opd > 0) needs each token's top-K teacher "
+                              "scores, which slime's training batch has no place for; set w_opd: 0 or use "
+                              "trainer.backend=torch")
+
+    def slime_advantages(self, prepared: Prepared) -> Tensor:
+        """L_RL's advantage: the turn's reward over its reply."""
+        batch = prepared.batch
+        return batch.rewards.unsqueeze(1) * batch.action_mask
+
+    def slime_header(self, batch: TokenBatch) -> dict[str, Any]:
+        return {**super().slime_header(batch), "w_rl": float(self.w_rl)}
+
     # -- the teacher (no policy gradient) -------------------------------------------------------------------------
 
     def prepare(self, policy: nn.Module, batch: TokenBatch) -> Prepared:

@@ -100,6 +100,10 @@ class TTTObjective(Objective):
                 "approx_kl": sums.get("neg_log_ratio_sum", 0.0) / tokens,
                 "advantage_mean": sums.get("advantage_sum", 0.0) / tokens}
 
+    def slime_header(self, batch: TokenBatch) -> dict[str, Any]:
+        """The slime hook's scale: this loss is a plain token sum (normaliser 1)."""
+        return {**super().slime_header(batch), "loss_norm": 1.0}
+
     def json_state(self) -> dict[str, Any]:
         return {"steps": self.steps}
 

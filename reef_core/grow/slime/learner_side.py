@@ -19,7 +19,6 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from ...errors import ConfigError
 from ..objective import Objective, Prepared
 from ..token_batch import TokenBatch
 from ..trainer import TrainContext
@@ -34,37 +33,20 @@ def needs_models(objective: Objective) -> bool:
     return type(objective).setup is not Objective.setup or bool(objective.needs_reference)
 
 
-def check_supported(objective: Objective) -> None:
-    """Refuse what slime's batch cannot carry (at trainer build)."""
-    if objective.name == "openclaw" and float(getattr(objective, "w_opd", 0.0)) > 0:
-        raise ConfigError("trainer.backend=slime: openclaw's OPD term (w_opd > 0) needs each token's top-K teacher "
-                          "scores, which slime's training batch has no place for; set w_opd: 0 or use "
-                          "trainer.backend=torch")
-
-
 def loss_header(objective: Objective, batch: TokenBatch) -> dict[str, Any]:
     """The rollout file's ``reef`` header: family, constants, and ``loss_scale = N / D`` (see ``reef_slime_hooks``):
-    ``N`` slime's per-token normaliser (each sample's trained tokens, at least 1), ``D`` the objective's own."""
+    ``N`` slime's per-token normaliser (each sample's trained tokens, at least 1), ``D`` the objective's own
+    (``loss_norm`` of its :meth:`~reef_core.grow.objective.Objective.slime_header`, with its constants)."""
     per_sample = (batch.action_mask > 0).sum(dim=1).clamp(min=1)
     step_tokens = float(per_sample.sum())
-    own = 1.0 if objective.name == "ttt" else float(max(batch.norm_tokens, 1))  # TTT sums, the others token-mean
-    header: dict[str, Any] = {"family": objective.name, "loss_scale": step_tokens / own}
-    if hasattr(objective, "eps_low"):
-        header.update(eps_clip=float(objective.eps_low), eps_clip_high=float(objective.eps_high))
-    if objective.name == "openclaw":
-        header["w_rl"] = float(objective.w_rl)
-    return header
+    constants = objective.slime_header(batch)
+    own = float(constants.pop("loss_norm"))
+    return {"family": objective.name, "loss_scale": step_tokens / own, **constants}
 
 
 def token_advantages(objective: Objective, prepared: Prepared) -> Tensor:
-    """``[B, L]`` per-token advantages the family's hook trains on."""
-    batch = prepared.batch
-    if objective.name == "openclaw":  # L_RL's advantage is the turn's reward over its reply
-        return batch.rewards.unsqueeze(1) * batch.action_mask
-    adv = batch.extras.get("advantages")
-    if adv is None:
-        raise ValueError(f"objective {objective.name!r}: prepare() attached no per-token advantages")
-    return adv.detach().float().cpu()
+    """``[B, L]`` per-token advantages the family's hook trains on (the objective's ``slime_advantages``)."""
+    return objective.slime_advantages(prepared)
 
 
 class LearnerSide:

@@ -57,7 +57,7 @@ from ..token_batch import TokenBatch
 from ..trainer import CandidateUpdate, TrainContext, Trainer
 from . import jobs
 from .flags import check_hf_model_type, check_job_flags, family_flags, is_custom, job_argv, slime_loss_of
-from .learner_side import LearnerSide, check_supported, loss_header, state_file, token_advantages
+from .learner_side import LearnerSide, loss_header, state_file, token_advantages
 from .marker import (ABANDONED, CHECKPOINT, COMPLETE, FINAL, HEAD_COMMITTED, READY_TO_COMMIT, REJECTED, RUNNING,
                      UPDATING_WEIGHTS, read_marker, write_marker)
 
@@ -84,7 +84,7 @@ class SlimeTrainer(Trainer):
         if trainer.lora:
             raise ConfigError(f"{who}: trainer.backend=slime trains full weights; unset trainer.lora")
         family_flags(objective)  # an objective without a slime loss is refused now, not at the first step
-        check_supported(objective)
+        objective.check_slime()  # what slime's batch cannot carry
         check_job_flags(objective, settings.flags or {}, getattr(context, "batch_size", None))
         data_dir = Path(getattr(context, "data_dir", ".") or ".")
         jobs_dir = Path(settings.jobs_dir) if settings.jobs_dir else data_dir / "slime-jobs"
