@@ -1,6 +1,7 @@
 """The ``reef`` command.
 
-Exit codes: 0 success, 2 bad config or usage, 1 runtime failure, 3 ``reef serve``'s start-up failed after loading
+Exit codes: 0 success, 2 bad config or usage, 1 runtime failure (a busy port or data directory: refused before
+the model loads), 3 ``reef serve``'s start-up failed after loading
 (uvicorn's STARTUP_FAILURE: the app's lifespan start-up raised, or the port could not be bound), 141 stdout closed
 early (``reef config | head``: 128 + SIGPIPE, what a shell reports for any program whose reader left; no traceback).
 """

@@ -129,3 +129,22 @@ def test_serve_refuses_a_device_the_machine_lacks(tmp_path, override, names):
     if "lacks" in names:
         assert "available: cpu" in result.stderr
     assert not data_dir.exists()  # refused before anything was written
+
+
+def test_serve_on_a_busy_port_fails_in_one_line_before_loading(tmp_path):
+    import socket
+    import time
+
+    data_dir = tmp_path / "data"
+    with socket.socket() as other:  # another process's server on the port
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        started = time.monotonic()
+        result = reef("serve", f"server.port={port}", f"storage.data_dir={data_dir}")
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"reef: error: port {port} is already in use on 127.0.0.1 (another process listens there); "
+                     "stop it, or choose another port with server.port=N"], result.stderr
+    assert not data_dir.exists()  # refused before the deployment (and its model) was built
+    assert time.monotonic() - started < 60

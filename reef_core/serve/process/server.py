@@ -7,7 +7,7 @@ import logging
 from collections.abc import Iterator, Sequence
 
 from reef_core.config.schema import ReefConfig
-from reef_core.errors import ConfigError
+from reef_core.errors import ConfigError, ReefError
 from reef_core.serve.middleware.auth import TokenSet, is_loopback
 from reef_core.serve.process.logs import configure as configure_logs
 from reef_core.background import serve_asgi
@@ -24,12 +24,40 @@ def check_bind(cfg: ReefConfig) -> None:
         )
 
 
+def check_port_free(cfg: ReefConfig) -> None:
+    """A port another process listens on: one ``reef: error:`` line (exit 1) before the model loads, not uvicorn's
+    bind error (exit 3) after it (issue #37). Asked the way uvicorn binds (``SO_REUSEADDR``: a port left in
+    TIME_WAIT by a server that just stopped is free); two servers started at the same instant may still meet at
+    uvicorn's bind."""
+    import errno
+    import socket
+
+    host, port = cfg.server.host.strip("[]"), cfg.server.port
+    if not port:
+        return  # port 0: the OS picks a free one
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise ReefError(f"port {port} is already in use on {cfg.server.host} (another process listens there); "
+                            f"stop it, or choose another port with server.port=N") from None
+        if exc.errno == errno.EACCES:
+            raise ReefError(f"port {port} on {cfg.server.host} needs privileges this user lacks; "
+                            f"choose a port above 1023 with server.port=N") from None
+        raise ReefError(f"cannot listen on {cfg.server.host}:{port}: {exc.strerror or exc}") from None
+    finally:
+        sock.close()
+
+
 def serve(cfg: ReefConfig) -> int:
     from reef_core.loop.assemble import build_deployment
 
     from reef_core.serve.middleware.connection import ConnectionLimits, protocol_class, reserve_descriptors
 
     check_bind(cfg)
+    check_port_free(cfg)
     workers = check_workers(cfg.server)
     configure_logs(cfg.server)
     limits = ConnectionLimits.from_config(cfg.server)
