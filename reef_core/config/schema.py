@@ -119,8 +119,8 @@ class EngineConfig:
     #: ``engine.kind=upstream`` with ``upstream_dialect=openai``: the provider serves ``POST /v1/responses`` itself,
     #: so Responses requests are passed through unchanged (false: they are served as the chat request they stand for).
     upstream_responses: bool = False
-    #: Where built and converted models are cached; default ``<data_dir>/models``
-    #: (``REEF_MODEL_CACHE`` when unset), so several deployments can share one conversion.
+    #: Where built and converted models are cached; unset: ``REEF_MODEL_CACHE``, else this user's
+    #: ``$XDG_CACHE_HOME/reef/models`` (``~/.cache/reef/models``), so every data directory shares one conversion.
     model_cache_dir: Optional[str] = None
     timeout_s: float = 300.0
     max_new_tokens: int = 128

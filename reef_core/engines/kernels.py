@@ -64,8 +64,10 @@ _loaded: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavai
 
 def cache_dir() -> Path:
     """Where compiled kernels (and, under ``packed/``, packed weights) are kept: ``$REEF_KERNEL_CACHE`` or
-    ``~/.cache/reef/kernels``."""
-    return Path(os.environ.get("REEF_KERNEL_CACHE") or Path.home() / ".cache" / "reef" / "kernels")
+    ``$XDG_CACHE_HOME/reef/kernels`` (``~/.cache/reef/kernels``)."""
+    from ..models.loading import user_cache_dir
+
+    return Path(os.environ.get("REEF_KERNEL_CACHE") or user_cache_dir() / "kernels")
 
 
 def _build() -> ctypes.CDLL | None:

@@ -347,18 +347,29 @@ def generation_defaults(model_dir: Path) -> dict[str, float]:
 # --------------------------------------------------------------------------- resolution and loading
 
 
-def model_cache_dir(config) -> Path | None:
-    """Where models are fetched and converted: ``engine.model_cache_dir``, else ``REEF_MODEL_CACHE``, else None
-    (``<data_dir>/models``, see :func:`resolve_model`)."""
+def user_cache_dir() -> Path:
+    """This user's cache for Reef: ``$XDG_CACHE_HOME/reef`` (an absolute ``XDG_CACHE_HOME`` only, as the XDG base
+    directory spec says), else ``~/.cache/reef``."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "reef"
+
+
+def model_cache_dir(config) -> Path:
+    """Where models are built and converted: ``engine.model_cache_dir``, else ``REEF_MODEL_CACHE``, else this
+    user's cache (``$XDG_CACHE_HOME/reef/models``): one SmolLM2 conversion serves every data directory of the user
+    (issue #37: each new one converted again, 40-117 s). Written atomically (:func:`_publish_dir`), so two servers
+    converting at once leave one finished directory."""
     cache = config.model_cache_dir or os.environ.get("REEF_MODEL_CACHE")
-    return Path(cache) if cache else None
+    return Path(cache).expanduser() if cache else user_cache_dir() / "models"
 
 
 def resolve_model(spec: str, data_dir: Path, cache_dir: Path | None = None) -> Path:
     """Turn a model spec into a local model directory.
 
     ``"tiny"`` → :func:`ensure_tiny_model` at ``<cache_dir>/tiny``; ``"smollm2"`` →
-    :func:`ensure_smollm2` under ``cache_dir`` (default ``data_dir/models``); anything else must
+    :func:`ensure_smollm2` under ``cache_dir`` (the engines pass :func:`model_cache_dir`; without one,
+    ``data_dir/models``); anything else must
     be an existing local directory holding a ``config.json`` (ConfigError otherwise; nothing is
     ever downloaded).
     """

@@ -232,3 +232,36 @@ def test_an_older_smollm2_conversion_gains_the_sampling_defaults(tmp_path):
     d = _gen_config(tmp_path / "own", {"temperature": 0.5})
     models._add_generation_defaults(d)
     assert json.loads((d / "generation_config.json").read_text()) == {"temperature": 0.5}
+
+
+def test_models_are_cached_per_user_not_per_data_directory(tmp_path, monkeypatch):
+    """Issue #37: every new data directory converted SmolLM2 again (40-117 s). The engines resolve their model in
+    this user's cache (``$XDG_CACHE_HOME/reef/models``), so a second data directory builds nothing."""
+    from reef_core.config import compose_config
+    from reef_core.models.loading import model_cache_dir
+
+    monkeypatch.delenv("REEF_MODEL_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # never the real ~/.cache
+    built = []
+    real_build = models.build_tiny_model
+    monkeypatch.setattr(models, "build_tiny_model", lambda **kw: built.append(kw) or real_build(**kw))
+    paths = []
+    for name in ("first", "second"):
+        data_dir = tmp_path / name
+        cfg = compose_config([f"storage.data_dir={data_dir}", "engine.model=tiny"])
+        # What the engines do (builtins/engines.py): resolve in model_cache_dir(engine config).
+        paths.append(resolve_model(cfg.engine.model, data_dir, model_cache_dir(cfg.engine)))
+        assert not (data_dir / "models").exists()
+    assert paths[0] == paths[1] == tmp_path / "xdg" / "reef" / "models" / "tiny"
+    assert len(built) == 1  # the second data directory found the first one's model
+    assert (paths[0] / "model.safetensors").is_file()
+    # Overridable: the config key first, then REEF_MODEL_CACHE; a relative XDG_CACHE_HOME is ignored (XDG spec).
+    key = compose_config([f"engine.model_cache_dir={tmp_path / 'mine'}"]).engine
+    assert model_cache_dir(key) == tmp_path / "mine"
+    monkeypatch.setenv("REEF_MODEL_CACHE", str(tmp_path / "env"))
+    assert model_cache_dir(key) == tmp_path / "mine"
+    assert model_cache_dir(compose_config([]).engine) == tmp_path / "env"
+    monkeypatch.delenv("REEF_MODEL_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert model_cache_dir(compose_config([]).engine) == tmp_path / "home" / ".cache" / "reef" / "models"
