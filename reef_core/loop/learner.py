@@ -38,7 +38,7 @@ from ..commit.release import Release
 from ..errors import ActivationFailed, ConfigError, Conflict, NotFound, ReefError, ValidationFailed
 from ..grow.trainer import CandidateUpdate, TrainContext, Trainer, TrainerSetup
 from ..observe.instructions import pending_entry
-from ..observe.processor import Batch
+from ..observe.processor import Batch, DropCounter, drop_reason
 from .ports import LearnerPorts, LearnerSettings
 from .taskfile import load_tasks
 
@@ -97,6 +97,9 @@ class ScenarioLearner:
         self.counters = {"steps": 0, "selected": 0, "rejected": 0, "skipped": 0, "stale_batches": 0, "errors": 0,
                          "activation_failures": 0}
         self.last_error: str | None = None
+        #: What the learner itself dropped without training (an instruction whose step failed); the processor
+        #: counts its own samples (see :meth:`dropped`).
+        self.drops = DropCounter(scenario)
         #: The last committed release that failed to activate and what was restored (status), or None.
         self.activation_error: dict | None = None
         self.last_metrics: dict = {}
@@ -621,6 +624,14 @@ class ScenarioLearner:
             return "running"
         return "scheduled" if self.ports.pool.busy(self.name) else "idle"
 
+    def dropped(self) -> dict[str, int]:
+        """Every sample or record of this scenario dropped without training, by reason: the processor's (judge
+        failures, staleness, expiry, records gone, batches the trainer refused) and the learner's own."""
+        counts = dict(self.processor.dropped()) if self.processor is not None else {}
+        for reason, n in self.drops.counts().items():
+            counts[reason] = counts.get(reason, 0) + n
+        return dict(sorted(counts.items()))
+
     def status(self) -> dict:
         return {
             "scenario": self.name,
@@ -632,6 +643,7 @@ class ScenarioLearner:
             "versions_since_checkpoint": self.versions_since_checkpoint,
             "records_seen": self.last_sequence,
             "processor": self.processor.status() if self.processor is not None else None,
+            "dropped": self.dropped(),
             "instructions": {"training_mode": self.recipe.training_mode,
                              "pending": [pending_entry(r) for r in list(self.instructions.values())]},
             "trainer": self.recipe.trainer,
@@ -667,6 +679,8 @@ class _InstructionSettle:
         if self.traffic is not None:
             self.learner.processor.release(self.traffic)
         self.learner.instructions.pop(self.record_id, None)
+        label, detail = drop_reason(reason)
+        self.learner.drops.drop(f"instruction_{label}" + (f": {detail}" if detail else ""))
         log.warning("scenario %s: instruction %s not trained (%s)", self.learner.name, self.record_id, reason)
         return [self.record_id]
 

@@ -24,12 +24,17 @@ Samples are dialect-free: messages are OpenAI-style chat turns (``{"role", "cont
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Union
 
 from reef_core.observe.model import Record
+
+log = logging.getLogger("reef.dropped")
 
 #: A judge of a (turn, next turn) pair: a score, ``"wait"`` (ask again later) or ``"never"`` (drop the turn).
 #: A dict ``{"score": float, "feedback"?: ..., "metadata"?: {...}}`` scores with extra data.
@@ -138,6 +143,45 @@ class Batch:
         return out
 
 
+def drop_reason(reason: object) -> tuple[str, str | None]:
+    """``(label, detail)`` of a drop reason: ``"trainer_refused: no log-probs"`` counts under ``trainer_refused``
+    (a bounded label for status and ``/metrics``), its detail only in the log line."""
+    text = str(reason).strip()
+    label, sep, detail = text.partition(":")
+    return (label.strip() or "unknown"), (detail.strip() or None) if sep else None
+
+
+class DropCounter:
+    """Samples (or turns) of one scenario that will never train, counted by reason.
+
+    The one counting mechanism of processors and the learner: ``drop(reason, n)`` adds ``n`` under the reason's
+    label (see :func:`drop_reason`) and logs a WARNING the first time a reason is counted (once per scenario and
+    reason: a steady loss is counted, not logged per sample). :meth:`counts` is what status shows as ``dropped``
+    and ``/metrics`` as ``reef_samples_dropped_total{scenario,reason}``. Thread-safe."""
+
+    def __init__(self, scenario: str):
+        self.scenario = scenario
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def drop(self, reason: object, n: int = 1) -> None:
+        if n <= 0:
+            return
+        label, _detail = drop_reason(reason)  # the detail is the caller's to log (it may name a record)
+        with self._lock:
+            first = label not in self._counts
+            self._counts[label] += n
+        if first:
+            log.warning("scenario %s: %d sample(s) dropped without training, reason %s (counted in status "
+                        "'dropped' and reef_samples_dropped_total; logged once per scenario and reason)",
+                        self.scenario, n, label)
+
+    def counts(self) -> dict[str, int]:
+        """Drops so far by reason, sorted by reason."""
+        with self._lock:
+            return dict(sorted(self._counts.items()))
+
+
 class Processor(ABC):
     """Turns one scenario's record stream into training batches (see the module docstring).
 
@@ -179,6 +223,15 @@ class Processor(ABC):
     @abstractmethod
     def drop(self, batch_id: str, reason: str) -> list[str]:
         """The batch will never train: acknowledge it without a step, counting ``reason`` once per sample."""
+
+    def dropped(self) -> dict[str, int]:
+        """Samples dropped without training, by reason (status ``dropped``, ``reef_samples_dropped_total``). A
+        processor counting with a :class:`DropCounter` returns its :meth:`~DropCounter.counts`; by default, the
+        ``dropped`` mapping of :meth:`status`."""
+        found = self.status().get("dropped")
+        if not isinstance(found, dict):
+            return {}
+        return {str(k): v for k, v in found.items() if isinstance(v, int) and not isinstance(v, bool)}
 
     def recheck_after(self) -> float | None:
         """Seconds after which :meth:`ready` may change with no new record (a timeout, a judge to ask again),

@@ -38,7 +38,7 @@ def test_failing_batch_is_dropped_after_retries(serve_trainer):
         assert len(commits) == 1 and "the trainer broke" in commits[0]["metrics"]["train_error"]
         assert set(commits[0]["consumed_ids"]) >= {receipt}
         status = httpx.get(f"{url}/reef/scenarios/broken/status").json()
-        assert status["processor"]["dropped"] == {"trainer_failed": 1}
+        assert status["processor"]["dropped"] == status["dropped"] == {"trainer_failed": 1}
         assert ExplodingTrainer.calls == 3 and status["counters"]["errors"] == 3
         # Serving was never affected.
         assert httpx.post(f"{url}/v1/chat/completions", headers={"x-reef-scenario": "broken"},
@@ -87,5 +87,6 @@ def test_a_refused_step_counts_as_an_error_and_is_logged(serve_trainer, caplog):
         status = httpx.get(f"{url}/reef/scenarios/refusing/status").json()
         assert status["counters"]["skipped"] == 1 and status["counters"]["errors"] == 1, status["counters"]
         assert "eps_clp" in status["last_error"]
+        assert status["dropped"] == {"trainer_refused": 1}  # the label; the message is in last_error
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and "eps_clp" in r.getMessage()]
     assert len(warned) == 1 and "refusing" in warned[0].getMessage()

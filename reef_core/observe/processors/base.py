@@ -10,7 +10,8 @@ which units form the next batch; this base owns everything else:
   receipt is counted as a duplicate;
 * the staleness policy (see :mod:`.eligibility`), applied to waiting units whenever the serving version changes;
 * batch reservation: :meth:`pending_batch` returns the same :class:`Batch` until ``acknowledge``/``drop``/``release``;
-* drop counters by reason, reported by :meth:`status`.
+* drop counters by reason (a :class:`~reef_core.observe.processor.DropCounter`), reported by :meth:`status` and
+  :meth:`dropped`.
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ import hashlib
 import threading
 import time
 from abc import abstractmethod
-from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from reef_core.errors import NotFound, ValidationFailed
 from reef_core.observe.model import Record
-from reef_core.observe.processor import Batch, Processor, Sample, ServingVersion
+from reef_core.observe.processor import Batch, DropCounter, Processor, Sample, ServingVersion
 from reef_core.observe.processors.eligibility import ALREADY_CONSUMED, DUPLICATE, StalenessPolicy
 
 
@@ -93,7 +93,7 @@ class BufferedProcessor(Processor):
         self._seen = SeenRecords()
         self._consumed: set[str] = set()
         self._claimed: set[str] = set()
-        self._dropped: Counter[str] = Counter()
+        self._drops = DropCounter(scenario)
         self._batch: Batch | None = None
         self._batch_units: list[Unit] = []
         self._last_ack: tuple[str, list[str]] | None = None
@@ -148,7 +148,8 @@ class BufferedProcessor(Processor):
     # -- helpers for subclasses -------------------------------------------------------------------------------------
 
     def _count_drop(self, reason: str, n: int = 1) -> None:
-        self._dropped[reason] += n
+        """Count ``n`` samples that will never train (WARNING the first time per reason; see :class:`DropCounter`)."""
+        self._drops.drop(reason, n)
 
     def _drop_unit(self, unit: Unit, reason: str) -> None:
         """Forget a waiting unit without training it; its receipts become claimable again."""
@@ -235,6 +236,9 @@ class BufferedProcessor(Processor):
             self._put_back(units)
             self._batches_released += 1
 
+    def dropped(self) -> dict[str, int]:
+        return self._drops.counts()
+
     def restore(self, consumed_ids: set[str]) -> None:
         with self._lock:
             fresh = set(consumed_ids) - self._consumed
@@ -271,7 +275,7 @@ class BufferedProcessor(Processor):
                 "pending_units": len(waiting),
                 "batch": ({"batch_id": self._batch.batch_id, "samples": len(self._batch.samples)}
                           if self._batch is not None else None),
-                "dropped": dict(sorted(self._dropped.items())),
+                "dropped": self._drops.counts(),
                 "consumed": len(self._consumed),
                 "batches_acknowledged": self._batches_acknowledged,
                 "samples_acknowledged": self._samples_acknowledged,

@@ -7,8 +7,9 @@ Two kinds of series:
   (histograms by route: buckets times scenarios would make a scrape slow) and tokens in and out by scenario. These are the only series touched on the inference path (a few label lookups and
   increments per request).
 * **Read at scrape time** by :class:`DeploymentCollector`: the record writer (queue depth, batches, commit
-  time), each learner's counters (steps, selected, rejected), its last reward, loss and policy lag, its
-  last publish latency, and plugin load failures. Nothing is maintained for them between scrapes.
+  time), each learner's counters (steps, selected, rejected), the samples it dropped by reason
+  (``reef_samples_dropped_total{scenario,reason}``), its last reward, loss and policy lag, its last publish latency,
+  and plugin load failures. Nothing is maintained for them between scrapes.
 
 Cardinality is bounded: the ``route`` label is a route template (never a path with ids in it), ``status`` a
 number, and ``scenario`` one of the first ``server.metrics_max_scenarios`` names seen; later scenarios share
@@ -256,6 +257,23 @@ class DeploymentCollector:
             counters[key].add_metric([scenario], value)
         yield from counters.values()
         yield from gauges.values()
+        yield _dropped_family(learners, self.scenario_label)
+
+
+def _dropped_family(learners: dict, scenario_label: ScenarioLabels) -> CounterMetricFamily:
+    """``reef_samples_dropped{scenario,reason}``: each learner's :meth:`dropped` (its processor's and its own)."""
+    family = CounterMetricFamily("reef_samples_dropped", "Samples dropped or retired without training, by reason "
+                                 "(judge failures, staleness, expiry, records gone...)", labels=["scenario", "reason"])
+    summed: dict[tuple[str, str], float] = {}
+    for name, learner in learners.items():
+        dropped = getattr(learner, "dropped", None)
+        counts = dropped() if callable(dropped) else {}
+        scenario = scenario_label(name)
+        for reason, n in (counts or {}).items():
+            summed[scenario, str(reason)] = summed.get((scenario, str(reason)), 0) + n
+    for (scenario, reason), value in sorted(summed.items()):
+        family.add_metric([scenario, reason], value)
+    return family
 
 
 def _learner_gauges(learner) -> dict[str, float]:
