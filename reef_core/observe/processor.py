@@ -37,7 +37,8 @@ from reef_core.observe.model import Record
 log = logging.getLogger("reef.dropped")
 
 #: A judge of a (turn, next turn) pair: a score, ``"wait"`` (ask again later) or ``"never"`` (drop the turn).
-#: A dict ``{"score": float, "feedback"?: ..., "metadata"?: {...}}`` scores with extra data.
+#: A dict ``{"score": float, "feedback"?: ..., "metadata"?: {...}}`` scores with extra data; ``{"never": reason}``
+#: drops the turn counted under ``reason`` (status ``dropped``).
 JudgeResult = Union[float, int, Literal["wait", "never"], dict]
 Judge = Callable[[Record, Record], JudgeResult]
 

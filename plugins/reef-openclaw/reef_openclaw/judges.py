@@ -29,8 +29,12 @@ from reef_core.api import ConfigError, Record, common_prefix, content_text, exch
 
 log = logging.getLogger(__name__)
 
-#: A judge's answer: ``{"score": float, "hints": [str, ...]}`` (hints already filtered by :func:`select_hints`).
+#: A judge's answer: ``{"score": float, "hints": [str, ...]}`` (hints already filtered by :func:`select_hints`),
+#: plus ``"failed": True`` when no vote was valid (the turn is dropped as :data:`JUDGE_FAILED`, not retired neutral).
 Verdict = dict
+
+#: The drop reason of a turn whose judge gave no valid vote (status ``dropped``, ``reef_samples_dropped_total``).
+JUDGE_FAILED = "judge_failed"
 
 #: A hint is kept only when longer than this many characters (shorter ones carry no instruction).
 HINT_MIN_CHARS = 10
@@ -186,7 +190,7 @@ class CallableJudge:
         self.meter.add(calls=1, failed=0 if ok else 1, seconds=time.monotonic() - started)
         if not ok:
             self._warn(reason, detail)
-            return {"score": 0.0, "hints": []}
+            return {"score": 0.0, "hints": [], "failed": True}
         return {"score": float(score), "hints": select_hints([answer.get("hint")], limit=1)}
 
     def _warn(self, reason: str, detail: str) -> None:

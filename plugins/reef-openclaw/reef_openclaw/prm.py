@@ -146,8 +146,10 @@ class PRMJudge:
         votes = [parse_boxed(a) for a in evaluative]
         hints = [extract_hint(a) for a in directive if parse_boxed(a) == 1]
         self.meter.add(failed=sum(v is None for v in votes) + sum(parse_boxed(a) is None for a in directive))
-        return {"score": float(plurality(votes)),
-                "hints": select_hints(hints, self.options.max_hint_candidates)}
+        verdict = {"score": float(plurality(votes)), "hints": select_hints(hints, self.options.max_hint_candidates)}
+        if all(v is None for v in votes) and all(parse_boxed(a) is None for a in directive):
+            verdict["failed"] = True  # no call gave a valid vote: a broken judge, not a neutral turn
+        return verdict
 
     def status(self) -> dict:
         return {"kind": "prm", "m": self.options.m, **self.meter.status()}

@@ -7,7 +7,8 @@ path. Each pair is handed to the judge as plain dicts (:func:`~reef_openclaw.jud
 :func:`~reef_openclaw.judges.next_state_view`) and its verdict goes through
 :func:`~reef_openclaw.judges.dispatch`; a trained sample carries ``metadata["openclaw"] = {"score", "hints",
 "teacher", "source"}`` for the trainer. ``status()["openclaw"]`` holds the judge's cost (calls, failed votes,
-seconds) and the dispatch counts.
+seconds) and the dispatch counts; a turn that does not train is counted in ``status()["dropped"]`` under its reason:
+``no_next_state``, ``retired_neutral`` (score 0, no hint) or ``judge_failed`` (no vote of the judge's was valid).
 
 Options (``recipe.processor_options``): the ``next_state`` processor's (``batch_size``, ``max_staleness``,
 ``session_tag``, ``session_ttl_s``, ``max_open_turns``, ``max_judge_attempts``) plus ``judge`` (a registered judge
@@ -24,7 +25,8 @@ from typing import Any
 
 from reef_core.api import ConfigError, NextStateProcessor, Record
 
-from reef_openclaw.judges import TEACHER_HINT, dispatch, make_callable_judge, next_state_view, turn_view
+from reef_openclaw.judges import JUDGE_FAILED, TEACHER_HINT, dispatch, make_callable_judge, next_state_view, \
+    turn_view
 
 _NEXT_STATE = ("batch_size", "max_staleness", "session_tag", "session_ttl_s", "max_open_turns", "max_judge_attempts")
 _OWN = ("judge", "judges")
@@ -50,12 +52,15 @@ class OpenClawProcessor(NextStateProcessor):
         state = next_state_view(turn, following)
         if state is None:
             self._count("no_next_state")
-            return "never"
+            return {"never": "no_next_state"}
         verdict = self.openclaw_judge(turn=turn_view(turn), next_state=state)
         outcome = dispatch(verdict)
         if outcome is None:
-            self._count("retired_neutral")
-            return "never"
+            # Dropped under its own reason (status "dropped", reef_samples_dropped_total): a judge whose every vote
+            # failed is judge_failed, not a neutral verdict.
+            why = JUDGE_FAILED if verdict.get("failed") else "retired_neutral"
+            self._count(why)
+            return {"never": why}
         reward, teacher = outcome
         self._count("hint_and_score" if teacher == TEACHER_HINT and reward != 0 else
                     "hint_only" if teacher == TEACHER_HINT else "score_only")

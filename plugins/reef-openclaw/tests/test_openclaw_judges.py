@@ -91,7 +91,7 @@ def test_callable_judge_calls_with_plain_dicts_and_counts_failed_votes():
     for bad in (boom, lambda **_: {"score": math.nan}, lambda **_: {"score": True}, lambda **_: 1.0,
                 lambda **_: {"hint": "Answer with a bulleted list."}):
         failing = CallableJudge(bad)
-        assert failing(turn=TURN, next_state=CORRECTION) == {"score": 0.0, "hints": []}
+        assert failing(turn=TURN, next_state=CORRECTION) == {"score": 0.0, "hints": [], "failed": True}
         assert failing.status()["failed_votes"] == 1
     assert judge.status()["calls"] == 2 and judge.status()["failed_votes"] == 0
 
@@ -178,7 +178,8 @@ def test_a_failing_judge_warns_once_per_scenario_and_reason(caplog):
     judge.scenario = "chat-a"
     turn = {"messages": [], "reply": "x", "agent_record_id": "r1", "tags": {}}
     for _ in range(3):
-        assert judge(turn=turn, next_state={"role": "user", "content": "y"}) == {"score": 0.0, "hints": []}
+        assert judge(turn=turn, next_state={"role": "user", "content": "y"}) == {"score": 0.0, "hints": [],
+                                                                                  "failed": True}
     judge.function = lambda **_: {"score": "high"}
     judge(turn=turn, next_state={"role": "user", "content": "y"})
     judge(turn=turn, next_state={"role": "user", "content": "y"})

@@ -114,7 +114,7 @@ def test_ttl_expires_a_turn_before_its_late_next_state_and_neutral_turns_retire(
     p.ingest(s.turn([u("q"), a("r"), u("thanks"), a("r2"), u("ok")], "r3", session="B", created_at=clock.now))
     assert p.pending_batch() is None and neutral.meter.calls == 1
     status = p.status()
-    assert status["openclaw"]["dispatch"] == {"retired_neutral": 1} and status["dropped"]["judge_never"] == 1
+    assert status["openclaw"]["dispatch"] == {"retired_neutral": 1} and status["dropped"]["retired_neutral"] == 1
 
 
 # -- the prm judge over HTTP ------------------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ processor holds, is counted in ``reports_ignored``.
 Judging runs OFF the ingest path, lazily, on the thread that calls :meth:`ready` or :meth:`pending_batch` (the
 learner's), without holding the processor lock, and only until ``batch_size`` judged samples wait. The judge is
 ``judge(turn_record, next_record)`` returning a float score, ``"wait"`` (ask again on a later call), ``"never"``
-(drop: ``judge_never``) or a dict ``{"score", "feedback"?, "metadata"?}``. A judge that raises is retried up to
+(drop: ``judge_never``), ``{"never": reason}`` (drop, counted under ``reason``, e.g. a judge's failed vote) or a dict
+``{"score", "feedback"?, "metadata"?}``. A judge that raises is retried up to
 ``max_judge_attempts`` times (then ``judge_error``); anything else it returns is ``judge_invalid``. Without a judge
 the processor only correlates (pairs wait; nothing trains), as upstream does with no reward model configured.
 
@@ -478,6 +479,10 @@ class NextStateProcessor(BufferedProcessor):
             return
         if result == "never":
             self._count_drop(JUDGE_NEVER)
+            return
+        if isinstance(result, dict) and "never" in result:  # a judge that says why: counted under its reason
+            why = result["never"]
+            self._count_drop(why if isinstance(why, str) and why.strip() else JUDGE_NEVER)
             return
         feedback, metadata = None, {}
         if isinstance(result, dict):
