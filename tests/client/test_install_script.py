@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -166,3 +167,25 @@ def test_script_and_wrapper_are_shellcheck_clean(live_reef, home):
         wrapper = home / "prefix" / "bin" / f"reef-{adapter}"
         lint = subprocess.run([shellcheck, "-s", "sh", str(script), str(wrapper)], capture_output=True, text=True)
         assert lint.returncode == 0, lint.stdout
+
+
+def test_install_before_the_first_request_serves_the_seed_release(reef_server, fake_upstream_url):
+    """Issue #37: installing the harness is a normal first step, before any request. A scenario whose recipe serves
+    a seed (its trainer's creation files) is created by the install route as its first request would create it;
+    a token that may only read creates nothing."""
+    server = reef_server("engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}",
+                         "server.tokens=[all-token]", "recipe.surface=harness",
+                         "recipe.trainer=reef_core.testing.step_trainer:StepTrainer",
+                         "server.scoped_tokens=[{name: reader, token: read-token, scenarios: ['*'], scopes: [read]}]")
+    server.token = "all-token"
+    reader = {"x-reef-scenario": "fresh", "authorization": "Bearer read-token"}
+    response = httpx.get(f"{server.url}/reef/harness/install", params={"adapter": "generic"}, headers=reader)
+    assert response.status_code == 404, response.text
+    listed = httpx.get(f"{server.url}/reef/scenarios", headers={"authorization": "Bearer all-token"}).json()
+    assert "fresh" not in json.dumps(listed)  # the read-only token created nothing
+    script = _script(server, "fresh")  # 200 before the scenario's first request
+    assert "step 0" in script or "c3RlcCAw" in script  # the seed file, as text or base64
+    harness = httpx.get(f"{server.url}/reef/harness", headers={"x-reef-scenario": "fresh",
+                                                                 "authorization": "Bearer all-token"})
+    assert harness.status_code == 200, harness.text
+    assert harness.json()["files"] == {"system_prompt.md": "step 0"}

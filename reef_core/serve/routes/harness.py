@@ -10,7 +10,8 @@
 ``GET /reef/harness/releases``
     ``{scenario, releases}``, oldest first, each row with its 0-based ``step`` and manifest metrics.
 
-Every route is read-only: it never creates a scenario. 404 when the scenario is unknown, its recipe
+Every route is read-only: it never creates a scenario (but for ``GET /reef/harness/install``, which creates one its
+first inference request would create from a seed release: :func:`harness_surface`). 404 when the scenario is unknown, its recipe
 serves no files (no harness surface), or the release is unknown, foreign or not restorable. A
 requested path is validated (400 for traversal, absolute paths, backslashes, encoded separators...)
 and then only looked up among the release's own files, which come from git objects or memory:
@@ -31,18 +32,28 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from reef_core.errors import Conflict, NotFound, ValidationFailed
 from reef_core.surfaces.harness import RELEASE_HEADER, validate_harness_path
 from reef_core.serve.routes.names import scenario_header
-from reef_core.serve.middleware.tenancy import check_scenario
+from reef_core.serve.middleware.tenancy import check_scenario, principal_of
 
 router = APIRouter()
 _NO_STORE = {"cache-control": "no-store"}
 
 
-async def harness_surface(request: Request, name: str | None = None) -> tuple[Any, str, Any]:
-    """(deployment, scenario name, harness surface) for the request (or scenario ``name``), or NotFound."""
+async def harness_surface(request: Request, name: str | None = None, *,
+                          create_seed: bool = False) -> tuple[Any, str, Any]:
+    """(deployment, scenario name, harness surface) for the request (or scenario ``name``), or NotFound.
+
+    ``create_seed`` (the install route): a scenario not stored yet whose recipe serves a seed release (a harness
+    trainer's creation files) is created as its first inference request would create it, by a token that may
+    infer on it and only where implicit scenarios are on, so that its harness can be installed before that
+    request (issue #37)."""
     dep = request.app.state.reef
     name = name or scenario_header(request)
     check_scenario(request.scope, name)
     scenario = await asyncio.to_thread(dep.find_scenario, name)
+    if scenario is None and create_seed and "infer" in principal_of(request.scope).scopes:
+        candidate = await dep.resolve(name)  # NotFound when implicit scenarios are off
+        if dep.serves_a_seed(candidate):
+            scenario = await dep.create_scenario(name)
     if scenario is None or getattr(scenario, "archived", False):
         raise NotFound(f"unknown scenario {name!r}")
     surface = dep.surface_for(scenario)

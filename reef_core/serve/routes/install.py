@@ -3,8 +3,10 @@
 Answers ``text/x-shellscript`` (:mod:`reef_core.serve.routes.install_script`) installing the scenario's serving release
 (or ``release_id``), rendered by the registered harness adapter ``adapter`` (``reef_register_harness_adapters``)
 and bound to the address the client reached (``x-forwarded-proto`` / ``x-forwarded-host`` honoured). The scenario
-comes from ``x-reef-scenario`` or, for ``curl ... | sh`` convenience, ``?scenario=`` (both given must agree). Read-only
-like every harness route: an unknown scenario is 404, never created. Query parameters are checked at the door: an
+comes from ``x-reef-scenario`` or, for ``curl ... | sh`` convenience, ``?scenario=`` (both given must agree). A
+scenario with no record yet whose recipe serves a seed (creation) release is created here, as its first inference
+request would create it (a token with the ``infer`` scope, implicit scenarios on), so the harness installs before that
+request; any other unknown scenario is 404, never created. Query parameters are checked at the door: an
 unknown, repeated or empty one, or an unknown adapter, is 400 naming it.
 """
 
@@ -82,7 +84,7 @@ async def install(request: Request):
     if adapter is None:
         raise ValidationFailed("adapter must be a registered adapter name", param="adapter")
     url = _base_url(request)
-    dep, scenario, surface = await harness_surface(request, _scenario(request, params))
+    dep, scenario, surface = await harness_surface(request, _scenario(request, params), create_seed=True)
     row, files = await asyncio.to_thread(read_release, dep, surface, scenario, params.get("release_id"))
     models = dep.model_ids() or ["reef"]
     rendered = adapter.render(dict(files), ModelBinding(url=url, scenario=scenario, model=models[0]))
