@@ -104,7 +104,7 @@ def test_third_party_recipe_package():
 
 def test_serve_refuses_a_weights_recipe_on_an_engine_that_cannot_swap(tmp_path):
     result = reef("serve", "+recipe=sao", "engine.kind=upstream", "engine.upstream_url=http://127.0.0.1:9",
-                  f"storage.data_dir={tmp_path}")
+                  f"storage.data_dir={tmp_path}", "server.port=0")  # refused whether 8900 is free or not
     assert result.returncode == 2
     assert "weights surface needs an engine that can swap weights" in result.stderr
 

@@ -8,12 +8,14 @@ from pathlib import Path
 from ..config.schema import ReefConfig
 
 
-def build_deployment(cfg: ReefConfig, plugin_manager=None, role: str | None = None, preload: bool = False):
+def build_deployment(cfg: ReefConfig, plugin_manager=None, role: str | None = None, preload: bool = False,
+                     before_build=None):
     """The deployment ``cfg`` describes; ``role`` as in :class:`~reef_core.loop.deployment.Deployment`.
 
     ``preload``: the engine starts loading (:meth:`~reef_core.engines.base.Engine.preload`) as soon as it exists,
     so a model loads while the record store opens and the caller builds its app; for a caller outside an event
-    loop (``reef serve``), which then starts the deployment."""
+    loop (``reef serve``), which then starts the deployment. ``before_build`` (a callable) runs once the config
+    has passed its checks, before anything is written or loaded (``reef serve``: whether its port is free)."""
     from ..config.recipes import check_components, recipe_bindings
     from ..models.device import check_devices
     from ..observe.records import RecordStore
@@ -26,6 +28,8 @@ def build_deployment(cfg: ReefConfig, plugin_manager=None, role: str | None = No
     # So is a component's option it would refuse (a typo'd key): before the model loads, not on every step.
     for binding in recipe_bindings(cfg, pm).values():
         check_components(binding, pm)
+    if before_build is not None:
+        before_build()
     data_dir = Path(cfg.storage.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     engine = pm.create("engine", cfg.engine.kind, config=cfg.engine, data_dir=data_dir)

@@ -57,7 +57,6 @@ def serve(cfg: ReefConfig) -> int:
     from reef_core.serve.middleware.connection import ConnectionLimits, protocol_class, reserve_descriptors
 
     check_bind(cfg)
-    check_port_free(cfg)
     workers = check_workers(cfg.server)
     configure_logs(cfg.server)
     limits = ConnectionLimits.from_config(cfg.server)
@@ -67,7 +66,9 @@ def serve(cfg: ReefConfig) -> int:
     logging.getLogger("alembic").setLevel(logging.WARNING)
     # The engine loads its model from here on, on a thread of its own: the app's modules are imported and the app
     # built meanwhile (start-up, issue #23).
-    deployment = build_deployment(cfg, preload=True)
+    # A busy port is refused once the config has passed its checks (a bad config is exit 2 whatever the port),
+    # before the model loads.
+    deployment = build_deployment(cfg, preload=True, before_build=lambda: check_port_free(cfg))
     import uvicorn
 
     from reef_core.serve.app import create_app
