@@ -138,6 +138,17 @@ def test_judge_wait_never_and_invalid_answers():
     assert p.pending_batch() is None
 
 
+def test_a_judge_that_says_why_a_turn_never_trains_is_counted_under_its_reason():
+    s = Stream()
+    judge = Judge({"t1": {"never": "judge_failed"}, "t3": {"never": ""}, "t5": {"never": "judge_failed"}})
+    p = NextStateProcessor(SCENARIO, judge=judge)
+    for i in range(3):
+        p.ingest(s.turn([u(f"q{i}")], f"a{i}", session=f"S{i}"))
+        p.ingest(s.turn([u(f"q{i}"), a(f"a{i}"), u("next")], "z", session=f"S{i}"))
+    assert p.pending_batch() is None
+    assert p.status()["dropped"] == p.dropped() == {"judge_failed": 2, "judge_never": 1}  # no reason: judge_never
+
+
 def test_judge_errors_are_retried_then_dropped():
     s = Stream()
     attempts = []

@@ -68,7 +68,8 @@ def test_reusing_another_teams_id_is_answered_as_a_free_one_and_locks_nobody_out
     b = served.post("/v1/chat/completions", json=chat("b's question"), headers=auth(TEAM_B, "team-b-x", "shared"))
     assert b.status_code == 200 and b.headers["x-reef-agent-record-id"] == "shared"
     for rid in ("shared-r", "shared-i"):
-        assert served.post("/v1/chat/completions", json=chat(rid), headers=auth(TEAM_B, "team-b-x", rid)).status_code == 200
+        stored = served.post("/v1/chat/completions", json=chat(rid), headers=auth(TEAM_B, "team-b-x", rid))
+        assert stored.status_code == 200
     b_records = records(served, "team-b-x")
     # Team A reuses B's id for its own request: a 200 as for a free id (it was 409), with a receipt of its own.
     a = served.post("/v1/chat/completions", json=chat("a's question"), headers=auth(TEAM_A, "team-a-x", "shared"))
