@@ -18,6 +18,7 @@ BENCHMARKS = {
     "fuzz": "bench.fuzz",
     "topk": "bench.topk",
     "engine": "bench.engine",
+    "stream": "bench.stream",
     "replicas": "bench.replicas",
     "batch": "bench.batch",
     "ready": "bench.ready",
