@@ -49,7 +49,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--window", type=int, default=None,
                         help="rollouts per window of the curve (default: 16 = two client rounds of 8 for smollm2, "
                              "48 for tiny)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="max_tokens per request (default: the engine's)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="max_tokens per request (default: the SAO task's, 24)")
     parser.add_argument("--seed", type=int, default=0, help="task stream, engine and trainer seed (default 0)")
     parser.add_argument("--cache", default=None,
                         help="model cache directory (default: REEF_MODEL_CACHE or one in the temporary data dir)")

@@ -80,6 +80,8 @@ def test_a_learn_job_repeats_for_its_seed_and_keeps_every_record(tmp_path, monke
     for report in (r for r in records if r.kind == "report"):
         assert report.references[0] in inferences  # each report quotes its rollout's record
     assert all("tokens" in r.payload and r.version for r in inferences.values())  # trainable, versioned
+    # each rollout's request carries the task's reply budget (learn.max_tokens: 8 on the tiny profile), issue #37
+    assert {r.payload["request"].get("max_tokens") for r in inferences.values()} == {8}
     # on-policy: the first batch of 4 was served by the start weights, the second by the first published version
     served = [r.version for r in records if r.kind == "inference"]
     assert len(set(served[:4])) == 1 and len(set(served[4:])) == 1 and served[0] != served[4]

@@ -268,6 +268,8 @@ class LearnConfig:
     verifier_options: dict[str, Any] = field(default_factory=dict)
     #: Rollouts per job: tasks drawn from the file in an order shuffled by ``seed``.
     rollouts: int = 480
+    #: Each rollout's reply budget (its request's ``max_tokens``); unset: ``engine.max_new_tokens``.
+    max_tokens: Optional[int] = None
     #: Rollouts per point of the reward curve (mean reward per window).
     window: int = 48
     scenario: str = "learn"

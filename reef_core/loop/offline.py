@@ -114,6 +114,8 @@ async def _rollout(dep, scenario, task: dict) -> tuple[Record, str]:
     """One generation as an inference request makes it; the stored record and the reply's text."""
     engine = dep.engine
     body = {"model": "reef", "messages": task["messages"]}
+    if dep.cfg.learn.max_tokens:  # the task's reply budget, as its client would send it
+        body["max_tokens"] = int(dep.cfg.learn.max_tokens)
     release_id = None
     surface = dep.surface_for(scenario)
     if surface is not None:

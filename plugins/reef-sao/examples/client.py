@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from reef_core.api import ReefClient
 
-from reef_sao.tasks import score, task_stream
+from reef_sao.tasks import MAX_TOKENS, score, task_stream
 
 
 def run(base_url: str, scenario: str, rollouts: int | None, *, seed: int = 0, token: str = "reef",
@@ -37,6 +37,9 @@ def run(base_url: str, scenario: str, rollouts: int | None, *, seed: int = 0, to
     """Send ``rollouts`` tasks (endless with None), report their scores; return ``{"rewards": [...], "times": [...],
     "releases": [...]}`` (``times``: seconds from the start to each report).
 
+    ``max_tokens``: each request's reply budget; None: the task's (:data:`reef_sao.tasks.MAX_TOKENS`), 0: the
+    engine's ``engine.max_new_tokens``.
+
     ``concurrency`` clients send tasks at once (each with its own receipts, so ``references="last"`` stays its own
     completion; rewards are listed in the order their reports went out). ``duration_s`` stops starting new tasks
     after that many seconds; the ones already sent finish and count."""
@@ -44,6 +47,7 @@ def run(base_url: str, scenario: str, rollouts: int | None, *, seed: int = 0, to
         raise ValueError("concurrency and window must be >= 1")
     if rollouts is None and duration_s is None:
         raise ValueError("give rollouts, duration_s or both")
+    max_tokens = MAX_TOKENS if max_tokens is None else max_tokens
     rewards: list[float] = []
     times: list[float] = []
     started = time.monotonic()
@@ -101,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="clients sending at once (the local engine batches concurrent requests); default 1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--token", default="reef", help="an inference token (server.tokens), if the server has any")
-    parser.add_argument("--max-tokens", type=int, default=None, help="default: the engine's max_new_tokens")
+    parser.add_argument("--max-tokens", type=int, default=None, help=f"reply budget per request (default {MAX_TOKENS}, the task's; 0: the engine's "
+                                                                     "max_new_tokens)")
     parser.add_argument("--window", type=int, default=48)
     parser.add_argument("--json", default=None, help="write rewards and releases to this file")
     args = parser.parse_args(argv)

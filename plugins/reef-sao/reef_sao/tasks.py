@@ -18,6 +18,11 @@ from typing import Iterator
 
 VOWELS = "aeiou"
 
+#: The reply budget the task's requests set (``max_tokens``): its replies need a few words, and every token is
+#: generated and then trained three times (2 critic steps + the actor), so learning stays fast while the
+#: deployment's own default (``engine.max_new_tokens`` 256 under ``+recipe=sao``) lets ordinary answers finish.
+MAX_TOKENS = 24
+
 _TEMPLATES = (
     "Task {n}: reply using only the letters {letters}.",
     "Task {n}: write a word made only of {letters}.",

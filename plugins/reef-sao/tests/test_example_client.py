@@ -53,3 +53,20 @@ def test_bad_arguments_are_refused():
         client.run("http://127.0.0.1:9", "s", 1, concurrency=0)
     with pytest.raises(ValueError, match="duration_s"):
         client.run("http://127.0.0.1:9", "s", None)
+
+
+def test_the_task_sets_its_own_reply_budget_and_the_default_lets_answers_finish(upstream_reef):
+    """Issue #37: `+recipe=sao` cut ordinary answers at 24 tokens. Its default is now 256; the example task's requests
+    carry the task's own budget (24), and the offline task its `learn.max_tokens`."""
+    from reef_core.config import compose_config
+    from reef_sao.tasks import MAX_TOKENS
+
+    assert compose_config(["+recipe=sao"]).engine.max_new_tokens == 256
+    assert compose_config(["+recipe=sao"]).learn.max_tokens == MAX_TOKENS == 24
+    assert compose_config(["+recipe=sao", "+sao_profile=tiny"]).learn.max_tokens == 8
+    _example_client().run(upstream_reef.url, "client-task-budget", 2, quiet=True)
+    sent = [r for r in _records(upstream_reef.url, "client-task-budget") if r["request_type"] != "report"]
+    assert len(sent) == 2
+    for row in sent:
+        record = httpx.get(f"{upstream_reef.url}/reef/scenarios/client-task-budget/records/{row['agent_record_id']}")
+        assert record.json()["payload"]["request"]["max_tokens"] == MAX_TOKENS

@@ -18,7 +18,7 @@ from reef_core.api import (
 from reef_core.testing import PluginManager, available_recipes, compose_config
 from reef_sao.objectives import GRPODISObjective, SAOObjective, objective_for
 from reef_sao.schema import validate_sao_report
-from reef_sao.tasks import Task, score, task_stream
+from reef_sao.tasks import MAX_TOKENS, Task, score, task_stream
 from reef_sao.trainer import SAOOptions
 
 #: sao.yaml's shipped choices for the default deployment (SmolLM2 on CPU; see its header).
@@ -56,7 +56,9 @@ def test_sao_recipe_composes_with_the_paper_knobs(pm):
     assert (cfg.trainer.lora, cfg.trainer.lora_layers, opts["critic_lora"]) == (True, 8, True)
     assert (cfg.trainer.lr, cfg.trainer.critic_lr, opts["critic_lr"]) == (LR, CRITIC_LR, CRITIC_LR)
     assert (opts["batch_size"], cfg.trainer.grad_accumulation) == (BATCH, GRAD_ACCUMULATION)
-    assert (cfg.engine.max_new_tokens, cfg.engine.num_threads) == (24, 1)
+    # Ordinary answers finish (256); the example task's requests set its own short budget (issue #37).
+    assert (cfg.engine.max_new_tokens, cfg.engine.num_threads) == (256, 1)
+    assert cfg.learn.max_tokens == MAX_TOKENS == 24
     SAOOptions.from_options(recipe["options"], recipe["processor_options"])  # valid as shipped
 
 
