@@ -131,7 +131,11 @@ _LAZY = {
     "explained_variance": "reef_core.grow.losses",
     "length_adaptive_lambda": "reef_core.grow.losses",
     "skip_observation_gae": "reef_core.grow.losses",
+    "clipped_surrogate": "reef_core.grow.losses",
+    "grpo_advantages": "reef_core.grow.losses",
+    "centered_kl_advantages": "reef_core.grow.losses",
     "TorchTrainer": "reef_core.grow.torch_backend",
+    "TorchTrainerOptions": "reef_core.grow.torch_backend",
     "adamw": "reef_core.grow.optim",
     "build_tiny_model": "reef_core.models.loading",
     "build_tiny_tokenizer": "reef_core.models.loading",
@@ -156,12 +160,15 @@ if TYPE_CHECKING:
     from reef_core.observe.processors.next_state import NextStateProcessor
     from reef_core.grow.losses import (
         ENTROPIC_TARGET_KL,
+        centered_kl_advantages,
+        clipped_surrogate,
         dis_weight,
         entropic_adaptive_beta_loo,
         entropic_beta,
         entropic_kl,
         entropic_loo,
         explained_variance,
+        grpo_advantages,
         length_adaptive_lambda,
         skip_observation_gae,
     )
@@ -170,7 +177,7 @@ if TYPE_CHECKING:
     from reef_core.grow.optim import adamw
     from reef_core.grow.reference import ReferenceModel, ReferenceScores
     from reef_core.grow.token_batch import TokenBatch, TokenDataError, TokenRow, row_from_sample, row_from_tokens
-    from reef_core.grow.torch_backend import TorchTrainer
+    from reef_core.grow.torch_backend import TorchTrainer, TorchTrainerOptions
 
 
 def __getattr__(name: str):
@@ -198,9 +205,10 @@ __all__ = [
     "Objective", "Prepared", "ValueModel", "sequence_logprobs", "action_logits", "token_sum",
     "ReferenceModel", "ReferenceScores",
     "TokenBatch", "TokenRow", "TokenDataError", "row_from_sample", "row_from_tokens",
-    "dis_weight", "explained_variance", "length_adaptive_lambda", "skip_observation_gae",
+    "dis_weight", "clipped_surrogate", "grpo_advantages", "centered_kl_advantages",
+    "explained_variance", "length_adaptive_lambda", "skip_observation_gae",
     "entropic_beta", "entropic_loo", "entropic_kl", "entropic_adaptive_beta_loo", "ENTROPIC_TARGET_KL",
-    "TorchTrainer", "adamw", "build_tiny_model", "build_tiny_tokenizer",
+    "TorchTrainer", "TorchTrainerOptions", "adamw", "build_tiny_model", "build_tiny_tokenizer",
     # commit: the gate and the release chain
     "Candidate", "Current", "Decision", "EvaluationResult", "Evaluator", "SelectionPolicy",
     "ArtifactStore", "FileValue", "Release", "scenario_key", "scenario_path",
