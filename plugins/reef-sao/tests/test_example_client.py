@@ -58,7 +58,7 @@ def test_bad_arguments_are_refused():
 def test_the_task_sets_its_own_reply_budget_and_the_default_lets_answers_finish(upstream_reef):
     """Issue #37: `+recipe=sao` cut ordinary answers at 24 tokens. Its default is now 256; the example task's requests
     carry the task's own budget (24), and the offline task its `learn.max_tokens`."""
-    from reef_core.config import compose_config
+    from reef_core.testing import compose_config
     from reef_sao.tasks import MAX_TOKENS
 
     assert compose_config(["+recipe=sao"]).engine.max_new_tokens == 256
