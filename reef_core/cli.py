@@ -21,6 +21,24 @@ EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: stdout's reader closed it before the output was written
 
 
+class _ServeHelp(argparse.Action):
+    """``reef serve --help``: the usage, then the config's sections and groups (:mod:`reef_core.config.help`),
+    generated only when asked (it composes the default config and reads every recipe package's search path)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from .config.help import serve_epilog
+
+        try:
+            parser.epilog = serve_epilog()
+        except ReefError as exc:  # a broken recipe package: the usage still prints, and says why the rest did not
+            parser.epilog = f"(the config could not be listed: {exc.message})"
+        parser.print_help()
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="reef",
@@ -29,8 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", "-V", action="version", version=f"reef {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("serve", help="start the HTTP server (e.g. reef serve +recipe=sao server.port=8900)")
-    p.add_argument("overrides", nargs="*", help="Hydra overrides")
+    p = sub.add_parser("serve", help="start the HTTP server (e.g. reef serve +recipe=sao server.port=8900)",
+                       add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-h", "--help", action=_ServeHelp, help="show this help, the config sections' most-used keys "
+                                                           "with their defaults, and the config groups; exit")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides (SECTION.KEY=VALUE, +GROUP=OPTION)")
 
     p = sub.add_parser("learn", help="run the learners only, beside serving replicas (server.learner=false) that "
                                      "share its PostgreSQL record store and artifact repository")

@@ -148,3 +148,35 @@ def test_serve_on_a_busy_port_fails_in_one_line_before_loading(tmp_path):
                      "stop it, or choose another port with server.port=N"], result.stderr
     assert not data_dir.exists()  # refused before the deployment (and its model) was built
     assert time.monotonic() - started < 60
+
+
+def test_serve_help_lists_sections_keys_defaults_and_groups():
+    """Issue #37: `reef serve --help` lists the config groups and the most-used keys with their defaults, generated
+    from the schema, the default config and the installed recipe packages."""
+    import dataclasses
+
+    from reef_core.config import available_recipes
+    from reef_core.config.help import COMMON_KEYS
+    from reef_core.config.schema import ReefConfig
+
+    result = reef("serve", "--help")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith("usage: reef serve") and "Traceback" not in result.stderr
+    cfg = compose_config([])
+    sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ReefConfig)
+                if dataclasses.is_dataclass(getattr(cfg, f.name))}
+    for section, keys in COMMON_KEYS.items():  # the chosen keys are the schema's, shown with the defaults
+        assert section in sections, section
+        names = {f.name for f in dataclasses.fields(sections[section])}
+        assert set(keys) <= names, (section, set(keys) - names)
+    for section in sections:
+        assert f"\n  {section} " in out, section
+    for shown in ("host=127.0.0.1", f"port={cfg.server.port}", f"data_dir={cfg.storage.data_dir}",
+                  f"kind={cfg.engine.kind}", f"model={cfg.engine.model}",
+                  f"max_new_tokens={cfg.engine.max_new_tokens}", "(+"):
+        assert shown in out, shown
+    for recipe in available_recipes():
+        assert recipe in out, recipe
+    assert "+recipe=" in out and "+sao_profile=" in out and "tiny_grpo" in out and "(after +recipe=sao)" in out
+    assert reef("serve", "-h").stdout == out
