@@ -7,8 +7,9 @@ A fenced block is runnable when the line right before its fence is an HTML comme
     <!-- runnable: file path="reef-myrecipe/pyproject.toml" -->
 
 ``python`` blocks run with this interpreter in a temporary directory of their own, ``sh`` blocks with ``bash -e``
-(the venv's ``bin`` first on ``PATH``) in the repository root, or in that directory with ``cwd="section"``;
-``file`` blocks are written to ``path`` inside it before each runnable block of the same README section runs.
+(the venv's ``bin`` first on ``PATH``) in a view of the repository root (a link to each top-level entry, so
+that what a block writes stays out of the checkout), or in their own temporary directory with ``cwd="section"``;
+``file`` blocks are written to ``path`` inside that directory before each runnable block of their README section.
 ``env="NAME=value ..."`` sets variables for the block (``{dir}``: its directory). ``server=`` names the
 overrides of a live ``reef serve`` the block talks to (one server per distinct value, shared by the blocks;
 ``{fake_upstream}`` is the fake provider's URL); its address reaches the block only through ``REEF_URL``. A
@@ -150,7 +151,7 @@ def test_readme_block(block: Block, servers, tmp_path_factory):
         script = directory / "block.sh"
         script.write_text(block.text)
         cmd = ["bash", "-e", str(script)]
-        cwd = directory if block.attrs.get("cwd") == "section" else ROOT
+        cwd = directory if block.attrs.get("cwd") == "section" else _checkout_view(directory / "checkout")
     timeout = float(block.attrs.get("timeout", DEFAULT_TIMEOUT))
     output = directory / "output.txt"
     # Output to a file, not a pipe: a server the block left in the background holds its stdout open.
@@ -166,6 +167,16 @@ def test_readme_block(block: Block, servers, tmp_path_factory):
         _stop_group(proc.pid)
     assert proc.returncode == 0, (
         f"{block.test_id} (line {block.line}) exited {proc.returncode}:\n{block.text}\n--- output ---\n{_tail(output)}")
+
+
+def _checkout_view(view: Path) -> Path:
+    """A directory that looks like the repository root (a link to each top-level entry), so that a block run "from
+    the checkout" finds `.venv/` and `plugins/` but writes what it makes (a PNG, a data directory) elsewhere."""
+    view.mkdir()
+    for entry in ROOT.iterdir():
+        if entry.name != ".git":
+            (view / entry.name).symlink_to(entry)
+    return view
 
 
 def _tail(path: Path) -> str:
