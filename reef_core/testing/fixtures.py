@@ -21,6 +21,13 @@ from reef_core.client.server_process import REEF, ReefProcess, free_port  # noqa
 def _shared_model_cache(tmp_path_factory):
     # Servers started by tests share built/converted models (SmolLM2 takes a minute to convert).
     os.environ.setdefault("REEF_MODEL_CACHE", str(tmp_path_factory.getbasetemp() / "models"))
+    # A process that drops REEF_* (a fresh venv's server) caches in this user's cache: never the real ~/.cache. The
+    # compiled kernels stay where they were before XDG_CACHE_HOME was set, so a test session does not rebuild them.
+    # (reef_core.engines.kernels.cache_dir, without importing torch here).
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    user_cache = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    os.environ.setdefault("REEF_KERNEL_CACHE", str(user_cache / "reef" / "kernels"))
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.getbasetemp() / "xdg-cache")
     yield
 
 
