@@ -84,7 +84,10 @@ async def install(request: Request):
     if adapter is None:
         raise ValidationFailed("adapter must be a registered adapter name", param="adapter")
     url = _base_url(request)
-    dep, scenario, surface = await harness_surface(request, _scenario(request, params), create_seed=True)
+    # The serving release of a scenario with no record yet is its seed: created here (an earlier release_id of it
+    # cannot exist, so that request creates nothing).
+    dep, scenario, surface = await harness_surface(request, _scenario(request, params),
+                                                   create_seed="release_id" not in params)
     row, files = await asyncio.to_thread(read_release, dep, surface, scenario, params.get("release_id"))
     models = dep.model_ids() or ["reef"]
     rendered = adapter.render(dict(files), ModelBinding(url=url, scenario=scenario, model=models[0]))
