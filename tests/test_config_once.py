@@ -77,10 +77,17 @@ def test_a_missing_option_default_names_the_field(tmp_path):
 # -- one default per knob -----------------------------------------------------------------------------------------
 
 class _Spy:
-    """Stands in for TorchTrainer.__init__: records what from_config hands over."""
+    """Stands in for TorchTrainer.__init__: records the options from_config hands over, as the fields it set (those
+    not at TorchTrainerOptions' own defaults, and the evaluation engine's, which it always sets)."""
 
-    def __init__(self, objective, load_base_model, **settings):
-        self.settings = settings
+    EVAL = ("eval_model_dir", "eval_max_new_tokens", "eval_generation")
+
+    def __init__(self, objective, load_base_model, options=None, **rest):
+        from reef_core.grow.torch_backend import TorchTrainerOptions
+
+        plain = TorchTrainerOptions()
+        self.settings = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+                         if f.name in _Spy.EVAL or getattr(options, f.name) != getattr(plain, f.name)}
 
 
 def _spy_trainer_class():
@@ -105,10 +112,11 @@ def test_torch_trainer_takes_every_backend_knob_from_the_trainer_section():
 
 
 def test_torch_trainer_defaults_are_the_trainer_sections():
-    """TorchTrainer's own keyword defaults are read from TrainerConfig, not restated (the same objects)."""
-    from reef_core.grow.torch_backend import TorchTrainer
+    """TorchTrainer's own defaults (TorchTrainerOptions') are read from TrainerConfig, not restated (the same
+    objects)."""
+    from reef_core.grow.torch_backend import TorchTrainerOptions
 
-    params = inspect.signature(TorchTrainer.__init__).parameters
+    params = {f.name: f for f in dataclasses.fields(TorchTrainerOptions)}
     defaults = {f.name: f.default for f in dataclasses.fields(TrainerConfig)}
     for knob in ("lr", "lora", "lora_rank", "lora_alpha", "lora_layers", "grad_accumulation", "device"):
         assert params[knob].default is defaults[knob], knob
