@@ -24,7 +24,7 @@ from openai import OpenAI
 
 from reef_ttt.task import load_executor, load_task, parse_guidance, state_from_reply
 
-RECEIPT_HEADER = "x-reef-agent-record-id"
+RECORD_ID_HEADER = "x-reef-agent-record-id"
 
 
 @dataclass
@@ -104,7 +104,7 @@ class TTTClient:
         extra = {"max_tokens": self.max_tokens} if self.max_tokens else {}
         raw = self.chat.chat.completions.with_raw_response.create(
             model="reef", messages=group["prompt"], temperature=1.0, top_p=1.0, **extra)
-        receipt = raw.headers.get(RECEIPT_HEADER)
+        receipt = raw.headers.get(RECORD_ID_HEADER)
         if receipt is None:
             raise RuntimeError("the response carries no receipt header; is this a Reef server?")
         text = raw.parse().choices[0].message.content or ""
