@@ -7,7 +7,9 @@
     reef harness pull DIR [--release-id ID]
     reef import FILE.jsonl [--batch-size N]   (records without calling a model; a progress bar on stderr)
 
-Each takes ``--url`` (``REEF_URL``), ``--token`` (``REEF_TOKEN``), ``--scenario`` (``REEF_SCENARIO``) and ``--json``.
+Each takes ``--url`` (``REEF_URL``, else the local server ``http://127.0.0.1:8900``), ``--token`` (``REEF_TOKEN``),
+``--scenario`` (``REEF_SCENARIO``) and ``--json``. Times print as ``YYYY-MM-DD HH:MM:SS`` in UTC, whichever form the
+server sent (records carry epoch seconds, releases ISO 8601).
 Tables use ``rich`` at a terminal when it is installed (``reef-core[client]``), else aligned plain text.
 """
 
@@ -16,18 +18,21 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 from datetime import datetime, timezone
 from typing import Any, Callable
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+#: Where ``reef serve`` listens by default (``server.port``), so a client command on the same machine needs no flag.
+DEFAULT_URL = "http://127.0.0.1:8900"
 
 
 def add_commands(sub) -> dict[str, Callable[[argparse.Namespace], int]]:
     """Add the client commands to the ``reef`` subparsers; returns ``{command: handler}``."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--url", help="Reef's address (default: $REEF_URL)")
+    common.add_argument("--url", help=f"Reef's address (default: $REEF_URL, else {DEFAULT_URL})")
     common.add_argument("--token", help="an inference token (default: $REEF_TOKEN)")
     common.add_argument("--scenario", help="the scenario (default: $REEF_SCENARIO)")
     common.add_argument("--json", action="store_true", help="print JSON")
@@ -43,7 +48,7 @@ def add_commands(sub) -> dict[str, Callable[[argparse.Namespace], int]]:
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--after", type=int, default=0, help="only records after this sequence number")
 
-    sub.add_parser("releases", parents=[common], help="list a scenario's releases, oldest first")
+    sub.add_parser("releases", parents=[common], help="list a scenario's releases, newest first")
     sub.add_parser("status", parents=[common], help="a scenario's learner status (or the deployment's)")
 
     p = sub.add_parser("harness", parents=[common], help="pull a scenario's harness tree")
@@ -78,10 +83,14 @@ def _guarded(command):
     return run
 
 
-def _client(args):
+def _client(args, *, needs_scenario: bool = True):
+    """The client the flags name; a missing scenario is refused naming the flag, before any request."""
     from .core import ReefClient
 
-    return ReefClient(args.url, scenario=args.scenario, token=args.token)
+    scenario = args.scenario or os.environ.get("REEF_SCENARIO") or None
+    if needs_scenario and scenario is None:
+        raise ValueError(f"reef {args.command} needs a scenario: pass --scenario NAME or set REEF_SCENARIO")
+    return ReefClient(args.url or os.environ.get("REEF_URL") or DEFAULT_URL, scenario=scenario, token=args.token)
 
 
 def _json_arg(text: str | None, name: str, *, object_only: bool) -> Any:
@@ -104,10 +113,19 @@ def _print_json(value) -> None:
     print(json.dumps(value, indent=2, ensure_ascii=False))
 
 
-def _when(ts) -> str:
-    if not isinstance(ts, (int, float)):
+def readable_time(value) -> str:
+    """A time as a person reads it (``YYYY-MM-DD HH:MM:SS`` UTC) from epoch seconds or an ISO 8601 string; ``""``
+    for none, the text itself for anything else."""
+    if isinstance(value, bool) or value is None or value == "":
         return ""
-    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        when = (datetime.fromtimestamp(value, tz=timezone.utc) if isinstance(value, (int, float))
+                else datetime.fromisoformat(str(value).replace("Z", "+00:00")))
+    except (ValueError, OverflowError, OSError):
+        return str(value)
+    if when.tzinfo is not None:
+        when = when.astimezone(timezone.utc)
+    return when.strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _cell(value) -> str:
@@ -163,7 +181,7 @@ def cmd_records(args) -> int:
         _print_json(rows)
         return EXIT_OK
     print_table(f"records of {reef.scenario}", ["seq", "id", "type", "created", "score", "references", "release"],
-                [[r.get("sequence"), r.get("agent_record_id"), r.get("request_type"), _when(r.get("created_at")),
+                [[r.get("sequence"), r.get("agent_record_id"), r.get("request_type"), readable_time(r.get("created_at")),
                   r.get("score"), " ".join(r.get("references") or ()), r.get("artifact_ref")] for r in rows])
     return EXIT_OK
 
@@ -176,12 +194,12 @@ def cmd_releases(args) -> int:
         return EXIT_OK
     print_table(f"releases of {reef.scenario}", ["", "release", "operation", "created", "parent"],
                 [["*" if r.get("current") else "", r.get("release_id"), r.get("operation"),
-                  _when(r.get("created_at")), r.get("parent_release_id")] for r in rows])
+                  readable_time(r.get("created_at")), r.get("parent_release_id")] for r in rows])
     return EXIT_OK
 
 
 def cmd_status(args) -> int:
-    with _client(args) as reef:
+    with _client(args, needs_scenario=False) as reef:
         status = reef.status() if reef.scenario else reef.server_status()
     if args.json:
         _print_json(status)

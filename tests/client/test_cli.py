@@ -57,6 +57,47 @@ def test_cli_errors(live_reef):
     refused = _reef("report", "--url", live_reef.url, "--token", live_reef.token, "--scenario", "cli-errors",
                     "--score", "1", "--reference", "no-such-receipt")
     assert refused.returncode == 1 and "400" in refused.stderr and "not a stored record" in refused.stderr
-    assert _reef("records", "--scenario", "x").returncode == 2  # no URL: a usage error
+    # No scenario: a usage error naming the flag, before any request (nothing listens on port 9).
+    unnamed = _reef("records", "--url", "http://127.0.0.1:9")
+    assert unnamed.returncode == 2 and "--scenario" in unnamed.stderr and "REEF_SCENARIO" in unnamed.stderr
     bad = _reef("report", "--url", live_reef.url, "--scenario", "x", "--metadata", "[1]")
     assert bad.returncode == 2 and "--metadata must be a JSON object" in bad.stderr
+
+
+def test_client_commands_default_to_the_local_server(monkeypatch):
+    """No --url and no REEF_URL: the server ``reef serve`` starts by default on this machine."""
+    import argparse
+
+    from reef_core.client import cli
+
+    monkeypatch.delenv("REEF_URL", raising=False)
+    args = argparse.Namespace(command="records", url=None, token=None, scenario="s")
+    with cli._client(args) as reef:
+        assert str(reef.url).rstrip("/") == cli.DEFAULT_URL == "http://127.0.0.1:8900"
+    monkeypatch.setenv("REEF_URL", "http://127.0.0.1:9999")
+    with cli._client(args) as reef:
+        assert str(reef.url).rstrip("/") == "http://127.0.0.1:9999"
+
+
+def test_times_read_the_same_whichever_form_the_server_sent():
+    from reef_core.client.cli import readable_time
+
+    epoch = 1764633600.25  # 2025-12-02 00:00:00.25 UTC
+    assert readable_time(epoch) == readable_time("2025-12-02T00:00:00.250000+00:00") == "2025-12-02 00:00:00"
+    assert readable_time("2025-12-02T01:00:00+01:00") == "2025-12-02 00:00:00"
+    assert readable_time("2025-12-02T00:00:00Z") == "2025-12-02 00:00:00"
+    assert readable_time(None) == readable_time("") == "" and readable_time("soon") == "soon"
+
+
+def test_the_releases_table_shows_when_each_release_was_made(live_reef):
+    scenario = "cli-created"
+    with ReefClient(live_reef.url, scenario=scenario, token=live_reef.token) as reef:
+        reef.openai().chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        reef.report(score=1.0, feedback={"tree": {"AGENTS.md": "Dated.\n"}}, references="last")
+        reef.wait_for_release(after=None, timeout=60)
+        rows = reef.releases()
+    assert rows
+    from reef_core.client.cli import readable_time
+
+    table = _reef("releases", "--url", live_reef.url, "--token", live_reef.token, "--scenario", scenario).stdout
+    assert readable_time(rows[0]["created_at"]) and readable_time(rows[0]["created_at"]) in table

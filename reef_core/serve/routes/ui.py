@@ -35,6 +35,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
 from reef_core.errors import Conflict, Forbidden, NotFound, ValidationFailed
+from reef_core.client.cli import readable_time
 from reef_core.serve.middleware.auth import ADMIN, UI_COOKIE, _cookie_token, _presented_token
 from reef_core.serve.routes.names import path_record, path_scenario
 from reef_core.serve.routes.plot import line_svg
@@ -262,7 +263,7 @@ async def scenario_page(request: Request, scenario: str):
                      "</code></a></td>"
                      f"<td>{escape(str(r.get('operation')))}</td><td>{escape(str((r.get('metrics') or {}).get('step', '')))}"
                      f"</td><td>{'current' if r.get('current') else 'pending review' if r.get('pending') else ''}</td>"
-                     f"<td>{escape(str(reason))}</td><td>{escape(str(r.get('created_at', '')))}</td><td>{action}</td></tr>")
+                     f"<td>{escape(str(reason))}</td><td>{escape(readable_time(r.get('created_at')))}</td><td>{action}</td></tr>")
     decisions = []
     for row in reversed(commits):
         decision = row.get("decision") or {}
@@ -408,7 +409,7 @@ async def record_page(request: Request, scenario: str, record_id: str):
     refs = "".join(f'<li><a href="/ui/scenarios/{_q(scenario)}/records/{_q(ref)}">{escape(ref)}</a></li>'
                    for ref in row["references"])
     body = (f"<p>{escape(record.kind)} · version <code>{escape(str(record.version or '-'))}</code> · "
-            f"{'complete' if record.complete else 'incomplete'} · {escape(str(row['created_at']))}</p>"
+            f"{'complete' if record.complete else 'incomplete'} · {escape(readable_time(row['created_at']))} UTC</p>"
             + (f"<h2>References</h2><ul>{refs}</ul>" if refs else "")
             + f"<h2>Payload</h2><pre>{escape(payload)}</pre>")
     return _page(f"Record {record.record_id}", body)
