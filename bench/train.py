@@ -105,9 +105,9 @@ def _reef(objective, loader, args, batch, torch_adamw: bool = False):
     :mod:`reef_core.grow.optim`), for a before/after in one run."""
     import torch
 
-    from reef_core.grow.torch_backend import TorchTrainer
+    from reef_core.grow.torch_backend import TorchTrainer, TorchTrainerOptions
 
-    trainer = TorchTrainer(objective, loader, lr=LR, lora=not args.full, device="cpu")
+    trainer = TorchTrainer(objective, loader, TorchTrainerOptions(lr=LR, lora=not args.full, device="cpu"))
     trainer.load()
     if torch_adamw:
         trainer._optimizer = torch.optim.AdamW(trainer._params, **trainer._opt_args)
