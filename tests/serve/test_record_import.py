@@ -235,3 +235,15 @@ def test_async_client_import_records(server):
 
     first, again, stored = asyncio.run(run())
     assert first == again and len(first) == 6 and len(stored) == 6
+
+
+def test_the_batch_body_limit_is_a_server_setting(module_reef_server, fake_upstream_url):
+    """``server.max_import_body_bytes`` bounds a batch import's body: over it, 413 and nothing stored."""
+    small = module_reef_server("engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}",
+                               "server.max_import_body_bytes=4096")
+    records = [envelope(f"big-{i}", "inference", openai_exchange("x" * 500)) for i in range(10)]
+    refused = post_batch(small, "limited", records)
+    assert refused.status_code == 413 and "4096" in refused.text
+    assert rows(small, "limited") is None  # nothing stored, the scenario not created
+    accepted = post_batch(small, "limited", records[:2])
+    assert accepted.status_code == 200, accepted.text

@@ -39,9 +39,8 @@ ENVELOPE_FIELDS = frozenset({"agent_record_id", "request_type", "payload"})
 REQUEST_TYPES = ("inference", "report")
 #: Largest envelope, as canonical JSON (upstream: a record import over 1 MiB is a 413).
 MAX_RECORD_BYTES = 1024 * 1024
-#: Most envelopes in one batch, and the largest batch body.
+#: Most envelopes in one batch (the largest batch body is ``server.max_import_body_bytes``).
 MAX_BATCH = 1000
-MAX_BATCH_BYTES = 64 * 1024 * 1024
 #: Keys of Reef's own inference payload form.
 OWN_FORM_FIELDS = frozenset({"request", "response", "dialect", "metadata"})
 DIALECT_ROUTES = {"openai": "chat", "anthropic": "messages"}
@@ -194,7 +193,7 @@ async def post_record(request: Request):
 @router.post("/reef/records/batch")
 async def post_records_batch(request: Request):
     dep = request.app.state.reef
-    body = await read_json_body(request, MAX_BATCH_BYTES)
+    body = await read_json_body(request, dep.server.max_import_body_bytes)
     name = scenario_header(request)
     unknown = sorted(set(body) - {"records"})
     if unknown:
