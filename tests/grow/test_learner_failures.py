@@ -88,5 +88,7 @@ def test_a_refused_step_counts_as_an_error_and_is_logged(serve_trainer, caplog):
         assert status["counters"]["skipped"] == 1 and status["counters"]["errors"] == 1, status["counters"]
         assert "eps_clp" in status["last_error"]
         assert status["dropped"] == {"trainer_refused": 1}  # the label; the message is in last_error
+        page = httpx.get(f"{url}/ui/scenarios/refusing").text  # and the dashboard shows it
+        assert "1 failed or skipped steps" in page and "eps_clp" in page and "<td>trainer_refused</td>" in page
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and "eps_clp" in r.getMessage()]
     assert len(warned) == 1 and "refusing" in warned[0].getMessage()

@@ -61,6 +61,10 @@ def test_drops_are_counted_by_reason_in_status_and_metrics_and_logged_once(serve
     lines = _drop_lines(caplog)
     assert len(lines) == 1, lines  # the first time only, though counted twice
     assert "drops" in lines[0] and "duplicate" in lines[0]
+    # ... and where a person looks: the dashboard's scenario page lists them by reason.
+    page = httpx.get(f"{server}/ui/scenarios/drops", headers={"authorization": f"Bearer {TOKEN}"})
+    assert page.status_code == 200, page.text
+    assert 'id="dropped"' in page.text and "<td>duplicate</td><td>2</td>" in page.text
 
 
 def test_drop_counter_labels_a_detailed_reason_and_warns_once_per_reason(caplog):

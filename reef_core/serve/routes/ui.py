@@ -226,10 +226,10 @@ def _reward_of_reports(records: list) -> list[tuple[float, float]]:
             if r.kind == "report" and _number(r.payload.get("score")) is not None]
 
 
-async def _all_commits(learner) -> list[dict]:
+async def _all_commits(dep, scenario) -> list[dict]:
     rows, after = [], 0
     while True:
-        page = await asyncio.to_thread(learner.commit_rows, after, 100, None)
+        page = await asyncio.to_thread(dep.commit_rows, scenario, after, 100, None)
         rows += page
         if len(page) < 100 or len(rows) >= 5000:  # the plots show the last 5000 steps at most
             return rows
@@ -240,8 +240,7 @@ async def _all_commits(learner) -> list[dict]:
 async def scenario_page(request: Request, scenario: str):
     dep = request.app.state.reef
     found = await path_scenario(dep, scenario)
-    learner = await asyncio.to_thread(dep.learner, found)
-    commits = await _all_commits(learner)
+    commits = await _all_commits(dep, found)
     releases = await asyncio.to_thread(dep.release_rows, found.name)
     status = await asyncio.to_thread(dep.scenario_status, found)
     series = _series(commits, releases)
@@ -278,12 +277,32 @@ async def scenario_page(request: Request, scenario: str):
             f"<b>{escape(str(status.get('learner', '-')))}</b> · step {escape(str(status.get('step', 0)))} · current "
             f"release <code>{escape(str(status.get('current_release_id') or '-'))}</code> · "
             f'<a href="/ui/scenarios/{_q(found.name)}/records">records</a></p>'
+            + _trouble(status) +
             f'<h2>Over steps</h2><div class="plots">{plots}</div>'
             "<h2>Release chain</h2><table id=\"chain\"><tr><th>Release</th><th>Operation</th><th>Step</th><th>State</th>"
             "<th>Source</th><th>Created</th><th></th></tr>" + "".join(chain) + "</table>"
             "<h2>Gate decisions</h2><table id=\"decisions\"><tr><th>Step</th><th>Decision</th><th>Policy</th>"
             "<th>Reason</th><th>Release</th></tr>" + "".join(decisions) + "</table>")
     return _page(f"Scenario {found.name}", body)
+
+
+def _trouble(status: dict) -> str:
+    """What went wrong, where a person sees it: failed or skipped steps (with the last error) and the samples
+    dropped without training, by reason; nothing when all is well."""
+    counters = status.get("counters") or {}
+    parts = []
+    if counters.get("errors") or status.get("last_error"):
+        parts.append(f'<p class="errors">{escape(str(counters.get("errors", 0)))} failed or skipped steps; last error: '
+                     f'<code>{escape(str(status.get("last_error") or "-"))}</code></p>')
+    dropped = status.get("dropped") or {}
+    if dropped:
+        cells = "".join(f"<tr><td>{escape(str(reason))}</td><td>{escape(str(count))}</td></tr>"
+                        for reason, count in sorted(dropped.items()))
+        parts.append('<h2>Dropped samples</h2><table id="dropped"><tr><th>Reason</th><th>Samples</th></tr>'
+                     f"{cells}</table>")
+    if status.get("quarantined"):
+        parts.append(f'<p class="errors">quarantined: <code>{escape(str(status["quarantined"]))}</code></p>')
+    return "".join(parts)
 
 
 # -- release files -------------------------------------------------------------------------------------------
