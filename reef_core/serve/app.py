@@ -23,6 +23,7 @@ from reef_core.serve.middleware import metrics
 from reef_core.serve.routes import (docs, harness, imports, install, instructions, reads, releases, reports,
                                     scenario_routes, skills, ui)
 from reef_core.serve.middleware.observe import ObserveMiddleware
+from reef_core.serve.middleware.scenario_path import take_scenario_from_path
 from reef_core.serve.middleware.usage import Usage
 from reef_core.wire import INFERENCE_ROUTES
 
@@ -123,6 +124,8 @@ class ReefApp(FastAPI):
     reef_forward: ForwardToPrimary | None = None
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            take_scenario_from_path(scope)
         if (self.reef_inference is not None and scope["type"] == "http" and scope["method"] == "POST"
                 and scope["path"] in INFERENCE_ROUTES):
             scope["app"] = self
