@@ -293,3 +293,17 @@ def write_result(name: str, result: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
+
+
+def chat_stream_events(response):
+    """The JSON events of an OpenAI chat stream (``data:`` lines up to ``[DONE]``), as they arrive."""
+    import json
+
+    for line in response.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
+def delta_text(event: dict) -> str:
+    """The reply text one chat stream event carries."""
+    return "".join((choice.get("delta") or {}).get("content") or "" for choice in event.get("choices") or [])

@@ -159,17 +159,12 @@ def _stream_once(base: str, tokens: int) -> dict:
     started = time.monotonic()
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, headers=headers, timeout=300) as resp:
         resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"]
-            for choice in event.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    chunk_times.append(time.monotonic())
-                    text.append(piece)
+        for event in common.chat_stream_events(resp):
+            usage = event.get("usage") or usage
+            piece = common.delta_text(event)
+            if piece:
+                chunk_times.append(time.monotonic())
+                text.append(piece)
     return {**decode_rate(chunk_times, int(usage.get("completion_tokens") or 0), started), "text": "".join(text)}
 
 

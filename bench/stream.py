@@ -150,17 +150,10 @@ def _stream_once(client, url: str, tokens: int) -> dict:
     with client.stream("POST", f"{url}/v1/chat/completions", json=body,
                        headers={"x-reef-scenario": SCENARIO}) as resp:
         resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"]
+        for event in common.chat_stream_events(resp):
+            usage = event.get("usage") or usage
             receipt = receipt or (event.get("reef") or {}).get("agent_record_id")
-            for choice in event.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    text.append(piece)
+            text.append(common.delta_text(event))
         receipt = receipt or resp.headers.get("x-reef-agent-record-id")
     return {"tokens": int(usage.get("completion_tokens") or 0), "s": time.perf_counter() - t, "text": "".join(text),
             "receipt": receipt}
