@@ -234,8 +234,30 @@ def test_serve_ports_names_what_the_deployment_implements():
     from reef_core.loop.ports import ServePorts
 
     wanted = {name for name in vars(ServePorts) if not name.startswith("_")} | set(ServePorts.__annotations__)
-    missing = sorted(name for name in wanted if not hasattr(Deployment, name) and name not in ("engine",))
+    instance_attributes = ("engine", "on_records", "tell_workers")  # set in Deployment.__init__
+    missing = sorted(name for name in wanted if not hasattr(Deployment, name) and name not in instance_attributes)
     assert not missing, f"Deployment does not implement ServePorts: {missing}"
+
+
+def _is_the_deployment(node: ast.expr) -> bool:
+    """``dep``, ``deployment``, ``self.dep`` or ``request.app.state.reef``: how serve/ names its ServePorts."""
+    if isinstance(node, ast.Name):
+        return node.id in ("dep", "deployment")
+    if isinstance(node, ast.Attribute):
+        return node.attr in ("dep", "deployment") or (
+            node.attr == "reef" and isinstance(node.value, ast.Attribute) and node.value.attr == "state")
+    return False
+
+
+def test_serve_calls_only_what_serve_ports_names():
+    from reef_core.loop.ports import ServePorts
+
+    members = {name for name in vars(ServePorts) if not name.startswith("_")} | set(ServePorts.__annotations__)
+    outside = sorted(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}"
+                     for path in (CORE / "serve").rglob("*.py") for node in ast.walk(_parse(path))
+                     if isinstance(node, ast.Attribute) and _is_the_deployment(node.value)
+                     and node.attr not in members)
+    assert not outside, "serve/ asks its deployment for what ServePorts does not name:\n" + "\n".join(outside)
 
 
 #: The longest a function of reef_core may be: a longer one does several things (split it by what they are).
