@@ -40,6 +40,7 @@ from ..errors import ConfigError, Conflict, NotFound, ReefError, ScenarioQuarant
 from ..grow.eval_engine import EvalGeneration
 from ..observe.instructions import TRAINING_MODES
 from ..observe.records import RecordStore, Scenario
+from . import inference
 from .follower import HeadWatcher, ScenarioFollower, head_channel, notify_head_moved
 from .lease import LeaseHolder, psycopg_dsn
 from .pool import LearnerPool
@@ -576,16 +577,13 @@ class Deployment:
 
     def find_retry(self, scenario: str, request_hash: str, record_id: str, **lookup):
         """:func:`reef_core.loop.inference.find_retry` on this deployment's records (blocking)."""
-        from .inference import find_retry
-
-        return find_retry(self, scenario, request_hash, record_id, **lookup)
+        return inference.find_retry(self, scenario, request_hash, record_id, **lookup)
 
     async def plan_inference(self, scenario: Scenario, client_dialect: str, route: str, body: dict,
                              forward_headers: dict[str, str]):
         """:func:`reef_core.loop.inference.plan`: the engine request for a validated body of ``scenario``."""
-        from .inference import plan
-
-        return await plan(self, scenario, client_dialect, route, body, forward_headers, self.cfg.engine.max_new_tokens)
+        return await inference.plan(self, scenario, client_dialect, route, body, forward_headers,
+                                    self.cfg.engine.max_new_tokens)
 
     def harness_adapter(self, name: str):
         """The registered harness adapter ``name`` (UnknownComponent names the registered ones)."""
