@@ -322,8 +322,24 @@ def _inference(pools: Pools, route: str, valid, fields):
     def build(draw):
         data, note = draw(mutated_body(valid, fields))
         stream = b'"stream":true' in data
-        return draw(request_case(pools, "POST", route, route, scenario_header=True, body=(data, note), stream=stream))
+        case = draw(request_case(pools, "POST", route, route, scenario_header=True, body=(data, note), stream=stream))
+        if draw(st.integers(0, 4)) == 0:
+            case = _scenario_in_path(case)
+        return case
     return build()
+
+
+def _scenario_in_path(case: Case) -> Case:
+    """The same request with its scenario named in the URL (``/s/{scenario}/...``) instead of the header."""
+    from dataclasses import replace
+    from urllib.parse import quote_from_bytes
+
+    raw = next((value for key, value in case.headers if key == b"x-reef-scenario"), None)
+    if raw is None:
+        return case
+    headers = [(key, value) for key, value in case.headers if key != b"x-reef-scenario"]
+    note = "; ".join(n for n in (case.note if case.note != "valid" else "", "scenario in the path") if n)
+    return replace(case, target=f"/s/{quote_from_bytes(raw, safe='')}{case.target}", headers=headers, note=note)
 
 
 @st.composite
