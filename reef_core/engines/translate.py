@@ -600,11 +600,39 @@ def complete_anthropic_message(body: Any) -> Any:
     return out
 
 
+#: Optional members of an OpenAI chat completion that the published schema allows absent but never ``null``; some
+#: OpenAI-compatible servers (vLLM 0.32) send them as ``null``.
+_OPENAI_NOT_NULL = {"completion": ("service_tier", "system_fingerprint", "usage"),
+                    "message": ("tool_calls", "annotations", "function_call"),
+                    "usage": ("completion_tokens_details", "prompt_tokens_details")}
+
+
+def complete_openai_completion(body: Any) -> Any:
+    """An OpenAI-dialect server's chat completion with the members it sent as ``null`` where the published schema
+    has no ``null`` (:data:`_OPENAI_NOT_NULL`) left out: absent says what ``null`` meant, "not reported". Every other
+    member is kept as sent; the body is copied, never changed in place."""
+    if not isinstance(body, dict) or body.get("object") != "chat.completion":
+        return body
+
+    def pruned(obj: Any, kind: str) -> Any:
+        if not isinstance(obj, dict):
+            return obj
+        return {k: v for k, v in obj.items() if not (v is None and k in _OPENAI_NOT_NULL[kind])}
+
+    out = pruned(body, "completion")
+    if "usage" in out:
+        out["usage"] = pruned(out["usage"], "usage")
+    if isinstance(out.get("choices"), list):
+        out["choices"] = [{**c, "message": pruned(c["message"], "message")} if isinstance(c, dict) and "message" in c
+                          else c for c in out["choices"]]
+    return out
+
+
 def translate_response(body: dict, src: str, dst: str) -> dict:
-    """Translate a successful response body from dialect ``src`` to ``dst`` (an Anthropic one relayed as Anthropic is
-    completed to the published schema, :func:`complete_anthropic_message`)."""
+    """Translate a successful response body from dialect ``src`` to ``dst``; a body relayed in its own dialect is
+    completed to the published schema (:func:`complete_anthropic_message`, :func:`complete_openai_completion`)."""
     if src == dst:
-        return complete_anthropic_message(body) if dst == "anthropic" else body
+        return complete_anthropic_message(body) if dst == "anthropic" else complete_openai_completion(body)
     return openai_to_anthropic_response(body) if src == "openai" else anthropic_to_openai_response(body)
 
 

@@ -73,15 +73,16 @@ def _examples() -> list[tuple[list[dict], list | None, str]]:
     return out
 
 
-def build_fake_tool_model(seed: int = 0, steps: int = 300):
+def build_fake_tool_model(seed: int = 0, steps: int = 300, hidden_size: int = 64):
     """``(model, tokenizer)``: the tiny model trained, one padded batch of every example per step, until it
-    predicts every answer token greedily with a margin."""
+    predicts every answer token greedily with a margin. Its four heads are ``hidden_size / 4`` wide: vLLM's CPU
+    attention needs 32 or more (``hidden_size=128``)."""
     # The tokenizer learns the tool-call text as few tokens: short rows train fast.
     corpus = [CALL, json.dumps(ECHO), "<tool_response>\n", "</tool_response>", "Done.", "Hello."] * 50
     tok = build_tiny_tokenizer([*default_tokenizer_texts(), *corpus], vocab_size=1024)
     tok.add_tokens(["<tool_call>", "</tool_call>"])
     tok.chat_template = TOOL_CHAT_TEMPLATE
-    model, tok = build_tiny_model(seed=seed, tokenizer=tok)
+    model, tok = build_tiny_model(seed=seed, tokenizer=tok, hidden_size=hidden_size)
     rows = []
     for messages, tools, answer in _examples():
         prompt = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
@@ -119,16 +120,18 @@ def build_fake_tool_model(seed: int = 0, steps: int = 300):
     return model, tok
 
 
-def ensure_fake_tool_model(path: Path, seed: int = 0) -> Path:
+def ensure_fake_tool_model(path: Path, seed: int = 0, hidden_size: int = 64) -> Path:
     """Write the fake tool-calling model to ``path`` once (atomically, like the tiny model); return it."""
     path = Path(path)
     expected = {"kind": "fake-tool-model", "seed": seed, "version": _VERSION}
+    if hidden_size != 64:  # the default size's marker predates the choice
+        expected["hidden_size"] = hidden_size
     if _check_existing(path, expected):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        model, tok = build_fake_tool_model(seed)
+        model, tok = build_fake_tool_model(seed, hidden_size=hidden_size)
         model.save_pretrained(tmp)
         save_tokenizer(tok, tmp, "Qwen2Tokenizer")
         (tmp / MARKER).write_text(json.dumps(expected))

@@ -7,8 +7,8 @@ Messages: the OpenAPI documents it bundles), which are stricter than the SDKs' p
 * the answers Reef builds or translates, validated directly against the bundled schemas: a translated Anthropic
   message and its streamed events, a relayed Anthropic message completed to the schema, the Responses object and
   every event of its streams (live, replayed, the error event);
-* llm-comply's own suites run against ``reef serve`` on each engine kind (the fake upstream in both dialects, the
-  embedded engine on the fake tool-calling model). Every check must pass, except on the embedded engine the two a
+* llm-comply's own suites run against ``reef serve`` on each engine kind (the fake upstream in both dialects; the
+  embedded engine and the fake SGLang on the fake tool-calling model). Every check must pass, except the two a
   tiny text-only model cannot pass honestly: image input (refused with a 400 in the dialect) and calling a tool it
   was never taught (``get_weather``; ``required`` is asked for, not enforced by constrained decoding). Those may only
   fail for those reasons, never for a schema error.
@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import re
-from pathlib import Path
 
 import pytest
 
@@ -30,20 +29,17 @@ from reef_core.engines.base import StreamEvent
 from reef_core.engines.translate import OpenAIToAnthropicStream, openai_to_anthropic_response, translate_response
 from reef_core.serve.routes.responses import LiveStream, _event_stream, response_object
 
+from reef_core.testing.comply import FORMATS, LLM_COMPLY_VERSION, TINY_MODEL_LIMITS, run_format, specs_dir
+
 try:
     import llm_comply
-    from llm_comply.config import ComplianceConfig
-    from llm_comply.runner import TestRunner as ComplyRunner
     from llm_comply.schema import SpecLoader
-    from llm_comply.tests import get_tests
 except ImportError:  # pragma: no cover - the test extra pins it
     if os.environ.get("CI"):
         raise
     pytest.skip("llm-comply is not installed (pip install 'reef-core[test]')", allow_module_level=True)
 
-LLM_COMPLY_VERSION = "0.5.0"
-SPECS = Path(llm_comply.__file__).parent / "specs"
-FORMATS = {"anthropic": "anthropic.json", "openai-chat": "openai_chat.json", "open-responses": "openresponses.json"}
+SPECS = specs_dir()
 
 
 def test_pinned_version():
@@ -138,6 +134,28 @@ def test_relayed_anthropic_message_is_completed_to_the_spec(specs):
     assert out["usage"]["input_tokens"] == 3 and out["usage"]["inference_geo"] is None
     sent = {**relayed, "container": {"id": "c1", "expires_at": "2026-01-01T00:00:00Z"}}
     assert translate_response(sent, "anthropic", "anthropic")["container"] == sent["container"]
+
+
+def test_relayed_openai_completion_is_completed_to_the_spec(specs):
+    # What vLLM 0.32's /v1/chat/completions answers: optional members the schema has no null for, sent as null.
+    relayed = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m", "service_tier": None,
+               "system_fingerprint": None, "prompt_logprobs": None, "kv_transfer_params": None,
+               "choices": [{"index": 0, "logprobs": None, "finish_reason": "stop", "stop_reason": None,
+                            "message": {"role": "assistant", "content": "Hello.", "refusal": None,
+                                        "annotations": None, "audio": None, "function_call": None,
+                                        "tool_calls": [], "reasoning": None}}],
+               "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                         "prompt_tokens_details": None, "completion_tokens_details": None}}
+    original = json.loads(json.dumps(relayed))
+    assert errors_of(specs["openai-chat"], relayed, "CreateChatCompletionResponse") != []
+    out = translate_response(relayed, "openai", "openai")
+    assert errors_of(specs["openai-chat"], out, "CreateChatCompletionResponse") == []
+    assert relayed == original  # copied, not changed in place (the record keeps what the server sent)
+    message = out["choices"][0]["message"]
+    assert "annotations" not in message and "function_call" not in message and message["tool_calls"] == []
+    assert message["refusal"] is None and message["audio"] is None  # nullable in the schema: kept as sent
+    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert out["prompt_logprobs"] is None and "service_tier" not in out  # members outside the schema are kept
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -235,16 +253,21 @@ ENGINES = {
     "upstream-openai": ("engine.kind=upstream", "engine.upstream_dialect=openai"),
     "upstream-anthropic": ("engine.kind=upstream", "engine.upstream_dialect=anthropic"),
     "local": ("engine.kind=local", "engine.max_new_tokens=64", "engine.seed=0", "engine.temperature=0"),
+    # The SGLang engine's own path (a weights recipe: Reef renders, generates from token ids over /generate and
+    # builds the answer) against the fake SGLang; the real vLLM's both paths are tests/engines/real/test_vllm_comply.py.
+    "sglang-fake": ("+recipe=sao", "+sao_profile=tiny", "engine.kind=sglang", "engine.max_new_tokens=64",
+                    "engine.seed=0", "engine.temperature=0"),
 }
-# The embedded engine on a tiny text-only model: what it may fail, and only with these errors.
-LOCAL_LIMITS = {
-    "anth-image-input": "HTTP 400", "chat-image-input": "HTTP 400", "image-input": "HTTP 400",
-    "anth-tool-calling": ("no content block with type='tool_use'", "stop_reason: expected 'tool_use'"),
-    "chat-tool-calling": ("choices[0].message.tool_calls is missing", "finish_reason: expected 'tool_calls'"),
-    "tool-calling": "no output item with type='function_call'",
-}
+#: Engines on the fake tool-calling model: the tiny model's limits apply.
+TINY = {"local", "sglang-fake"}
 
 
+@pytest.fixture(scope="module")
+def fake_sglang_url(fake_tool_model_dir):
+    from reef_core.testing.fake_sglang import serve_fake_sglang
+
+    with serve_fake_sglang(fake_tool_model_dir, mode="process") as url:
+        yield url
 @pytest.fixture(scope="module", params=sorted(ENGINES))
 def served(request, module_reef_server, fake_upstream_url):
     overrides = ENGINES[request.param]
@@ -252,6 +275,8 @@ def served(request, module_reef_server, fake_upstream_url):
         overrides = (*overrides, f"engine.upstream_url={fake_upstream_url}", "engine.upstream_model=fake-model")
     else:
         overrides = (*overrides, f"engine.model={request.getfixturevalue('fake_tool_model_dir')}")
+    if request.param == "sglang-fake":
+        overrides = (*overrides, f"engine.url={request.getfixturevalue('fake_sglang_url')}")
     return request.param, module_reef_server(*overrides, timeout=300)
 
 
@@ -259,21 +284,6 @@ def served(request, module_reef_server, fake_upstream_url):
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_llm_comply_passes(served, fmt):
     engine, server = served
-    config = ComplianceConfig(base_url=f"{server.url}/v1", api_key="unused", model="m", timeout=120,
-                              extra_headers={"x-reef-scenario": f"comply-{fmt}"})
-    suite = ComplyRunner(config, get_tests(fmt), SpecLoader(str(SPECS / FORMATS[fmt]))).run_all()
-    failed = {r.id: r.errors for r in suite.results if r.status.value == "failed"}
-    skipped = {r.id for r in suite.results if r.status.value == "skipped"}
-    # Skips: only features the spec marks optional that Reef does not offer (extended thinking, reasoning models).
-    assert skipped <= {"anth-thinking-display", "chat-reasoning-summary", "reasoning-summary"}, skipped
-    allowed = LOCAL_LIMITS if engine == "local" else {}
-
-    def within_limits(test: str, errors: list[str]) -> bool:
-        limit = allowed.get(test)
-        if limit == "HTTP 400":  # the refusal; the other errors are the checks of a success body run on it
-            return errors[0].startswith(limit)
-        return limit is not None and all(e.startswith(limit) for e in errors)
-
-    unexpected = {test: errors for test, errors in failed.items() if not within_limits(test, errors)}
-    assert unexpected == {}, json.dumps(unexpected, indent=1)
-    assert suite.passed >= len(suite.results) - len(skipped) - len(allowed)
+    outcome = run_format(f"{server.url}/v1", fmt, scenario=f"comply-{fmt}",
+                         allowed=TINY_MODEL_LIMITS if engine in TINY else None)
+    assert outcome.unexpected == {}, json.dumps(outcome.unexpected, indent=1)
