@@ -62,6 +62,9 @@ def make_upstream_engine(config, data_dir: Path):
         raise ConfigError("engine.kind=upstream needs engine.upstream_url (or REEF_UPSTREAM_URL)")
     if config.upstream_dialect not in ("openai", "anthropic"):
         raise ConfigError(f"engine.upstream_dialect must be 'openai' or 'anthropic', not {config.upstream_dialect!r}")
+    if config.upstream_tokenizer and config.upstream_dialect != "openai":
+        raise ConfigError("engine.upstream_tokenizer needs engine.upstream_dialect=openai (an Anthropic provider "
+                          "counts tokens itself)")
     if config.upstream_responses and config.upstream_dialect != "openai":
         raise ConfigError("engine.upstream_responses needs engine.upstream_dialect=openai (an Anthropic provider does "
                           "not serve /v1/responses)")
@@ -72,6 +75,7 @@ def make_upstream_engine(config, data_dir: Path):
         timeout_s=float(config.timeout_s),
         model=config.upstream_model or os.environ.get("REEF_UPSTREAM_MODEL"),
         responses=bool(config.upstream_responses),
+        tokenizer=config.upstream_tokenizer,
     )
 
 

@@ -122,6 +122,10 @@ class EngineConfig:
     #: ``engine.kind=upstream`` with ``upstream_dialect=openai``: the provider serves ``POST /v1/responses`` itself,
     #: so Responses requests are passed through unchanged (false: they are served as the chat request they stand for).
     upstream_responses: bool = False
+    #: ``engine.kind=upstream`` with ``upstream_dialect=openai``: a model directory holding the provider's model's
+    #: tokenizer and chat template; ``count_tokens`` renders the prompt with it (exact for a self-hosted server of
+    #: that model). Unset: tiktoken for the OpenAI model names it knows, else an estimate (``x-reef-token-count``).
+    upstream_tokenizer: Optional[str] = None
     #: Where built and converted models are cached; unset: ``REEF_MODEL_CACHE``, else this user's
     #: ``$XDG_CACHE_HOME/reef/models`` (``~/.cache/reef/models``), so every data directory shares one conversion.
     model_cache_dir: Optional[str] = None

@@ -37,6 +37,7 @@ from reef_core.engines.base import (
 )
 from reef_core.content import content_text
 from reef_core.engines.sse import SSEDecoder, parse_data
+from reef_core.engines.token_count import PromptCounter
 from reef_core.wire import HEADER_PREFIX, RECORD_ID_HEADER, ROUTE_PATHS, TOKEN_COUNT_HEADER
 from reef_core.engines.translate import error_body, error_message
 from reef_core.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable, ValidationFailed
@@ -103,6 +104,8 @@ class UpstreamEngine(Engine):
         max_connections: size of the connection pool.
         max_response_bytes: a larger non-streamed body (or a single SSE event) is an UpstreamError.
         count_tokens_mode: how an OpenAI-compatible provider answers ``count_tokens`` (see there).
+        tokenizer: a model directory with the provider's model's tokenizer (``engine.upstream_tokenizer``): an
+            OpenAI-compatible provider's prompts are counted with it (:mod:`reef_core.engines.token_count`).
     """
 
     def __init__(
@@ -121,12 +124,14 @@ class UpstreamEngine(Engine):
         trust_env: bool = True,
         count_tokens_mode: str = "estimate",
         responses: bool = False,
+        tokenizer: str | None = None,
     ):
         if dialect not in ("openai", "anthropic"):
             raise ValidationFailed(f"unknown provider dialect {dialect!r}")
         if count_tokens_mode not in ("estimate", "probe"):
             raise ValidationFailed(f"count_tokens_mode must be 'estimate' or 'probe', not {count_tokens_mode!r}")
         self.count_tokens_mode = count_tokens_mode
+        self._counter = PromptCounter(tokenizer) if dialect == "openai" else None
         #: ``engine.upstream_responses``: the provider serves ``/v1/responses`` itself (an OpenAI dialect one), so
         #: Responses requests are passed through instead of translated to chat.
         self.serves_responses = bool(responses) and dialect == "openai"
@@ -289,8 +294,9 @@ class UpstreamEngine(Engine):
     async def count_tokens(self, req: EngineRequest) -> EngineResponse:
         """Anthropic providers count exactly (``/v1/messages/count_tokens``).
 
-        OpenAI-compatible providers have no counting route: ``count_tokens_mode="estimate"`` (default)
-        answers ``ceil(characters / 4)`` over the prompt's text, marked ``x-reef-token-count: estimate``;
+        OpenAI-compatible providers have no counting route: ``count_tokens_mode="estimate"`` (default) counts
+        here, with the provider's model's tokenizer or tiktoken where one is known, else ``ceil(characters / 4)``
+        over the prompt's text (:mod:`reef_core.engines.token_count`; ``x-reef-token-count`` names the way);
         ``"probe"`` asks the provider for a one-token completion and reports its ``usage.prompt_tokens``
         (exact, but a paid provider bills the whole prompt).
         """
@@ -300,8 +306,9 @@ class UpstreamEngine(Engine):
             return await self.complete(req)
         self.check_dialect(req)
         if self.count_tokens_mode == "estimate":
-            return EngineResponse(200, {"input_tokens": estimate_tokens(req.body)},
-                                  {TOKEN_COUNT_HEADER: "estimate"}, version=req.version)
+            counted = await asyncio.to_thread(self._counter.count, req.body, self.model or req.body.get("model"))
+            n, way = counted or (estimate_tokens(req.body), "estimate")
+            return EngineResponse(200, {"input_tokens": n}, {TOKEN_COUNT_HEADER: way}, version=req.version)
         body = {k: v for k, v in req.body.items() if k in ("model", "messages", "tools", "tool_choice")}
         body["max_tokens"] = 1
         resp = await self.complete(EngineRequest("openai", "chat", body, req.headers, req.version))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -109,6 +110,97 @@ def test_count_tokens(fake, api_key):
     assert text_chars // 4 <= estimate.body["input_tokens"] <= text_chars // 4 + 10
     assert probe.body == {"input_tokens": 122} and probe.headers["x-reef-token-count"] == "probe"
     assert app.requests_log()[-1]["body"]["max_tokens"] == 1  # the probe asked for a single token
+
+
+ECHO_TOOL = {"type": "function", "function": {"name": "echo", "parameters": {"type": "object"}}}
+COUNTED = {"model": "gpt-4o", "messages": [{"role": "system", "content": "Be brief."},
+                                           {"role": "user", "content": "say hello", "name": "ann"}]}
+
+
+def _count(url, body, **options):
+    async def go():
+        async with UpstreamEngine(url, dialect="openai", **options) as eng:
+            return await eng.count_tokens(EngineRequest("openai", "count_tokens", body, {}))
+
+    return asyncio.run(go())
+
+
+def test_count_tokens_with_the_providers_tokenizer_is_exact(fake, fake_tool_model_dir):
+    from transformers import AutoTokenizer
+
+    _app, url = fake
+    tok = AutoTokenizer.from_pretrained(fake_tool_model_dir)
+    for tools in (None, [ECHO_TOOL]):
+        body = {**COUNTED, **({"tools": tools} if tools else {})}
+        out = _count(url, body, tokenizer=str(fake_tool_model_dir))
+        rendered = tok.apply_chat_template(body["messages"], tools=tools, add_generation_prompt=True, tokenize=False)
+        assert out.headers["x-reef-token-count"] == "tokenizer"
+        assert out.body == {"input_tokens": len(tok(rendered, add_special_tokens=False)["input_ids"])}
+    # an image part: neither tokenizer sees it as the provider does
+    image = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]}
+    assert _count(url, image, tokenizer=str(fake_tool_model_dir)).headers["x-reef-token-count"] == "estimate"
+
+
+def _tiktoken_cache() -> str:
+    """The encodings litellm ships (tiktoken's cache layout): this machine cannot download them."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("litellm")
+    if spec is None or spec.origin is None:
+        pytest.skip("litellm (with its tiktoken encodings) is not installed")
+    return str(Path(spec.origin).parent / "litellm_core_utils" / "tokenizers")
+
+
+def test_count_tokens_of_an_openai_model_name_uses_tiktoken(fake, monkeypatch):
+    tiktoken = pytest.importorskip("tiktoken")
+    _app, url = fake
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", _tiktoken_cache())
+    enc = tiktoken.get_encoding("o200k_base")
+    # OpenAI's recipe: 3 framing tokens per message, 1 more for a name, 3 priming the reply
+    expected = 3 + sum(3 + sum(len(enc.encode(v)) for v in m.values()) for m in COUNTED["messages"]) + 1
+    out = _count(url, COUNTED)
+    assert (out.headers["x-reef-token-count"], out.body) == ("tiktoken", {"input_tokens": expected})
+    with_tools = _count(url, {**COUNTED, "tools": [ECHO_TOOL]})
+    assert with_tools.body["input_tokens"] > expected and with_tools.headers["x-reef-token-count"] == "tiktoken"
+    # the configured model decides, not the request's
+    assert _count(url, {**COUNTED, "model": "m"}, model="gpt-4").headers["x-reef-token-count"] == "tiktoken"
+    assert _count(url, {**COUNTED, "model": "my-own-model"}).headers["x-reef-token-count"] == "estimate"
+
+
+def test_count_tokens_estimates_when_the_encoding_cannot_load_and_says_so_once(fake, monkeypatch, caplog):
+    tiktoken = pytest.importorskip("tiktoken")
+    _app, url = fake
+
+    def unreachable(name):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", unreachable)
+
+    async def go():
+        async with UpstreamEngine(url, dialect="openai") as eng:
+            return [await eng.count_tokens(EngineRequest("openai", "count_tokens", COUNTED, {})) for _ in range(3)]
+
+    with caplog.at_level("WARNING", logger="reef.engines.token_count"):
+        outs = asyncio.run(go())
+    assert {o.headers["x-reef-token-count"] for o in outs} == {"estimate"}
+    assert len([r for r in caplog.records if "o200k_base" in r.getMessage()]) == 1
+
+
+def test_upstream_tokenizer_is_checked_at_start(tmp_path):
+    from reef_core.builtins.engines import make_upstream_engine
+    from reef_core.config.schema import EngineConfig
+    from reef_core.errors import ConfigError
+
+    config = EngineConfig(kind="upstream", upstream_url="http://127.0.0.1:9", upstream_tokenizer=str(tmp_path))
+    with pytest.raises(ConfigError, match="upstream_tokenizer .* holds no tokenizer"):
+        make_upstream_engine(config, tmp_path)
+    with pytest.raises(ConfigError, match="is not a directory"):
+        make_upstream_engine(EngineConfig(kind="upstream", upstream_url="http://127.0.0.1:9",
+                                          upstream_tokenizer=str(tmp_path / "none")), tmp_path)
+    with pytest.raises(ConfigError, match="needs engine.upstream_dialect=openai"):
+        make_upstream_engine(EngineConfig(kind="upstream", upstream_url="http://127.0.0.1:9",
+                                          upstream_dialect="anthropic", upstream_tokenizer=str(tmp_path)), tmp_path)
 
 
 @pytest.mark.parametrize("dialect", ["openai", "anthropic"])
