@@ -78,6 +78,7 @@ import torch
 
 from reef_core.config.schema import EngineConfig
 from reef_core.models.adapter import AdapterWeights
+from reef_core.wire import TOKEN_COUNT_HEADER
 from reef_core.engines.base import (
     TOKENS_EVENT,
     Engine,
@@ -968,7 +969,7 @@ class LocalEngine(Engine):
         tools = request_tools(body)[0]
         self._check_prompt_size(messages, tools)
         n = await self._run(self._guard, lambda: len(self._prompt_ids(messages, tools)))
-        return EngineResponse(200, {"input_tokens": n}, {}, version=self.version)
+        return EngineResponse(200, {"input_tokens": n}, {TOKEN_COUNT_HEADER: "tokenizer"}, version=self.version)
 
 
 def _usage(res: _Result) -> dict:

@@ -49,6 +49,7 @@ from typing import Any, AsyncIterator
 import aiohttp
 
 from reef_core.models.adapter import AdapterWeights
+from reef_core.wire import TOKEN_COUNT_HEADER
 from reef_core.engines.base import (
     TOKENS_EVENT,
     Engine,
@@ -631,7 +632,7 @@ class RemoteEngine(Engine):
         self._check_started()
         body = anthropic_count_tokens_to_openai(req.body) if req.dialect == "anthropic" else req.body
         n = len(await asyncio.to_thread(self._prompt_ids, self._messages(body), body.get("tools")))
-        return EngineResponse(200, {"input_tokens": n}, {}, version=self.version)
+        return EngineResponse(200, {"input_tokens": n}, {TOKEN_COUNT_HEADER: "tokenizer"}, version=self.version)
 
     # ---- full weights ------------------------------------------------------------------------------------
     async def swap_weights(self, version: str, state_dict: dict | None = None) -> None:

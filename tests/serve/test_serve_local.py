@@ -52,9 +52,10 @@ def test_local_engine_through_anthropic_sdk(server):
                                          messages=[{"role": "user", "content": "hello"}]))
     assert events[0].type == "message_start" and events[-1].type == "message_stop"
     assert events[-1].model_extra["reef"]["agent_record_id"]
-    counted = client.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": "one two"}],
-                                           extra_headers={"x-reef-scenario": "local"})
-    assert counted.input_tokens > 0
+    counted = client.messages.with_raw_response.count_tokens(
+        model="tiny", messages=[{"role": "user", "content": "one two"}], extra_headers={"x-reef-scenario": "local"})
+    assert counted.parse().input_tokens > 0
+    assert counted.headers["x-reef-token-count"] == "tokenizer"  # the model's own tokenizer: exact
 
 
 @pytest.mark.slow

@@ -107,6 +107,7 @@ def test_anthropic_messages_receipts_and_strict_stream(shared, upstream, sc):
         model="m", messages=[{"role": "user", "content": "one two three"}], extra_headers={"x-reef-scenario": sc})
     assert counted.parse().input_tokens > 0
     assert counted.headers["x-reef-agent-record-id"]
+    assert counted.headers["x-reef-token-count"] == "estimate"  # model "m": no tokenizer is known
 
 
 def test_models_route(shared, upstream, sc):

@@ -50,7 +50,8 @@ from reef_core.serve.routes import responses
 from reef_core.serve.routes.names import RECORD_ID_HEADER, optional_id_header, scenario_header
 from reef_core.serve.schema import validate_request
 from reef_core.serve.middleware.tenancy import own_record_id, principal_of
-from reef_core.wire import HEADER_PREFIX, IDEMPOTENCY_HEADER, OVERHEAD_HEADER, REPLAYED_HEADER, TAG_PREFIX
+from reef_core.wire import (HEADER_PREFIX, IDEMPOTENCY_HEADER, OVERHEAD_HEADER, REPLAYED_HEADER, TAG_PREFIX,
+                            TOKEN_COUNT_HEADER)
 
 log = logging.getLogger("reef.serve")
 
@@ -225,6 +226,8 @@ class InferenceCall:
             result.body, self.engine_dialect, self.client_dialect)
         overhead = (time.perf_counter() - self.started) * 1000 - engine_ms
         headers = {RECORD_ID_HEADER: stored.record_id, **self.extra_headers, OVERHEAD_HEADER: f"{overhead:.2f}"}
+        if self.route == "count_tokens" and TOKEN_COUNT_HEADER in result.headers:  # how the engine counted
+            headers[TOKEN_COUNT_HEADER] = result.headers[TOKEN_COUNT_HEADER]
         if self.responses is not None and not self.passthrough:
             return responses.answer(self.responses, body, stored.record_id, self.created_at, headers)
         return JSONResponse(body, headers=headers)

