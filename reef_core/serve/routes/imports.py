@@ -19,6 +19,7 @@ a known id with identical content with the stored record).
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import APIRouter, Request
@@ -29,6 +30,8 @@ from reef_core.observe.model import Record, canonical_bytes
 from reef_core.names import check_record_id
 from reef_core.observe.processors.conversation import UnusableRecord, request_messages, response_message
 from reef_core.observe.reports import validate_report
+from reef_core.serve.routes.batch_body import (TRIM_ABOVE_BYTES, give_back_memory, one_batch_at_a_time, parse_batch,
+                                               read_body)
 from reef_core.serve.routes.inference import read_json_body
 from reef_core.serve.routes.names import RECORD_ID_HEADER, scenario_header
 from reef_core.serve.middleware.tenancy import confined_reference, rescoped
@@ -193,21 +196,24 @@ async def post_record(request: Request):
 @router.post("/reef/records/batch")
 async def post_records_batch(request: Request):
     dep = request.app.state.reef
-    body = await read_json_body(request, dep.server.max_import_body_bytes)
     name = scenario_header(request)
-    unknown = sorted(set(body) - {"records"})
-    if unknown:
-        raise ValidationFailed(f"unknown field(s) {', '.join(unknown)}; allowed: records", param=unknown[0])
-    envelopes = body.get("records")
-    if not isinstance(envelopes, list) or not 1 <= len(envelopes) <= MAX_BATCH:
-        raise ValidationFailed(f"records must be a list of 1 to {MAX_BATCH} envelopes", param="records")
-    records = [envelope_record(envelope, name, f"records[{i}]") for i, envelope in enumerate(envelopes)]
-    seen: dict[str, int] = {}
-    for i, record in enumerate(records):
-        first = seen.setdefault(record.record_id, i)
-        if first != i and records[first].content_hash != record.content_hash:
-            raise Conflict(f"records[{i}]: agent_record_id {record.record_id!r} is used by records[{first}] with "
-                           "different content", param=f"records[{i}].agent_record_id")
-    await dep.resolve(name)
-    stored = await _store(dep, records, request.scope)
-    return JSONResponse({"records": [_receipt(r) for r in stored]})
+    async with one_batch_at_a_time(request.app.state):  # memory holds one batch, whatever the clients send
+        raw = await read_body(request, dep.server.max_import_body_bytes)
+        large = len(raw) >= TRIM_ABOVE_BYTES
+        try:
+            records = parse_batch(raw, MAX_BATCH, lambda envelope, where: envelope_record(envelope, name, where))
+            seen: dict[str, int] = {}
+            for i, record in enumerate(records):
+                first = seen.setdefault(record.record_id, i)
+                if first != i and records[first].content_hash != record.content_hash:
+                    raise Conflict(f"records[{i}]: agent_record_id {record.record_id!r} is used by records[{first}] "
+                                   "with different content", param=f"records[{i}].agent_record_id")
+            await dep.resolve(name)
+            stored = await _store(dep, records, request.scope)
+            answer = JSONResponse({"records": [_receipt(r) for r in stored]})
+        finally:
+            del raw
+            records = stored = None  # freed before the allocator is asked to give memory back
+            if large:
+                await asyncio.to_thread(give_back_memory)
+    return answer
