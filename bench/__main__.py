@@ -25,6 +25,7 @@ BENCHMARKS = {
     "learn-smollm2": "bench.learn_smollm2",
     "learn-vllm": "bench.learn_vllm",
     "train": "bench.train",
+    "results": "bench.results",
 }
 
 

@@ -35,7 +35,8 @@ def run(base_url: str, scenario: str, rollouts: int | None, *, seed: int = 0, to
         max_tokens: int | None = None, window: int = 48, quiet: bool = False, concurrency: int = 1,
         duration_s: float | None = None) -> dict:
     """Send ``rollouts`` tasks (endless with None), report their scores; return ``{"rewards": [...], "times": [...],
-    "releases": [...]}`` (``times``: seconds from the start to each report).
+    "replies": [...], "releases": [...]}`` (``times``: seconds from the start to each report; ``replies``: each
+    rollout's prompt, reply and reward).
 
     ``max_tokens``: each request's reply budget; None: the task's (:data:`reef_sao.tasks.MAX_TOKENS`), 0: the
     engine's ``engine.max_new_tokens``.
@@ -49,6 +50,7 @@ def run(base_url: str, scenario: str, rollouts: int | None, *, seed: int = 0, to
         raise ValueError("give rollouts, duration_s or both")
     max_tokens = MAX_TOKENS if max_tokens is None else max_tokens
     rewards: list[float] = []
+    replies: list[dict] = []  # prompt, reply and reward of each rollout, in report order
     times: list[float] = []
     started = time.monotonic()
     deadline = None if duration_s is None else started + duration_s
@@ -69,10 +71,12 @@ def run(base_url: str, scenario: str, rollouts: int | None, *, seed: int = 0, to
                 extra = {"max_tokens": max_tokens} if max_tokens else {}
                 completion = chat.chat.completions.create(model="reef", messages=task.messages(),
                                                           temperature=1.0, top_p=1.0, **extra)
-                value = score(task, completion.choices[0].message.content or "")
+                reply = completion.choices[0].message.content or ""
+                value = score(task, reply)
                 reef.report(score=value, references="last")  # the receipt of this worker's completion above
                 with lock:
                     rewards.append(value)
+                    replies.append({"prompt": task.prompt, "reply": reply, "reward": value})
                     times.append(round(time.monotonic() - started, 3))
                     if not quiet and len(rewards) % window == 0:
                         recent = statistics.mean(rewards[-window:])
@@ -91,7 +95,7 @@ def run(base_url: str, scenario: str, rollouts: int | None, *, seed: int = 0, to
                 future.result()  # re-raises the first failure
     with ReefClient(base_url, scenario=scenario, token=token, timeout=120) as reef:
         releases = reef.releases()
-    return {"rewards": rewards, "times": times, "releases": releases}
+    return {"rewards": rewards, "times": times, "replies": replies, "releases": releases}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,135 @@
+"""Result packets: run a recipe's experiment in K seeds x (recipe, control) and write the packet (issue #38).
+
+``python -m bench results --recipe sao --setting tiny`` starts ``reef serve`` as the README does, once per seed
+and arm, each on a fresh data directory, and drives it with the recipe's own example client over HTTP. The control
+arm is the same deployment with learning off (``server.learner=false``: records and reports are stored, nothing
+trains), so the two arms differ only in learning. The packet goes to ``results/<date>-<recipe>-<setting>/``
+(:mod:`bench.packet`: README.md, metrics.json, curve.png, samples.md).
+
+Settings:
+
+* ``sao/tiny``: ``+recipe=sao +sao_profile=tiny`` (the tiny random-init model; a few minutes per packet on 2 cores);
+* ``sao/smollm2``: ``+recipe=sao`` (SmolLM2-135M-Instruct, the README's deployment; about ``--rollouts`` / 30
+  minutes per arm and seed on 2 cores).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from bench import common, packet
+from bench.learn_smollm2 import SCENARIO, _commits
+from bench.publish import _get_json
+
+CLIENT = common.ROOT / "plugins" / "reef-sao" / "examples" / "client.py"
+#: (recipe, setting) -> the recipe arm's overrides, the task's reply budget, the default window
+SETTINGS = {
+    ("sao", "tiny"): (["+recipe=sao", "+sao_profile=tiny"], 8, 48),
+    ("sao", "smollm2"): (["+recipe=sao"], None, 16),
+}
+CONTROL = ["server.learner=false"]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--recipe", default="sao", choices=sorted({r for r, _ in SETTINGS}))
+    parser.add_argument("--setting", default="tiny", choices=sorted({s for _, s in SETTINGS}))
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per arm (default 3)")
+    parser.add_argument("--rollouts", type=int, default=480, help="rollouts per seed and arm (default 480)")
+    parser.add_argument("--window", type=int, default=None, help="rollouts per window (default: the setting's)")
+    parser.add_argument("--concurrency", type=int, default=4, help="example clients at once (default 4)")
+    parser.add_argument("--out", default=None, help="packet directory (default results/<date>-<recipe>-<setting>)")
+    parser.add_argument("--cache", default=None, help="model cache (default REEF_MODEL_CACHE or the user's)")
+    parser.add_argument("--ready-timeout", type=float, default=900)
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for both arms")
+
+
+def _client():
+    spec = importlib.util.spec_from_file_location("reef_sao_example_client", CLIENT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _arm(args, arm: str, seed: int, overrides: list[str], max_tokens, window: int, workdir: Path) -> packet.ArmRun:
+    port = common.free_port()
+    data = workdir / f"{arm}-{seed}"
+    cmd = [common.PYTHON, "-m", "reef_core.cli", "serve", *overrides, f"seed={seed}", f"engine.seed={seed}",
+           f"server.port={port}", f"storage.data_dir={data}", "server.log_level=warning"]
+    env = {"REEF_TOKEN": common.TOKEN}
+    if args.cache:
+        env["REEF_MODEL_CACHE"] = args.cache
+    reef = common.Child("reef", cmd, f"http://127.0.0.1:{port}", workdir / f"{arm}-{seed}.log", env=env,
+                        unset=("REEF_ADMIN_TOKEN",))
+    try:
+        reef.start(timeout=args.ready_timeout)
+        began = time.monotonic()
+        out = _client().run(reef.url, SCENARIO, args.rollouts, seed=seed, token=common.TOKEN, max_tokens=max_tokens,
+                            window=window, concurrency=args.concurrency, quiet=True)
+        wall = round(time.monotonic() - began, 1)
+        status = _get_json(reef.url, f"/reef/scenarios/{SCENARIO}/status")
+        commits = _commits(reef.url) if arm == "recipe" else []  # learning off: no learner, no commits route
+    except Exception as exc:
+        raise RuntimeError(f"{arm} seed {seed}: {exc}\n--- reef log tail ---\n{reef.log_tail()}") from exc
+    finally:
+        reef.stop()
+    steps = sum(1 for c in commits if "train_s" in (c.get("metrics") or {}))
+    releases = sum(1 for r in out["releases"] if r.get("operation") == "training")
+    run = packet.ArmRun(arm, seed, out["rewards"], out["replies"], wall, steps, releases,
+                        {k: int(v) for k, v in (status.get("dropped") or {}).items()})
+    print(f"  {arm:8s} seed {seed}: {len(run.rewards)} rollouts in {wall} s, {steps} steps, {releases} releases, "
+          f"first {window} {sum(run.rewards[:window]) / window:.3f}, last {window} "
+          f"{sum(run.rewards[-window:]) / window:.3f}", flush=True)
+    return run
+
+
+def run(args) -> dict:
+    if (args.recipe, args.setting) not in SETTINGS:
+        raise SystemExit(f"no setting {args.setting!r} for {args.recipe}: {sorted(SETTINGS)}")
+    if args.seeds < 1 or args.rollouts < 2 or args.concurrency < 1:
+        raise SystemExit("--seeds and --concurrency must be >= 1, --rollouts >= 2")
+    overrides, max_tokens, default_window = SETTINGS[(args.recipe, args.setting)]
+    window = args.window or default_window
+    if 2 * window > args.rollouts:
+        raise SystemExit(f"--rollouts {args.rollouts} cannot hold two windows of {window}")
+    recipe_arm = [*overrides, *args.overrides]
+    control_arm = [*recipe_arm, *CONTROL]
+    machine = common.machine()
+    date = datetime.date.today().isoformat()
+    out = Path(args.out or common.ROOT / "results" / f"{date}-{args.recipe}-{args.setting}")
+    workdir = Path(tempfile.mkdtemp(prefix="reef-results-"))
+    runs = []
+    began = time.monotonic()
+    try:
+        for seed in range(args.seeds):  # arms interleaved: a change in the machine's load hits both
+            runs.append(_arm(args, "recipe", seed, recipe_arm, max_tokens, window, workdir))
+            runs.append(_arm(args, "control", seed, control_arm, max_tokens, window, workdir))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    setting = {"recipe": args.recipe, "setting": args.setting, "date": date, "seeds": args.seeds,
+               "rollouts per seed and arm": args.rollouts, "window": window, "concurrency": args.concurrency,
+               "task": "reef_sao.tasks (answer using only the given letters; verifier: share of allowed letters)",
+               "client": "plugins/reef-sao/examples/client.py over HTTP (temperature 1, top_p 1)",
+               "machine": f"{machine['cores']} cores ({machine['cpu']}), load "
+                          f"{machine['load_avg_1m_at_start']} at start",
+               "wall-clock": f"{time.monotonic() - began:.0f} s",
+               "overrides": {"recipe": recipe_arm, "control": control_arm}}
+    title = f"{args.recipe} on {args.setting}: recipe vs learning off, {args.seeds} seeds"
+    metrics = packet.write(out, title=title, setting=setting, runs=runs, window=window)
+    analysis = metrics["analysis"]
+    print(f"\n{title}")
+    print(common.table(["arm", "first", "last", "gain", "95% CI"],
+                       [[arm, a["first"], a["last"], a["gain"], str(a["ci95"])] for arm, a in analysis["arms"].items()]))
+    diff = analysis["difference"]
+    print(f"recipe - control: {diff['mean']:+.3f} CI {diff['ci95']} -> {'holds' if analysis['holds'] else 'does not hold'}")
+    for line in metrics["diagnosis"]:
+        print("DIAGNOSIS:", line)
+    print(f"packet: {out}")
+    machine["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
+    return {"machine": machine, "packet": str(out), "analysis": analysis, "diagnosis": metrics["diagnosis"],
+            "problems": [] if analysis["holds"] else ["the claim does not hold: see the packet's diagnosis"]}
