@@ -39,6 +39,9 @@ def test_concurrent_loops_each_report_their_own_completion(upstream_reef):
     quoted = [ref for r in reports for ref in r["references"]]
     assert len(quoted) == 12 and set(quoted) == completions
     assert sorted(r["score"] for r in reports) == sorted(result["rewards"])
+    # each rollout's reply beside its reward, in report order (what a result packet's samples.md shows)
+    assert [row["reward"] for row in result["replies"]] == result["rewards"]
+    assert all(row["prompt"] and isinstance(row["reply"], str) for row in result["replies"])
 
 
 def test_duration_budget_stops_an_endless_stream(upstream_reef):
