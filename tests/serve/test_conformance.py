@@ -286,4 +286,5 @@ def test_llm_comply_passes(served, fmt):
     engine, server = served
     outcome = run_format(f"{server.url}/v1", fmt, scenario=f"comply-{fmt}",
                          allowed=TINY_MODEL_LIMITS if engine in TINY else None)
+    print(f"llm-comply {fmt} through {engine}: {outcome.summary}")  # the figures of the closing note (pytest -s)
     assert outcome.unexpected == {}, json.dumps(outcome.unexpected, indent=1)

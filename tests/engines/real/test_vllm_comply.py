@@ -51,4 +51,5 @@ def reef(request, module_reef_server, tool_vllm):
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_llm_comply_passes_through_the_real_vllm(reef, fmt):
     outcome = run_format(f"{reef.url}/v1", fmt, scenario=f"comply-{fmt}", allowed=TINY_MODEL_LIMITS)
+    print(f"llm-comply {fmt} through the real vLLM: {outcome.summary}")
     assert outcome.unexpected == {}, json.dumps(outcome.unexpected, indent=1)
