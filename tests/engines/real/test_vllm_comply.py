@@ -42,14 +42,15 @@ def tool_vllm(vllm_interpreter, _shared_model_cache, tmp_path_factory):
 @pytest.fixture(scope="module", params=["native", "passthrough"])
 def reef(request, module_reef_server, tool_vllm):
     recipe = ("+recipe=sao", "+sao_profile=tiny") if request.param == "native" else ()
-    return module_reef_server(*recipe, "engine.kind=vllm", f"engine.url={tool_vllm.url}",
-                              f"engine.model={tool_vllm.model_dir}", "engine.max_new_tokens=64", "engine.seed=0",
-                              "engine.temperature=0", timeout=300)
+    return request.param, module_reef_server(*recipe, "engine.kind=vllm", f"engine.url={tool_vllm.url}",
+                                             f"engine.model={tool_vllm.model_dir}", "engine.max_new_tokens=64",
+                                             "engine.seed=0", "engine.temperature=0", timeout=300)
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_llm_comply_passes_through_the_real_vllm(reef, fmt):
-    outcome = run_format(f"{reef.url}/v1", fmt, scenario=f"comply-{fmt}", allowed=TINY_MODEL_LIMITS)
-    print(f"llm-comply {fmt} through the real vLLM: {outcome.summary}")
+    path, server = reef
+    outcome = run_format(f"{server.url}/v1", fmt, scenario=f"comply-{fmt}", allowed=TINY_MODEL_LIMITS)
+    print(f"llm-comply {fmt} through the real vLLM ({path}): {outcome.summary}")
     assert outcome.unexpected == {}, json.dumps(outcome.unexpected, indent=1)
