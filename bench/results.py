@@ -16,7 +16,6 @@ Settings:
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -24,10 +23,9 @@ import time
 from pathlib import Path
 
 from bench import common, packet
-from bench.learn_smollm2 import SCENARIO, _commits
+from bench.learn_smollm2 import SCENARIO, _commits, _load_client
 from bench.publish import _get_json
 
-CLIENT = common.ROOT / "plugins" / "reef-sao" / "examples" / "client.py"
 #: (recipe, setting) -> the recipe arm's overrides, the task's reply budget, the default window
 SETTINGS = {
     ("sao", "tiny"): (["+recipe=sao", "+sao_profile=tiny"], 8, 48),
@@ -49,13 +47,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for both arms")
 
 
-def _client():
-    spec = importlib.util.spec_from_file_location("reef_sao_example_client", CLIENT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _arm(args, arm: str, seed: int, overrides: list[str], max_tokens, window: int, workdir: Path) -> packet.ArmRun:
     port = common.free_port()
     data = workdir / f"{arm}-{seed}"
@@ -69,7 +60,7 @@ def _arm(args, arm: str, seed: int, overrides: list[str], max_tokens, window: in
     try:
         reef.start(timeout=args.ready_timeout)
         began = time.monotonic()
-        out = _client().run(reef.url, SCENARIO, args.rollouts, seed=seed, token=common.TOKEN, max_tokens=max_tokens,
+        out = _load_client().run(reef.url, SCENARIO, args.rollouts, seed=seed, token=common.TOKEN, max_tokens=max_tokens,
                             window=window, concurrency=args.concurrency, quiet=True)
         wall = round(time.monotonic() - began, 1)
         status = _get_json(reef.url, f"/reef/scenarios/{SCENARIO}/status")
