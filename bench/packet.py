@@ -218,7 +218,8 @@ def _readme(title, setting, analysis, runs, diagnosis, recipe, control) -> str:
             f"Recipe minus control (gain minus gain, seeds paired): **{diff['mean']:+.3f}**, 95% bootstrap interval "
             f"[{diff['ci95'][0]:+.3f}, {diff['ci95'][1]:+.3f}] over seeds {analysis['seeds']} "
             f"({analysis['replicates']} replicates).", "",
-            "| arm | first window | last window | gain | gain 95% CI | rollouts | steps | releases | wall s | dropped |",
+            "| arm | first window | last window | gain | gain 95% CI | rollouts | steps | releases | wall s "
+            "| dropped |",
             "|---|---|---|---|---|---|---|---|---|---|", *rows, "",
             f"A window is {analysis['window']} rollouts; the gain is last minus first, per seed, averaged. ",
             "`curve.png` plots both arms; `samples.md` shows replies before and after; `metrics.json` has every "

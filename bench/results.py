@@ -60,8 +60,8 @@ def _arm(args, arm: str, seed: int, overrides: list[str], max_tokens, window: in
     try:
         reef.start(timeout=args.ready_timeout)
         began = time.monotonic()
-        out = _load_client().run(reef.url, SCENARIO, args.rollouts, seed=seed, token=common.TOKEN, max_tokens=max_tokens,
-                            window=window, concurrency=args.concurrency, quiet=True)
+        out = _load_client().run(reef.url, SCENARIO, args.rollouts, seed=seed, token=common.TOKEN,
+                                 max_tokens=max_tokens, window=window, concurrency=args.concurrency, quiet=True)
         wall = round(time.monotonic() - began, 1)
         status = _get_json(reef.url, f"/reef/scenarios/{SCENARIO}/status")
         commits = _commits(reef.url) if arm == "recipe" else []  # learning off: no learner, no commits route
@@ -115,9 +115,11 @@ def run(args) -> dict:
     analysis = metrics["analysis"]
     print(f"\n{title}")
     print(common.table(["arm", "first", "last", "gain", "95% CI"],
-                       [[arm, a["first"], a["last"], a["gain"], str(a["ci95"])] for arm, a in analysis["arms"].items()]))
+                       [[arm, a["first"], a["last"], a["gain"], str(a["ci95"])]
+                        for arm, a in analysis["arms"].items()]))
     diff = analysis["difference"]
-    print(f"recipe - control: {diff['mean']:+.3f} CI {diff['ci95']} -> {'holds' if analysis['holds'] else 'does not hold'}")
+    verdict = "holds" if analysis["holds"] else "does not hold"
+    print(f"recipe - control: {diff['mean']:+.3f} CI {diff['ci95']} -> {verdict}")
     for line in metrics["diagnosis"]:
         print("DIAGNOSIS:", line)
     print(f"packet: {out}")
