@@ -23,6 +23,7 @@ serves that scenario as a follower, and takes the learner over when the lease fr
 from __future__ import annotations
 
 import asyncio
+import functools
 import fnmatch
 import json
 import logging
@@ -352,7 +353,8 @@ class Deployment:
         if recipe.processor:
             follower.door = self.pm.create(
                 "processor", recipe.processor, scenario=scenario.name, options=dict(recipe.processor_options),
-                serving_version=follower.serving_version, load_records=self.store.get_many, create=self.pm.create,
+                serving_version=follower.serving_version,
+                load_records=functools.partial(self.store.get_many, scenario.name), create=self.pm.create,
                 engine=self.engine, run_async=self.run_async)
         follower.start()
         self._learners[scenario.name] = follower
@@ -529,8 +531,8 @@ class Deployment:
     def list_scenarios(self) -> list[Scenario]:
         return self.store.scenarios()
 
-    def find_record(self, record_id: str):
-        return self.store.get(record_id)
+    def find_record(self, scenario: str, record_id: str):
+        return self.store.get(scenario, record_id)
 
     def find_by_idempotency_key(self, scenario: str, key: str):
         return self.store.find_by_idempotency_key(scenario, key)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..engines.base import EngineRequest, TokenData
 from ..engines.translate import translate_request
@@ -40,30 +40,21 @@ class Retry:
 
 
 def find_retry(dep, scenario: str, request_hash: str, record_id: str, *, client_record_id: str | None,
-               idempotency_key: str | None, sdk_retry: bool, own_id: Callable[[str, str], str] | None = None) -> Retry:
+               idempotency_key: str | None, sdk_retry: bool) -> Retry:
     """Whether the request repeats an earlier one (blocking reads: run it on a worker thread).
 
     A request repeats an earlier one when it carries a record id or an ``Idempotency-Key`` already used in the
     scenario (for another request: :class:`Conflict`), or is an SDK retry of the same body. Only a complete
     record is replayed: when every earlier attempt is incomplete, the request runs again and its record names
-    the latest attempt in ``retry_of`` (the store then points the key at it).
-
-    ``own_id(client_record_id, holder_scenario)``: the id the client's id stands for when another scenario holds
-    it (the tenancy rule: a scenario the client may not see never shows through, see
-    :func:`reef_core.serve.middleware.tenancy.own_record_id`); without it, any other scenario's id is a conflict.
+    the latest attempt in ``retry_of`` (the store then points the key at it). Record ids are scoped per scenario:
+    another scenario's record of the same id is another record, never a conflict.
     """
     attempts: list[Record] = []
-    asked = client_record_id
     if client_record_id:
-        found = dep.find_record(client_record_id)
-        if found is not None and found.scenario != scenario and own_id is not None:
-            mapped = own_id(client_record_id, found.scenario)
-            if mapped != client_record_id:  # answered as if the id were free: this scenario's own id for it
-                client_record_id = record_id = mapped
-                found = dep.find_record(mapped)
+        found = dep.find_record(scenario, client_record_id)
         if found is not None:
-            if found.scenario != scenario or found.request_hash != request_hash:
-                raise Conflict(f"record id {asked!r} was already used for another request")
+            if found.request_hash != request_hash:
+                raise Conflict(f"record id {client_record_id!r} was already used for another request")
             if found.complete:
                 return Retry(replay=found)
             attempts.append(found)

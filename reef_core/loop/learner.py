@@ -22,6 +22,7 @@ restores the last durable release; the step counter and consumed ids survive thr
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -69,7 +70,8 @@ class ScenarioLearner:
             self.processor = ports.create(
                 "processor", self.recipe.processor, scenario=scenario,
                 options=dict(self.recipe.processor_options),
-                serving_version=self.serving_version, load_records=ports.records.get_many,
+                serving_version=self.serving_version,
+                load_records=functools.partial(ports.records.get_many, scenario),
                 create=ports.create, engine=ports.serving.engine, run_async=ports.serving.run_async)
         self._trainer: Trainer | None = None
         self._trainer_lock = threading.Lock()

@@ -27,7 +27,11 @@ from reef_core.observe.schema import record_sequences, records
 # Stay far below SQLite's bound-parameter limit and keep PostgreSQL IN lists cheap.
 IN_CHUNK = 500
 
-RefInfo = tuple[str, str]  # (scenario, kind) of a referenced record
+Key = tuple[str, str]  # (scenario, record_id): record ids are scenario-scoped (#37 D5)
+
+
+def key_of(record: Record) -> Key:
+    return (record.scenario, record.record_id)
 
 
 @dataclass
@@ -216,29 +220,34 @@ def _chunks(items: Sequence, size: int = IN_CHUNK) -> Iterable[Sequence]:
         yield items[start:start + size]
 
 
-def fetch_records(conn: sa.Connection, ids: Iterable[str]) -> dict[str, Record]:
-    """Stored records among ``ids``, by id."""
-    found: dict[str, Record] = {}
+def fetch_records(conn: sa.Connection, keys: Iterable[Key]) -> dict[Key, Record]:
+    """Stored records among ``keys`` (``(scenario, record_id)``), by key."""
+    wanted = set(keys)
+    found: dict[Key, Record] = {}
     sql = _driver_sql(conn)
-    for chunk in _chunks(sorted(set(ids))):
+    for chunk in _chunks(sorted({rid for _, rid in wanted})):
         text = sql.select_by_ids.replace("{marks}", ", ".join([sql.mark] * len(chunk)))
         for row in _select_rows(conn, text, tuple(chunk)):
-            found[row.record_id] = row_to_record(row)
+            if (row.scenario, row.record_id) in wanted:  # the same id in another scenario is another record
+                found[(row.scenario, row.record_id)] = row_to_record(row)
     return found
 
 
-def fetch_ref_info(conn: sa.Connection, ids: Iterable[str]) -> dict[str, RefInfo]:
-    """``(scenario, kind)`` of the stored records among ``ids`` (no payloads read)."""
-    found: dict[str, RefInfo] = {}
-    for chunk in _chunks(sorted(set(ids))):
+def fetch_ref_info(conn: sa.Connection, keys: Iterable[Key]) -> dict[Key, str]:
+    """The kind of the stored records among ``keys`` (no payloads read)."""
+    wanted = set(keys)
+    found: dict[Key, str] = {}
+    for chunk in _chunks(sorted({rid for _, rid in wanted})):
         for row in conn.execute(q.REF_INFO_BY_ID, {"ids": list(chunk)}):
-            found[row.record_id] = (row.scenario, row.kind)
+            if (row.scenario, row.record_id) in wanted:
+                found[(row.scenario, row.record_id)] = row.kind
     return found
 
 
-def validate_references(scenario: str, ids: Any, lookup: Callable[[str], RefInfo | None]) -> None:
+def validate_references(scenario: str, ids: Any, lookup: Callable[[str], str | None]) -> None:
     """Raise :class:`ValidationFailed` naming the first reference that is not a distinct, stored inference record of
-    ``scenario``; ``lookup`` gives a record's ``(scenario, kind)`` or ``None``."""
+    ``scenario``; ``lookup`` gives the kind of the scenario's record with that id, or ``None``. Ids are scoped per
+    scenario: another scenario's record of the same id is not there, as an unknown one is not."""
     if not isinstance(ids, (list, tuple)):
         raise ValidationFailed("references must be a list of record ids", field="references")
     seen: set[str] = set()
@@ -248,15 +257,11 @@ def validate_references(scenario: str, ids: Any, lookup: Callable[[str], RefInfo
         if ref in seen:
             raise ValidationFailed(f"reference {ref!r} is listed twice", field="references", reference=ref)
         seen.add(ref)
-        info = lookup(ref)
-        if info is None:
+        kind = lookup(ref)
+        if kind is None:
             raise ValidationFailed(f"reference {ref!r} is not a stored record", field="references", reference=ref)
-        ref_scenario, ref_kind = info
-        if ref_scenario != scenario:
-            raise ValidationFailed(f"reference {ref!r} belongs to another scenario", field="references",
-                                   reference=ref, reference_scenario=ref_scenario)
-        if ref_kind != "inference":
-            raise ValidationFailed(f"reference {ref!r} is a {ref_kind} record, not an inference record",
+        if kind != "inference":
+            raise ValidationFailed(f"reference {ref!r} is a {kind} record, not an inference record",
                                    field="references", reference=ref)
 
 
@@ -285,31 +290,31 @@ def apply_appends(conn: sa.Connection, dialect: str, batch: list[AppendRequest])
 
     Raises only on database errors (the caller then rolls back and retries request by request).
     """
-    wanted_ids = {r.record_id for req in batch for r in req.records}
+    wanted = {key_of(r) for req in batch for r in req.records}
     keyed = [(req.records[0].scenario, req.idempotency_key) for req in batch if req.idempotency_key is not None]
     stored_keys: dict[tuple[str, str], str] = {}
     for chunk in _chunks(sorted({key for _, key in keyed})):
         for row in conn.execute(q.keys_by_key(dialect), {"keys": list(chunk)}):
             stored_keys[(row.scenario, row.idempotency_key)] = row.record_id
-    existing = fetch_records(conn, wanted_ids | set(stored_keys.values()))
+    existing = fetch_records(conn, wanted | {(s, rid) for (s, _), rid in stored_keys.items()})
 
-    ref_ids = {ref for req in batch if req.check_references for r in req.records if r.kind == "report"
-               for ref in r.references if isinstance(ref, str)}
-    ref_info = fetch_ref_info(conn, ref_ids - existing.keys() - wanted_ids)
+    refs = {(r.scenario, ref) for req in batch if req.check_references for r in req.records if r.kind == "report"
+            for ref in r.references if isinstance(ref, str)}
+    ref_kinds = fetch_ref_info(conn, refs - existing.keys() - wanted)
 
-    new: dict[str, Record] = {}  # staged for insertion, in arrival order
-    encoded: dict[str, tuple[str, str, str]] = {}
+    new: dict[Key, Record] = {}  # staged for insertion, in arrival order
+    encoded: dict[Key, tuple[str, str, str]] = {}
     new_keys: dict[tuple[str, str], str] = {}
-    results: list[list[str] | ReefError] = []
+    results: list[list[Key] | ReefError] = []
 
-    def find(record_id: str, staged: dict[str, Record]) -> Record | None:
-        return staged.get(record_id) or new.get(record_id) or existing.get(record_id)
+    def find(key: Key, staged: dict[Key, Record]) -> Record | None:
+        return staged.get(key) or new.get(key) or existing.get(key)
 
-    def ref_lookup(staged: dict[str, Record]) -> Callable[[str], RefInfo | None]:
+    def ref_lookup(scenario: str, staged: dict[Key, Record]) -> Callable[[str], str | None]:
         # A report may quote inference records staged earlier in its own request or batch (same transaction).
-        def lookup(ref: str) -> RefInfo | None:
-            hit = find(ref, staged)
-            return (hit.scenario, hit.kind) if hit is not None else ref_info.get(ref)
+        def lookup(ref: str) -> str | None:
+            hit = find((scenario, ref), staged)
+            return hit.kind if hit is not None else ref_kinds.get((scenario, ref))
         return lookup
 
     for req in batch:
@@ -318,29 +323,30 @@ def apply_appends(conn: sa.Connection, dialect: str, batch: list[AppendRequest])
             if req.idempotency_key is not None:
                 slot = (req.records[0].scenario, req.idempotency_key)
                 mapped = new_keys.get(slot) or stored_keys.get(slot)
-                prior = find(mapped, {}) if mapped is not None else None
+                prior = find((slot[0], mapped), {}) if mapped is not None else None
                 if prior is not None:
                     if _keyed_replay(prior, req.records[0], req.idempotency_key):
-                        results.append([mapped])
+                        results.append([key_of(prior)])
                         continue
                     keep_key = prior.complete
-            staged: dict[str, Record] = {}
-            ids: list[str] = []
+            staged: dict[Key, Record] = {}
+            keys: list[Key] = []
             for record in req.records:
-                prior = find(record.record_id, staged)
+                key = key_of(record)
+                prior = find(key, staged)
                 if prior is not None:
                     if prior.content_hash != record.content_hash:
                         raise _conflict(record)
                 else:
                     if req.check_references and record.kind == "report":
-                        validate_references(record.scenario, record.references, ref_lookup(staged))
-                    encoded[record.record_id] = encode_json_columns(record)
-                    staged[record.record_id] = record
-                ids.append(record.record_id)
+                        validate_references(record.scenario, record.references, ref_lookup(record.scenario, staged))
+                    encoded[key] = encode_json_columns(record)
+                    staged[key] = record
+                keys.append(key)
             new.update(staged)  # only once the whole request is accepted: all-or-nothing
             if req.idempotency_key is not None and not keep_key:
-                new_keys[(req.records[0].scenario, req.idempotency_key)] = ids[0]
-            results.append(ids)
+                new_keys[(req.records[0].scenario, req.idempotency_key)] = keys[0][1]
+            results.append(keys)
         except ReefError as exc:
             results.append(exc)
 
@@ -350,14 +356,14 @@ def apply_appends(conn: sa.Connection, dialect: str, batch: list[AppendRequest])
             req.outcome = result
         else:
             req.outcome = [
-                new[rid].with_sequence(assigned[rid]) if rid in new else existing[rid] for rid in result
+                new[key].with_sequence(assigned[key]) if key in new else existing[key] for key in result
             ]
     return len(new)
 
 
 def _write_staged(conn: sa.Connection, dialect: str, batch: list[AppendRequest], results: list,
-                  new: dict[str, Record], encoded: dict[str, tuple[str, str, str]],
-                  new_keys: dict[tuple[str, str], str], stored_keys: dict[tuple[str, str], str]) -> dict[str, int]:
+                  new: dict[Key, Record], encoded: dict[Key, tuple[str, str, str]],
+                  new_keys: dict[tuple[str, str], str], stored_keys: dict[tuple[str, str], str]) -> dict[Key, int]:
     """Write what the batch staged: the scenarios its accepted requests create, the new records with their
     sequence numbers (returned), and the idempotency keys added or moved to a newer attempt."""
     fresh_scenarios = {req.records[0].scenario: req.new_scenario_recipe for req, result in zip(batch, results)
@@ -367,7 +373,7 @@ def _write_staged(conn: sa.Connection, dialect: str, batch: list[AppendRequest],
         conn.execute(q.create_scenario(dialect), {"name": name, "recipe": recipe, "created_at": now, "archived": False})
     assigned = _assign_sequences(conn, dialect, list(new.values()))
     if new:
-        rows = [record_to_params(r, assigned[r.record_id], encoded[r.record_id]) for r in new.values()]
+        rows = [record_to_params(r, assigned[key], encoded[key]) for key, r in new.items()]
         _insert_records(conn, rows)
     fresh_keys = [(slot, rid) for slot, rid in new_keys.items() if slot not in stored_keys]
     if fresh_keys:
@@ -382,16 +388,16 @@ def _write_staged(conn: sa.Connection, dialect: str, batch: list[AppendRequest],
     return assigned
 
 
-def _assign_sequences(conn: sa.Connection, dialect: str, fresh: list[Record]) -> dict[str, int]:
+def _assign_sequences(conn: sa.Connection, dialect: str, fresh: list[Record]) -> dict[Key, int]:
     """Reserve a contiguous block of sequence numbers per scenario and hand them out in arrival order."""
     per_scenario: dict[str, list[Record]] = {}
     for record in fresh:
         per_scenario.setdefault(record.scenario, []).append(record)
-    assigned: dict[str, int] = {}
+    assigned: dict[Key, int] = {}
     reserve = _driver_sql(conn).reserve_sequence if per_scenario else ""
     for scenario, group in per_scenario.items():
         count = len(group)
         last = int(_scalar(conn, reserve, (scenario, count)))
         for offset, record in enumerate(group):
-            assigned[record.record_id] = last - count + 1 + offset
+            assigned[key_of(record)] = last - count + 1 + offset
     return assigned

@@ -21,9 +21,10 @@ def dialect_insert(dialect: str, table: sa.Table):
     return (postgresql.insert if dialect == "postgresql" else sqlite.insert)(table)
 
 
-RECORDS_BY_ID = sa.select(records).where(records.c.record_id.in_(sa.bindparam("ids", expanding=True)))
-RECORD_BY_ID = sa.select(records).where(records.c.record_id == sa.bindparam("record_id"))
-RECORDS_BY_IDS = sa.select(records).where(records.c.record_id.in_(sa.bindparam("ids", expanding=True)))
+RECORD_BY_ID = sa.select(records).where(records.c.scenario == sa.bindparam("scenario"),
+                                        records.c.record_id == sa.bindparam("record_id"))
+RECORDS_BY_IDS = sa.select(records).where(records.c.scenario == sa.bindparam("scenario"),
+                                          records.c.record_id.in_(sa.bindparam("ids", expanding=True)))
 REF_INFO_BY_ID = (sa.select(records.c.record_id, records.c.scenario, records.c.kind)
                   .where(records.c.record_id.in_(sa.bindparam("ids", expanding=True))))
 KEYS_BY_KEY = sa.select(idempotency_keys).where(

@@ -191,19 +191,20 @@ class RecordStore:
 
     # -- record reads -------------------------------------------------------------------------------------------
 
-    def get(self, record_id: str) -> Record | None:
-        """The stored record with this id, or ``None``."""
+    def get(self, scenario: str, record_id: str) -> Record | None:
+        """``scenario``'s record with this id, or ``None`` (ids are scoped per scenario)."""
         with self._read() as conn:
-            row = conn.execute(q.RECORD_BY_ID, {"record_id": record_id}).first()
+            row = conn.execute(q.RECORD_BY_ID, {"scenario": scenario, "record_id": record_id}).first()
         return row_to_record(row) if row is not None else None
 
-    def get_many(self, record_ids: Sequence[str]) -> list[Record | None]:
-        """The stored records with these ids, in the order asked (``None`` for an unknown id), in one query."""
+    def get_many(self, scenario: str, record_ids: Sequence[str]) -> list[Record | None]:
+        """``scenario``'s records with these ids, in the order asked (``None`` for an unknown id), in one query."""
         ids = list(record_ids)
         if not ids:
             return []
         with self._read() as conn:
-            found = {row.record_id: row_to_record(row) for row in conn.execute(q.RECORDS_BY_IDS, {"ids": ids})}
+            found = {row.record_id: row_to_record(row)
+                     for row in conn.execute(q.RECORDS_BY_IDS, {"scenario": scenario, "ids": ids})}
         return [found.get(i) for i in ids]
 
     def page(self, scenario: str, after_sequence: int = 0, limit: int = 50) -> list[Record]:
@@ -253,16 +254,16 @@ class RecordStore:
         attempt), or ``None``."""
         with self._read() as conn:
             record_id = conn.execute(q.KEY_IN_SCENARIO, {"scenario": scenario, "key": key}).scalar()
-        return self.get(record_id) if record_id is not None else None
+        return self.get(scenario, record_id) if record_id is not None else None
 
     def check_references(self, scenario: str, ids: Sequence[str]) -> None:
-        """Raise :class:`ValidationFailed` naming the first reference that is unknown, of another scenario, not an
-        inference record, or listed twice."""
+        """Raise :class:`ValidationFailed` naming the first reference that is not one of ``scenario``'s inference
+        records, or is listed twice."""
         info: dict = {}
         if isinstance(ids, (list, tuple)):  # anything else is refused by validate_references
             with self._read() as conn:
-                info = fetch_ref_info(conn, [i for i in ids if isinstance(i, str)])
-        validate_references(scenario, ids, info.get)
+                info = fetch_ref_info(conn, [(scenario, i) for i in ids if isinstance(i, str)])
+        validate_references(scenario, ids, lambda ref: info.get((scenario, ref)))
 
     # -- scenarios ----------------------------------------------------------------------------------------------
 

@@ -26,8 +26,10 @@ scenarios = sa.Table(
 records = sa.Table(
     "records",
     metadata,
+    # Record ids are scenario-scoped: each scenario is its own namespace of ids (#37 D5), so no team can learn of,
+    # claim or be locked out of another's.
     sa.Column("record_id", sa.String(255), primary_key=True),
-    sa.Column("scenario", sa.String(255), nullable=False),
+    sa.Column("scenario", sa.String(255), primary_key=True),
     sa.Column("kind", sa.String(16), nullable=False),
     sa.Column("sequence", sa.BigInteger(), nullable=False),
     sa.Column("created_at", sa.Double(), nullable=False),

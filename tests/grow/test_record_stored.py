@@ -49,6 +49,6 @@ def test_a_cancelled_caller_still_gets_its_record_stored_and_announced(tmp_path)
     try:
         asyncio.run(caller_leaves())
         held.result(30)
-        assert store.get("left-early") is not None
+        assert store.get("s", "left-early") is not None
     finally:
         store.close()

@@ -206,13 +206,13 @@ def test_restart_replays_nothing_that_the_step_consumed(tmp_path):
 
         append(s.step(0, [[1.0] * R, [0.0, 1.0, 2.0]]))  # group 0 is constant: left out, but consumed
         append(s.step(1, VARIED, skip={(0, 0)}))
-        first = GridProcessor(SCENARIO, groups=G, rollouts_per_group=R, load_records=store.get_many)
+        first = GridProcessor(SCENARIO, groups=G, rollouts_per_group=R, load_records=lambda ids: store.get_many(SCENARIO, ids))
         feed(first, store.replay(SCENARIO))
         batch = first.pending_batch()
         store.mark_consumed(SCENARIO, first.acknowledge(batch.batch_id), step=1)
 
         append(s.rollout(0, 0, 0, 5.0))  # a late report for the trained step, stored after the restart
-        restarted = GridProcessor(SCENARIO, groups=G, rollouts_per_group=R, load_records=store.get_many)
+        restarted = GridProcessor(SCENARIO, groups=G, rollouts_per_group=R, load_records=lambda ids: store.get_many(SCENARIO, ids))
         restarted.restore(store.consumed_ids(SCENARIO))
         feed(restarted, store.replay(SCENARIO))
         status = restarted.status()

@@ -407,7 +407,7 @@ def test_replay_from_the_real_store_judges_with_the_store_copies(tmp_path):
         for record in (s.turn([u("q1")], "a1", session="S"), s.turn([u("q1"), a("a1"), u("q2")], "a2", session="S")):
             store.append_sync(dataclasses.replace(record, sequence=None))
         judge = Judge()
-        p = NextStateProcessor(SCENARIO, judge=judge, load_records=store.get_many)
+        p = NextStateProcessor(SCENARIO, judge=judge, load_records=lambda ids: store.get_many(SCENARIO, ids))
         for record in store.replay(SCENARIO):
             p.ingest(record)
         [sample] = drain(p)

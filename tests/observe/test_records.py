@@ -93,18 +93,19 @@ def test_append_round_trips_every_field_and_numbers_per_scenario(store):
                       payload={"messages": [{"role": "user", "content": "héllo ✓"}], "n": 1.5, "z": None})
     stored = asyncio.run(store.append(first))
     assert stored.sequence == 1
-    assert store.get("a1") == stored
+    assert store.get("s", "a1") == stored
     assert stored.payload == first.payload and stored.tags == {"session": "x"} and stored.version == "rel-3"
     assert stored.complete is False and stored.request_hash == "h1" and stored.content_hash == first.content_hash
     assert stored.created_at == pytest.approx(first.created_at)
 
     assert store.append_sync(inference("a2")).sequence == 2
     assert store.append_sync(inference("b1", scenario="other")).sequence == 1  # sequences are per scenario
-    assert store.get("missing") is None
+    assert store.get("s", "missing") is None
     assert store.count("s") == 2 and store.count("other") == 1 and store.count("nobody") == 0
-    many = store.get_many(["b1", "missing", "a1"])  # one query, the order asked, None for an unknown id
-    assert [r.record_id if r else None for r in many] == ["b1", None, "a1"] and many[2] == stored
-    assert store.get_many([]) == []
+    many = store.get_many("s", ["a2", "missing", "a1"])  # one query, the order asked, None for an unknown id
+    assert [r.record_id if r else None for r in many] == ["a2", None, "a1"] and many[2] == stored
+    assert store.get_many("s", []) == []
+    assert store.get("s", "b1") is None and store.get_many("other", ["b1", "a1"])[1] is None  # ids are per scenario
 
 
 def test_same_id_same_content_returns_the_stored_record(store):
@@ -120,15 +121,16 @@ def test_same_id_different_content_conflicts(store):
     with pytest.raises(Conflict) as info:
         store.append_sync(inference("r1", payload={"v": 2}))
     assert info.value.status == 409
-    with pytest.raises(Conflict):  # the same id in another scenario is other content too
-        store.append_sync(inference("r1", scenario="t", payload={"v": 1}))
-    assert store.get("r1").payload == {"v": 1} and store.count("t") == 0
+    # ids are scoped per scenario: the same id in another scenario is another record (#37 D5)
+    elsewhere = store.append_sync(inference("r1", scenario="t", payload={"v": 3}))
+    assert (elsewhere.scenario, elsewhere.sequence) == ("t", 1)
+    assert store.get("s", "r1").payload == {"v": 1} and store.get("t", "r1").payload == {"v": 3}
 
 
 def test_idempotency_key_maps_to_the_first_record(store):
     first = asyncio.run(store.append(inference("k1"), idempotency_key="retry-7"))
     second = asyncio.run(store.append(inference("k2", payload={"other": True}), idempotency_key="retry-7"))
-    assert second == first and store.get("k2") is None and store.count("s") == 1
+    assert second == first and store.get("s", "k2") is None and store.count("s") == 1
     # keys are scoped per scenario
     elsewhere = store.append_sync(inference("k3", scenario="t"), idempotency_key="retry-7")
     assert elsewhere.record_id == "k3"
@@ -144,12 +146,12 @@ def test_append_many_is_all_or_nothing(store):
     batch = [inference("m1"), inference("m2"), inference("x1", payload={"v": 2})]  # the last conflicts
     with pytest.raises(Conflict):
         asyncio.run(store.append_many(batch))
-    assert store.get("m1") is None and store.get("m2") is None
+    assert store.get("s", "m1") is None and store.get("s", "m2") is None
 
     bad_refs = [inference("m1"), report("m2", ["m1", "nope"])]
     with pytest.raises(ValidationFailed, match="nope"):
         store.append_many_sync(bad_refs, check_references=True)
-    assert store.get("m1") is None
+    assert store.get("s", "m1") is None
 
     stored = asyncio.run(store.append_many(
         [inference("m1"), report("m2", ["m1", "x1"]), inference("x1", payload={"v": 1})], check_references=True))
@@ -183,7 +185,7 @@ def test_append_can_check_a_reports_references_in_its_transaction(store):
     store.append_sync(inference("i1"))
     with pytest.raises(ValidationFailed, match="'i9'"):
         asyncio.run(store.append(report("r1", ["i1", "i9"]), check_references=True))
-    assert store.get("r1") is None
+    assert store.get("s", "r1") is None
     assert store.append_sync(report("r1", ["i1"]), check_references=True).sequence == 2
 
 
@@ -197,7 +199,7 @@ def test_an_unstorable_record_fails_alone(store):
 
     ok1, failed, ok2 = asyncio.run(main())
     assert isinstance(failed, ValidationFailed)
-    assert ok1.sequence == 1 and ok2.sequence == 2 and store.get("bad") is None
+    assert ok1.sequence == 1 and ok2.sequence == 2 and store.get("s", "bad") is None
 
 
 def test_a_precomputed_hash_record_with_nan_is_refused_not_stored_as_null(store):
@@ -205,7 +207,7 @@ def test_a_precomputed_hash_record_with_nan_is_refused_not_stored_as_null(store)
     bad = Record(record_id="nan", scenario="s", kind="inference", payload={"x": float("nan")}, content_hash="0" * 64)
     with pytest.raises(ValidationFailed, match="not storable as JSON"):
         store.append_sync(bad)
-    assert store.get("nan") is None
+    assert store.get("s", "nan") is None
 
 
 def test_payload_values_round_trip_through_the_stored_json(store):
@@ -218,11 +220,11 @@ def test_payload_values_round_trip_through_the_stored_json(store):
                                       references=[], tags={"k": text}, top_k=b"\x00\\\n\t\xff"))
     big = store.append_sync(Record(record_id="big", scenario="s", kind="inference",
                                    payload={"n": 2**70, "keys": {1: "int key"}}))
-    got = store.get("rt")
+    got = store.get("s", "rt")
     assert got.payload == payload and list(got.payload) == list(payload)  # values and key order kept
     assert got.tags == {"k": text} and got.top_k == b"\x00\\\n\t\xff"
     assert got.content_hash == stored.content_hash
-    assert store.get("big").payload == {"n": 2**70, "keys": {"1": "int key"}} and big.sequence == 2
+    assert store.get("s", "big").payload == {"n": 2**70, "keys": {"1": "int key"}} and big.sequence == 2
 
 
 def test_concurrent_appends_keep_per_scenario_order_and_share_transactions(store):
@@ -301,7 +303,7 @@ def test_failed_batch_is_retried_one_by_one(backend, store):
     results = dict(zip(names, outcomes))
     assert isinstance(results.pop("poison1"), StorageUnavailable)
     assert all(isinstance(r, Record) for r in results.values())
-    assert store.get("poison1") is None
+    assert store.get("s", "poison1") is None
     assert {r.record_id for r in store.replay("s")} == set(results) | {"blocker"}
     stats = store.stats
     assert stats.retried_batches == 1 and stats.failed_requests == 1
@@ -349,7 +351,7 @@ def test_close_commits_queued_appends_then_refuses(backend):
     with pytest.raises(StorageUnavailable):
         store.append_sync(inference("late"))
     with pytest.raises(StorageUnavailable):
-        store.get("q1")
+        store.get("s", "q1")
     store.close()  # idempotent
     with backend.open() as reopened:
         assert reopened.count("s") == 40
@@ -449,11 +451,11 @@ def test_find_by_idempotency_key_is_per_scenario(tmp_path):
 
 
 def test_an_append_creates_its_scenario_only_when_accepted(store):
-    # A refused append (conflicting id, bad reference) creates nothing; an accepted one creates the scenario,
+    # A refused append (a bad reference, a conflicting group) creates nothing; an accepted one creates the scenario,
     # bound to the recipe given, in its own transaction.
-    asyncio.run(store.append(inference("r1", scenario="old")))
     with pytest.raises(Conflict):
-        asyncio.run(store.append(inference("r1", scenario="new", payload={"v": 2}), new_scenario_recipe="gepa"))
+        asyncio.run(store.append_many([inference("r1", scenario="new"), inference("r1", scenario="new", payload={})],
+                                      new_scenario_recipe="gepa"))
     with pytest.raises(ValidationFailed):
         asyncio.run(store.append(report("rep", ["missing"], scenario="new"), check_references=True,
                                  new_scenario_recipe="gepa"))

@@ -105,7 +105,7 @@ def test_every_acknowledged_record_survives_sigkill(target, tmp_path):
     acknowledged += [line for line in rest.decode().split("\n")[:-1] if line]
 
     with RecordStore.open(url, data_dir, **opts) as store:
-        missing = [record_id for record_id in acknowledged if store.get(record_id) is None]
+        missing = [record_id for record_id in acknowledged if store.get("kill", record_id) is None]
         assert missing == []
         stored = list(store.replay("kill"))
         assert len(stored) >= len(acknowledged)

@@ -80,7 +80,7 @@ def test_a_512_token_reply_with_k20_stays_under_64_kib(target):
         total, top_bytes = _stored_bytes(store, "big")
         assert total < 64 * 1024, total
         assert top_bytes < 44 * 1024
-        back = store.get("big")
+        back = store.get("s", "big")
     restored = TopK.unpack(back.top_k)
     assert restored.ids == tokens.top_k.ids
     assert restored.logprobs == pytest.approx(tokens.top_k.logprobs, rel=2 ** -11)
@@ -96,7 +96,7 @@ def test_k0_stores_nothing_extra(target):
         assert stored.top_k is None
         total, top_bytes = _stored_bytes(store, "plain")
         assert top_bytes is None
-        back = store.get("plain")
+        back = store.get("s", "plain")
     assert back.top_k is None and back.payload["tokens"] == tokens.to_dict()
     assert "top_k" not in tokens_of(back)
 
@@ -129,8 +129,8 @@ def test_records_written_before_the_top_k_column_still_read(target):
         engines.dispose()
     with RecordStore.open(url, data_dir, **opts) as store:  # migrates 0001 -> head
         assert current_revision(store._engines) != "0001"
-        back = store.get("old")
+        back = store.get("before", "old")
         assert back is not None and back.top_k is None and back.payload["tokens"] == old_tokens
         assert back.content_hash == record.content_hash
         assert store.append_sync(_record("new", _generation(4, 3))).top_k is not None
-        assert TopK.unpack(store.get("new").top_k).k == 3
+        assert TopK.unpack(store.get("s", "new").top_k).k == 3

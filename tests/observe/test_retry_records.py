@@ -51,7 +51,7 @@ def test_a_key_naming_an_incomplete_record_moves_to_its_retry(store):
     whole = store.append_sync(attempt("whole"), idempotency_key="k")
     assert whole.record_id == "whole" and store.find_by_idempotency_key("s", "k") == whole
     # Once complete, the key replays that record and stores no other answer ...
-    assert store.append_sync(attempt("late"), idempotency_key="k") == whole and store.get("late") is None
+    assert store.append_sync(attempt("late"), idempotency_key="k") == whole and store.get("s", "late") is None
     # ... while an incomplete attempt that raced with it is kept beside it, the key unchanged.
     assert store.append_sync(attempt("raced", complete=False), idempotency_key="k").record_id == "raced"
     assert store.find_by_idempotency_key("s", "k") == whole
@@ -76,7 +76,7 @@ def test_retries_in_one_batch_store_one_complete_answer(store):
                                     store.append(attempt("b"), idempotency_key="k"))
 
     first, second = asyncio.run(both())
-    assert first == second and first.record_id == "a" and store.get("b") is None
+    assert first == second and first.record_id == "a" and store.get("s", "b") is None
     assert store.find_by_idempotency_key("s", "k") == first
 
 
@@ -113,4 +113,4 @@ def test_an_append_whose_caller_was_cancelled_is_still_stored(store):
     asyncio.run(leave_early())
     gate.set()
     held.result(30)
-    wait_until(lambda: store.get("gone") is not None, timeout=30)
+    wait_until(lambda: store.get("s", "gone") is not None, timeout=30)

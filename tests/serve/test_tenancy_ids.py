@@ -1,9 +1,9 @@
-"""#37 D5: record ids are one namespace in the store, but a scoped token learns nothing of another team's ids.
+"""#37 D5: record ids are scoped per scenario in the store, so a scoped token learns nothing of another team's ids.
 
 Two tokens, each confined to its team's scenarios. A report quoting the other team's receipt gets the very 400 of
 an unknown reference (not a 403); reusing an id the other team holds (as ``x-reef-agent-record-id``, a report's or
-an import's ``agent_record_id``) is answered as for a free id (200, not 409), under this scenario's own id for it,
-so neither team can claim an id first and lock the other out. A token that may see both scenarios still gets 409.
+an import's ``agent_record_id``) is answered exactly as a free id is: 200, the receipt the id itself. Neither team
+can claim an id first and lock the other out, and within a scenario an id still names one record (409 on reuse).
 """
 
 from __future__ import annotations
@@ -71,28 +71,33 @@ def test_reusing_another_teams_id_is_answered_as_a_free_one_and_locks_nobody_out
         stored = served.post("/v1/chat/completions", json=chat(rid), headers=auth(TEAM_B, "team-b-x", rid))
         assert stored.status_code == 200
     b_records = records(served, "team-b-x")
-    # Team A reuses B's id for its own request: a 200 as for a free id (it was 409), with a receipt of its own.
-    a = served.post("/v1/chat/completions", json=chat("a's question"), headers=auth(TEAM_A, "team-a-x", "shared"))
-    assert a.status_code == 200, a.text
-    receipt = a.headers["x-reef-agent-record-id"]
-    assert receipt != "shared" and "x-reef-replayed" not in a.headers
+
+    def as_a(rid: str | None, text: str):
+        return served.post("/v1/chat/completions", json=chat(text), headers=auth(TEAM_A, "team-a-x", rid))
+
+    # Team A reuses B's id, and a free one: the two answers differ in nothing but the id (it was a 409, then a
+    # receipt other than the id).
+    taken, free = as_a("shared", "a's question"), as_a("never-used", "a's question")
+    assert taken.status_code == free.status_code == 200, taken.text
+    assert taken.headers["x-reef-agent-record-id"] == "shared" and "x-reef-replayed" not in taken.headers
+    assert free.headers["x-reef-agent-record-id"] == "never-used"
     # Its retry with the same id finds its own record (idempotent), never B's.
-    again = served.post("/v1/chat/completions", json=chat("a's question"), headers=auth(TEAM_A, "team-a-x", "shared"))
-    assert again.status_code == 200 and again.headers["x-reef-agent-record-id"] == receipt
+    again = as_a("shared", "a's question")
+    assert again.status_code == 200 and again.headers["x-reef-agent-record-id"] == "shared"
     assert again.headers.get("x-reef-replayed") == "true"
     # A claims an id first; B is not locked out of it.
-    first = served.post("/v1/chat/completions", json=chat("a first"), headers=auth(TEAM_A, "team-a-x", "a-first"))
+    first = as_a("a-first", "a first")
     assert first.status_code == 200 and first.headers["x-reef-agent-record-id"] == "a-first"
     late = served.post("/v1/chat/completions", json=chat("b later"), headers=auth(TEAM_B, "team-b-x", "a-first"))
-    assert late.status_code == 200, late.text
+    assert late.status_code == 200 and late.headers["x-reef-agent-record-id"] == "a-first"
     # A report's and an import's own id: the same rule.
-    report = served.post("/reef/report", json={"score": 1, "references": [receipt], "agent_record_id": "shared-r"},
+    report = served.post("/reef/report", json={"score": 1, "references": ["shared"], "agent_record_id": "shared-r"},
                          headers=auth(TEAM_A, "team-a-x"))
-    assert report.status_code == 200, report.text
-    assert report.json()["agent_record_id"] != "shared-r"
-    # Within the scenario, its own id for "shared" stays taken by its own record: reused for another, a 409.
-    assert served.post("/reef/report", json={"score": 1, "references": [receipt], "agent_record_id": "shared"},
+    assert report.status_code == 200 and report.json()["agent_record_id"] == "shared-r", report.text
+    # Within the scenario an id names one record: reused for another, a 409.
+    assert served.post("/reef/report", json={"score": 1, "references": ["shared"], "agent_record_id": "shared"},
                        headers=auth(TEAM_A, "team-a-x")).status_code == 409
+    assert as_a("shared", "another question").status_code == 409
     envelope = {"agent_record_id": "shared-i", "request_type": "inference",
                 "payload": {"request": chat("imported"), "response": {
                     "choices": [{"message": {"role": "assistant", "content": "ok"}}]}}}
@@ -101,13 +106,15 @@ def test_reusing_another_teams_id_is_answered_as_a_free_one_and_locks_nobody_out
         "payload": {"score": 1, "references": ["shared-i"]}}]}, headers=auth(TEAM_A, "team-a-x"))
     assert imported.status_code == 200, imported.text
     stored = imported.json()["records"]
-    assert stored[0]["agent_record_id"] != "shared-i" and stored[0]["scenario"] == "team-a-x"
-    quoted = served.get(f"/reef/scenarios/team-a-x/records/rpt-imported", headers=auth(TEAM_A, "team-a-x")).json()
-    assert quoted["references"] == [stored[0]["agent_record_id"]]  # the batch's report quotes the batch's record
+    assert stored[0] == {"agent_record_id": "shared-i", "scenario": "team-a-x", "request_type": "inference"}
+    quoted = served.get("/reef/scenarios/team-a-x/records/rpt-imported", headers=auth(TEAM_A, "team-a-x")).json()
+    assert quoted["references"] == ["shared-i"]  # the batch's report quotes the batch's own record
     # B's records are untouched, and B still replays its own "shared".
     assert records(served, "team-b-x")[:len(b_records)] == b_records
     replay = served.post("/v1/chat/completions", json=chat("b's question"), headers=auth(TEAM_B, "team-b-x", "shared"))
     assert replay.status_code == 200 and replay.headers.get("x-reef-replayed") == "true"
-    # A token that may see both scenarios is told the truth: that id is taken.
-    admin = served.post("/v1/chat/completions", json=chat("admin"), headers=auth(ADMIN, "team-a-x", "shared"))
-    assert admin.status_code == 409
+    # Each scenario reads its own record under the id.
+    mine = served.get("/reef/scenarios/team-a-x/records/shared", headers=auth(TEAM_A, "team-a-x")).json()
+    theirs = served.get("/reef/scenarios/team-b-x/records/shared", headers=auth(TEAM_B, "team-b-x")).json()
+    assert mine["payload"]["request"]["messages"][0]["content"] == "a's question"
+    assert theirs["payload"]["request"]["messages"][0]["content"] == "b's question"

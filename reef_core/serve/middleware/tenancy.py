@@ -6,10 +6,9 @@ three) and optional limits (``rpm``, ``tpm``, ``budget_tokens``, ``budget_period
 Plain ``server.tokens`` / ``server.admin_tokens`` (and ``REEF_TOKEN`` / ``REEF_ADMIN_TOKEN``) stay all-scenario
 principals. Everything is checked when the app is built; a mistake is a :class:`ConfigError` naming the entry and key.
 
-Record ids are one namespace in the store, but a token learns nothing of the ids of scenarios it may not see: a
-reference to one is refused as an unknown reference would be (:func:`confined_reference`), and a client-chosen id
-one of them holds is answered as a free one, under an id of the request's own scenario derived from it
-(:func:`own_record_id`, :func:`rescoped`), so no team can claim an id first and lock another out of it.
+Record ids are scoped per scenario in the store (its key is the scenario and the id): a token learns nothing of the
+ids of scenarios it may not see, since another scenario's id is simply not there, and no team can claim an id first
+and lock another out of it.
 
 The request path only hashes the presented token and looks the digest up in a dict (a digest reveals nothing about
 the token, so no constant-time compare is needed), and a pattern match is cached per principal and scenario: no
@@ -18,16 +17,15 @@ database round trip.
 
 from __future__ import annotations
 
-import asyncio
 import fnmatch
 import hashlib
 import os
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reef_core.errors import ConfigError, Conflict, Forbidden, ReefError, ValidationFailed
+from reef_core.errors import ConfigError, Forbidden
 
 SCOPES = ("infer", "report", "read", "admin")
 DEFAULT_SCOPES = frozenset({"infer", "report", "read"})
@@ -284,52 +282,3 @@ def visible(scope: dict, items: list, name=lambda item: item.name) -> list:
     """The entries of a scenario listing the request's token may see."""
     principal = principal_of(scope)
     return items if principal.all_scenarios else [item for item in items if principal.allows(name(item))]
-
-
-def confined_reference(scope: dict, exc: ReefError) -> ReefError:
-    """A store's refusal of a reference to another scenario, answered as the refusal of an unknown reference when
-    that scenario is outside the request token's patterns: the same 400, word for word, so the token learns
-    nothing of a record it may not see (#37 D5); any other refusal unchanged."""
-    other = exc.details.get("reference_scenario")
-    principal = principal_of(scope)
-    if other is None or principal.allows(other):
-        return exc
-    reference = exc.details.get("reference")
-    return ValidationFailed(f"reference {reference!r} is not a stored record", field="references",
-                            reference=reference)
-
-
-def scoped_record_id(scenario: str, record_id: str) -> str:
-    """The id a client-chosen ``record_id`` takes in ``scenario`` when a scenario the client may not see already
-    holds it: derived from both (the same on every retry, so a retry still finds its record), never the id itself.
-    Record ids are one namespace in the store; this keeps a scoped token from claiming another team's id or
-    being locked out of its own (#37 D5)."""
-    return "s" + hashlib.sha256(f"{scenario}\x00{record_id}".encode("utf-8", "surrogatepass")).hexdigest()[:47]
-
-
-async def rescoped(dep, scope: dict, records: list, exc: ReefError) -> list | None:
-    """After the store refused ``records`` (one request's, all of one scenario) for a reused record id: the records
-    again, that id replaced by :func:`own_record_id` (in their references too: a batch's report quoting the batch's
-    own inference), when the scenario holding it is one the request's token may not see; else None (the refusal
-    stands: the id is this scenario's, or one the token may see)."""
-    taken = exc.details.get("record_id")
-    if not isinstance(exc, Conflict) or not isinstance(taken, str) or "idempotency_key" in exc.details:
-        return None
-    mine = [r for r in records if r.record_id == taken]
-    if not mine:
-        return None
-    holder = await asyncio.to_thread(dep.find_record, taken)
-    mapped = own_record_id(scope, mine[0].scenario, taken, holder.scenario if holder is not None else None)
-    if mapped == taken:
-        return None
-    return [replace(r, record_id=mapped if r.record_id == taken else r.record_id,
-                    references=[mapped if ref == taken else ref for ref in r.references], content_hash=None)
-            for r in records]
-
-
-def own_record_id(scope: dict, scenario: str, record_id: str, holder: str | None) -> str:
-    """``record_id`` as ``scenario``'s request may use it: itself, unless ``holder`` (the scenario that holds that
-    id, or None) is another scenario the request's token may not see; then :func:`scoped_record_id`."""
-    if holder is None or holder == scenario or principal_of(scope).allows(holder):
-        return record_id
-    return scoped_record_id(scenario, record_id)

@@ -34,7 +34,6 @@ from reef_core.serve.routes.batch_body import (TRIM_ABOVE_BYTES, give_back_memor
                                                read_body)
 from reef_core.serve.routes.inference import read_json_body
 from reef_core.serve.routes.names import RECORD_ID_HEADER, scenario_header
-from reef_core.serve.middleware.tenancy import confined_reference, rescoped
 
 router = APIRouter()
 
@@ -141,34 +140,13 @@ def _receipt(record: Record) -> dict:
 async def _store(dep, records: list[Record], scope: dict) -> list[Record]:
     """Store ``records`` in one transaction; a refusal names the envelope it is about (``records[i]``)."""
     try:
-        return await _rescoped_store(dep, records, scope)
+        return await dep.records_stored(records, check_references=True)
     except (Conflict, ValidationFailed) as exc:
-        exc = confined_reference(scope, exc)  # a reference into a scenario the token may not see: as unknown
         index = _culprit(records, exc)
         if index is None or len(records) == 1:
             raise exc from None
         raise type(exc)(f"records[{index}]: {exc.message}", param=f"records[{index}]", **{
             k: v for k, v in exc.details.items() if k != "param"}) from None
-
-
-async def _rescoped_store(dep, records: list[Record], scope: dict) -> list[Record]:
-    """``records_stored``, where an id another team's scenario holds becomes this scenario's own for it (see
-    :func:`~reef_core.serve.middleware.tenancy.rescoped`); a refusal names the ids as the client sent them."""
-    sent = [r.record_id for r in records]
-    while True:
-        try:
-            return await dep.records_stored(records, check_references=True)
-        except Conflict as exc:
-            again = await rescoped(dep, scope, records, exc)
-            if again is None:
-                taken = exc.details.get("record_id")
-                ids = [r.record_id for r in records]
-                if taken in ids and sent[ids.index(taken)] != taken:  # name it as the client did
-                    index = ids.index(taken)
-                    raise Conflict(exc.message.replace(repr(taken), repr(sent[index])), **{
-                        **exc.details, "record_id": sent[index]}) from None
-                raise
-            records = again
 
 
 def _culprit(records: list[Record], exc: ReefError) -> int | None:

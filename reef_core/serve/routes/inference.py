@@ -49,7 +49,7 @@ from reef_core.serve.routes.jsonbody import parse_json_object
 from reef_core.serve.routes import responses
 from reef_core.serve.routes.names import RECORD_ID_HEADER, optional_id_header, scenario_header
 from reef_core.serve.schema import validate_request
-from reef_core.serve.middleware.tenancy import own_record_id, principal_of
+from reef_core.serve.middleware.tenancy import principal_of
 from reef_core.wire import (HEADER_PREFIX, IDEMPOTENCY_HEADER, OVERHEAD_HEADER, REPLAYED_HEADER, TAG_PREFIX,
                             TOKEN_COUNT_HEADER)
 
@@ -153,8 +153,7 @@ class InferenceCall:
         retry = await asyncio.to_thread(
             dep.find_retry, self.scenario.name, self.request_hash, self.client_record_id or new_record_id(),
             client_record_id=self.client_record_id, idempotency_key=self.idempotency_key,
-            sdk_retry=_retry_count(request) > 0,
-            own_id=lambda rid, holder: own_record_id(request.scope, self.scenario.name, rid, holder))
+            sdk_retry=_retry_count(request) > 0)
         if retry.replay is not None:
             return self._replay(retry.replay, stream=bool(body.get("stream")))
         self.record_id = retry.record_id

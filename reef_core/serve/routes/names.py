@@ -68,8 +68,8 @@ async def path_scenario(dep, name: str, *, archived: bool = False):
 
 async def path_record(dep, scenario: str, record_id: str):
     """The record ``{id}`` of ``scenario`` names: 400 for an id outside the grammar that no row holds, else 404."""
-    found = await asyncio.to_thread(dep.find_record, record_id) if _storable_lookup(record_id) else None
-    if found is None or found.scenario != scenario:
+    found = await asyncio.to_thread(dep.find_record, scenario, record_id) if _storable_lookup(record_id) else None
+    if found is None:
         if not is_record_id(record_id):
             check_record_id(record_id, "record_id")
         raise NotFound(f"no record {record_id!r} in scenario {scenario!r}")

@@ -20,12 +20,11 @@ import uuid
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
-from reef_core.errors import Conflict, ValidationFailed
+from reef_core.errors import Conflict
 from reef_core.observe.model import Record, canonical_bytes
 from reef_core.observe.reports import validate_report
 from reef_core.serve.routes.inference import read_json_body
 from reef_core.serve.routes.names import RECORD_ID_HEADER, scenario_header
-from reef_core.serve.middleware.tenancy import confined_reference, rescoped
 
 router = APIRouter()
 
@@ -54,9 +53,7 @@ async def post_report(request: Request):
         request_hash=hashlib.sha256(canonical_bytes(report)).hexdigest() if key is not None else None,
     )
     try:
-        stored = await _stored(dep, request.scope, record, key)
-    except ValidationFailed as exc:
-        raise confined_reference(request.scope, exc) from None
+        stored = await dep.record_stored(record, key, check_references=True)
     except Conflict as exc:
         if key is None or exc.details.get("idempotency_key") != key:
             raise
@@ -64,21 +61,3 @@ async def post_report(request: Request):
                        param="metadata", key=key) from None
     return JSONResponse({"agent_record_id": stored.record_id, "scenario": scenario.name, "request_type": "report"},
                         headers={RECORD_ID_HEADER: stored.record_id})
-
-
-async def _stored(dep, scope: dict, record: Record, key: str | None) -> Record:
-    """Store the report; a client-chosen id another team's scenario holds becomes this scenario's own for it (see
-    :func:`~reef_core.serve.middleware.tenancy.rescoped`), so the token neither learns of it nor is locked out."""
-    sent = record.record_id
-    while True:
-        try:
-            return await dep.record_stored(record, key, check_references=True)
-        except Conflict as exc:
-            again = await rescoped(dep, scope, [record], exc)
-            if again is not None:
-                record = again[0]
-                continue
-            if record.record_id != sent and exc.details.get("record_id") == record.record_id:  # as the client named it
-                raise Conflict(exc.message.replace(repr(record.record_id), repr(sent)),
-                               **{**exc.details, "record_id": sent}) from None
-            raise

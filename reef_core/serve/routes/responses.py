@@ -151,9 +151,9 @@ def _chat_turns(items: str | list) -> list[dict]:
 async def previous_turns(find_record, scenario: str, response_id: str) -> list[dict]:
     """The conversation ``previous_response_id`` names, its reply included (its instructions left out)."""
     record_id = response_id[len(RESPONSE_PREFIX):] if response_id.startswith(RESPONSE_PREFIX) else None
-    record = await asyncio.to_thread(find_record, record_id) if record_id else None
+    record = await asyncio.to_thread(find_record, scenario, record_id) if record_id else None
     meta = (record.payload.get("responses") or {}) if record is not None and record.kind == "inference" else None
-    if record is None or record.scenario != scenario or not meta or meta.get("store") is False:
+    if record is None or not meta or meta.get("store") is False:
         raise NotFound(f"Previous response with id {response_id!r} not found.", param="previous_response_id")
     try:
         messages, reply = exchange_of(record)
