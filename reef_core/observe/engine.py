@@ -166,8 +166,9 @@ def create_engines(url: sa.URL, *, schema: str | None, synchronous: str = "FULL"
     return Engines(writer=mapped, reader=mapped, raw=[engine], dialect=dialect, schema=schema)
 
 
-def migrate(engines: Engines) -> None:
-    """Run ``alembic upgrade head`` on the store's database, serialised against other processes doing the same."""
+def migrate(engines: Engines, revision: str = "head") -> None:
+    """Run ``alembic upgrade <revision>`` (default ``head``) on the store's database, serialised against other
+    processes doing the same; an earlier revision builds a store as an older Reef left it (migration tests)."""
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     config.attributes["schema"] = engines.schema
@@ -181,7 +182,7 @@ def migrate(engines: Engines) -> None:
                 conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({lock_id})")
                 conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{engines.schema}"')
             config.attributes["connection"] = conn
-            command.upgrade(config, "head")
+            command.upgrade(config, revision)
     except sa.exc.OperationalError as exc:
         raise StorageUnavailable(f"record database unavailable: {exc.orig}") from exc
 

@@ -6,12 +6,10 @@ import json
 import random
 
 import pytest
-from alembic import command
-from alembic.config import Config
 
 from reef_core.engines.base import TokenData
 from reef_core.topk import TopK
-from reef_core.observe.engine import MIGRATIONS_DIR, create_engines, current_revision, resolve_url
+from reef_core.observe.engine import create_engines, current_revision, migrate, resolve_url
 from reef_core.observe.processors.conversation import tokens_of
 from reef_core.observe.records import Record, RecordStore
 
@@ -105,14 +103,7 @@ def test_records_written_before_the_top_k_column_still_read(target):
     url, data_dir, opts = target
     engines = create_engines(resolve_url(url, data_dir), schema=opts.get("schema"))
     try:
-        config = Config()
-        config.set_main_option("script_location", str(MIGRATIONS_DIR))
-        config.attributes["schema"] = engines.schema
-        with engines.raw[0].begin() as conn:
-            if engines.dialect == "postgresql":
-                conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{engines.schema}"')
-            config.attributes["connection"] = conn
-            command.upgrade(config, "0001")  # the store as it was before top-K
+        migrate(engines, "0001")  # the store as it was before top-K
         assert current_revision(engines) == "0001"
         # A row as revision 0001's writer stored it (no top_k column), inserted by hand.
         old_tokens = _generation(8, 0).to_dict()

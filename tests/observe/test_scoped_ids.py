@@ -5,11 +5,8 @@ scenario."""
 from __future__ import annotations
 
 import pytest
-from alembic import command
-from alembic.config import Config
-
 from reef_core.errors import Conflict
-from reef_core.observe.engine import MIGRATIONS_DIR, create_engines, current_revision, resolve_url
+from reef_core.observe.engine import create_engines, current_revision, migrate, resolve_url
 from reef_core.observe.records import Record, RecordStore
 
 
@@ -22,14 +19,7 @@ def target(records_database, tmp_path):
 def _at_revision(url, data_dir, opts, revision: str) -> None:
     engines = create_engines(resolve_url(url, data_dir), schema=opts.get("schema"))
     try:
-        config = Config()
-        config.set_main_option("script_location", str(MIGRATIONS_DIR))
-        config.attributes["schema"] = engines.schema
-        with engines.raw[0].begin() as conn:
-            if engines.dialect == "postgresql":
-                conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{engines.schema}"')
-            config.attributes["connection"] = conn
-            command.upgrade(config, revision)
+        migrate(engines, revision)
         assert current_revision(engines) == revision
     finally:
         engines.dispose()
