@@ -611,8 +611,8 @@ def complete_openai_completion(body: Any) -> Any:
     """An OpenAI-dialect server's chat completion with the members it sent as ``null`` where the published schema
     has no ``null`` (:data:`_OPENAI_NOT_NULL`) left out: absent says what ``null`` meant, "not reported". Every other
     member is kept as sent; the body is copied, never changed in place."""
-    if not isinstance(body, dict) or body.get("object") != "chat.completion":
-        return body
+    if not isinstance(body, dict) or body.get("object") != "chat.completion" or not _has_bare_null(body):
+        return body  # nothing to leave out: the body as it came (most providers; no copy on the relay path)
 
     def pruned(obj: Any, kind: str) -> Any:
         if not isinstance(obj, dict):
@@ -626,6 +626,16 @@ def complete_openai_completion(body: Any) -> Any:
         out["choices"] = [{**c, "message": pruned(c["message"], "message")} if isinstance(c, dict) and "message" in c
                           else c for c in out["choices"]]
     return out
+
+
+def _has_bare_null(body: dict) -> bool:
+    """Whether ``body`` sends a member of :data:`_OPENAI_NOT_NULL` as ``null``."""
+    def bare(obj: Any, kind: str) -> bool:
+        return isinstance(obj, dict) and any(k in obj and obj[k] is None for k in _OPENAI_NOT_NULL[kind])
+
+    choices = body.get("choices")
+    return bare(body, "completion") or bare(body.get("usage"), "usage") or (isinstance(choices, list) and any(
+        isinstance(c, dict) and bare(c.get("message"), "message") for c in choices))
 
 
 def translate_response(body: dict, src: str, dst: str) -> dict:

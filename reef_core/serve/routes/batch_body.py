@@ -3,7 +3,8 @@
 A batch may hold tens of megabytes (``server.max_import_body_bytes``). Parsed whole, it would be held four times at
 once: the chunks, their join, the text and the parsed tree, beside the records built from it. Here:
 
-* the bytes are read into one buffer, which is released as soon as it is decoded;
+* the bytes are read into one buffer (:func:`~reef_core.serve.routes.inference.read_body`), released as soon as
+  it is decoded;
 * the ``records`` array is walked with the C decoder's ``raw_decode``, one envelope at a time, and each envelope
   becomes its record (``build``) before the next is parsed, so the whole tree never exists;
 * each envelope gets the checks every body gets (:mod:`~reef_core.serve.routes.jsonbody`: nesting depth, ``NaN``,
@@ -20,14 +21,13 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import json
 import logging
 import re
 from typing import Any, Callable
 
-from starlette.requests import ClientDisconnect, Request
-
-from reef_core.errors import PayloadTooLarge, ValidationFailed
+from reef_core.errors import ValidationFailed
 from reef_core.serve.routes.jsonbody import _DECODER, _SURROGATE_ESCAPE, MAX_DEPTH, lone_surrogate_at, nesting_depth
 
 log = logging.getLogger("reef.serve.imports")
@@ -36,23 +36,6 @@ _WS = re.compile(r"[ \t\n\r]*")
 _INVALID = "request body is not valid JSON"
 #: A body at least this large is followed by a ``malloc_trim``.
 TRIM_ABOVE_BYTES = 8 * 1024 * 1024
-
-
-async def read_body(request: Request, limit: int) -> bytearray:
-    """The raw body in one buffer: 413 on a Content-Length over ``limit`` before reading, and as soon as the bytes
-    read exceed it."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-    buffer = bytearray()
-    try:
-        async for chunk in request.stream():
-            if len(buffer) + len(chunk) > limit:
-                raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-            buffer += chunk
-    except ClientDisconnect:
-        raise ValidationFailed("the request body ended early: the client disconnected") from None
-    return buffer
 
 
 def parse_batch(raw: bytearray, max_records: int, build: Callable[[Any, str], Any]) -> list:
@@ -179,14 +162,10 @@ def give_back_memory() -> None:
         trim(0)
 
 
-_TRIM: list = []
-
-
+@functools.cache
 def _malloc_trim():
-    if not _TRIM:
-        name = ctypes.util.find_library("c")
-        try:
-            _TRIM.append(getattr(ctypes.CDLL(name), "malloc_trim") if name else None)
-        except (OSError, AttributeError):
-            _TRIM.append(None)
-    return _TRIM[0]
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim") if name else None
+    except (OSError, AttributeError):
+        return None

@@ -30,9 +30,8 @@ from reef_core.observe.model import Record, canonical_bytes
 from reef_core.names import check_record_id
 from reef_core.observe.processors.conversation import UnusableRecord, request_messages, response_message
 from reef_core.observe.reports import validate_report
-from reef_core.serve.routes.batch_body import (TRIM_ABOVE_BYTES, give_back_memory, one_batch_at_a_time, parse_batch,
-                                               read_body)
-from reef_core.serve.routes.inference import read_json_body
+from reef_core.serve.routes.batch_body import TRIM_ABOVE_BYTES, give_back_memory, one_batch_at_a_time, parse_batch
+from reef_core.serve.routes.inference import read_body, read_json_body
 from reef_core.serve.routes.names import RECORD_ID_HEADER, scenario_header
 
 router = APIRouter()
@@ -137,7 +136,7 @@ def _receipt(record: Record) -> dict:
     return {"agent_record_id": record.record_id, "scenario": record.scenario, "request_type": record.kind}
 
 
-async def _store(dep, records: list[Record], scope: dict) -> list[Record]:
+async def _store(dep, records: list[Record]) -> list[Record]:
     """Store ``records`` in one transaction; a refusal names the envelope it is about (``records[i]``)."""
     try:
         return await dep.records_stored(records, check_references=True)
@@ -167,7 +166,7 @@ async def post_record(request: Request):
     name = scenario_header(request)
     record = envelope_record(body, name)
     await dep.resolve(name)  # refuses an archived or unknown (implicit scenarios off) one; creates nothing
-    stored = (await _store(dep, [record], request.scope))[0]
+    stored = (await _store(dep, [record]))[0]
     return JSONResponse(_receipt(stored), headers={RECORD_ID_HEADER: stored.record_id})
 
 
@@ -187,7 +186,7 @@ async def post_records_batch(request: Request):
                     raise Conflict(f"records[{i}]: agent_record_id {record.record_id!r} is used by records[{first}] "
                                    "with different content", param=f"records[{i}].agent_record_id")
             await dep.resolve(name)
-            stored = await _store(dep, records, request.scope)
+            stored = await _store(dep, records)
             answer = JSONResponse({"records": [_receipt(r) for r in stored]})
         finally:
             del raw

@@ -62,23 +62,26 @@ _MAX_TAGS = 32
 _MAX_TAG_LENGTH = 512
 
 
-async def read_json_body(request: Request, limit: int) -> dict:
-    """The body as a JSON object, read incrementally: refused (413) on a Content-Length over ``limit`` before
+async def read_body(request: Request, limit: int) -> bytearray:
+    """The raw body in one buffer, read incrementally: refused (413) on a Content-Length over ``limit`` before
     reading anything, and as soon as the bytes read exceed it (the answer closes the connection)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-    chunks = []
-    size = 0
+    buffer = bytearray()
     try:
         async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
+            if len(buffer) + len(chunk) > limit:
                 raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-            chunks.append(chunk)
+            buffer += chunk
     except ClientDisconnect:  # the client left, or the server's body timeout closed the connection
         raise ValidationFailed("the request body ended early: the client disconnected") from None
-    return parse_json_object(b"".join(chunks))
+    return buffer
+
+
+async def read_json_body(request: Request, limit: int) -> dict:
+    """The body as a JSON object (:func:`read_body`, then :func:`parse_json_object`)."""
+    return parse_json_object(await read_body(request, limit))
 
 
 def tags_of(request: Request) -> dict[str, str]:
