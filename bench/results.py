@@ -104,7 +104,8 @@ def run(args) -> dict:
         shutil.rmtree(workdir, ignore_errors=True)
     setting = {"recipe": args.recipe, "setting": args.setting, "date": date, "seeds": args.seeds,
                "rollouts per seed and arm": args.rollouts, "window": window, "concurrency": args.concurrency,
-               "task": "reef_sao.tasks (answer using only the given letters; verifier: share of allowed letters)",
+               "task": "reef_sao.tasks (answer using only the given letters; verifier reef_sao.tasks.score: share of "
+                       "allowed letters among non-blank characters times the share of distinct character pairs)",
                "client": "plugins/reef-sao/examples/client.py over HTTP (temperature 1, top_p 1)",
                "machine": f"{machine['cores']} cores ({machine['cpu']}), load "
                           f"{machine['load_avg_1m_at_start']} at start",

@@ -117,7 +117,7 @@ def test_the_gate_compares_candidate_and_current_on_tasks(model_dir):
     tasks = [dict(TASK, id=f"t{i}", messages=[{"role": "user", "content": f"Task {i}: only vowels please"}])
              for i in range(4)]
     evaluator = pm.create("evaluator", "python", tasks=tasks, run=trainer.run_task,
-                          options={"path": "reef_sao.tasks:verify"})
+                          options={"path": "reef_sao.tasks:verify_letter_share"})
     try:
         better = evaluator.evaluate(Candidate("s:1", "s", "r0", payload=steered_payload(model_dir, "ae")))
         worse = evaluator.evaluate(Candidate("s:2", "s", "r0", payload=steered_payload(model_dir, "zx")))

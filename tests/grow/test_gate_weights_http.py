@@ -118,7 +118,8 @@ class Client:
 def test_score_comparison_rejects_a_sabotaged_candidate_and_selects_an_improved_one(serve, tmp_path):
     tasks_file = tmp_path / "eval.jsonl"
     rollout_tasks = _eval_tasks(tasks_file)
-    client = Client(serve("evaluation.evaluator=python", "+evaluation.options.evaluator.path=reef_sao.tasks:verify",
+    client = Client(serve("evaluation.evaluator=python",
+                          "+evaluation.options.evaluator.path=reef_sao.tasks:verify_letter_share",
                           "+evaluation.options.generation.temperature=1.0", "+evaluation.options.generation.seed=0",
                           f"evaluation.tasks={tasks_file}"))
     # Two batches of 4 scored rollouts: two candidates, one after the other.
@@ -140,7 +141,7 @@ def test_score_comparison_rejects_a_sabotaged_candidate_and_selects_an_improved_
 
 def test_replay_gates_on_held_out_records_against_their_reported_scores(serve):
     client = Client(serve("evaluation.evaluator=replay", "+evaluation.options.evaluator.scorer=python",
-                          "+evaluation.options.evaluator.path=reef_sao.tasks:verify",
+                          "+evaluation.options.evaluator.path=reef_sao.tasks:verify_letter_share",
                           "+recipe.processor_options.holdout=0.3"))
     tasks = [json.loads(line) for line in
              resources.files("reef_sao").joinpath("data/vowels.jsonl").read_text().splitlines()]

@@ -80,7 +80,7 @@ def test_versions_publish_while_serving(reef_server, tmp_path):
             task = next(tasks)
             receipt, text = _chat(client, scenario, task.messages())
             report = httpx.post(f"{server.url}/reef/report", headers={"x-reef-scenario": scenario},
-                                json={"score": reef_sao_tasks.score(task, text), "references": [receipt]})
+                                json={"score": reef_sao_tasks.letter_share(task, text), "references": [receipt]})
             assert report.status_code == 200, report.text
             trained = [r for r in _releases(server, scenario) if r["operation"] == "training"]
             if len(trained) >= 3:
@@ -137,7 +137,7 @@ def _report_tasks(server, client, scenario, tasks, n):
         task = next(tasks)
         receipt, text = _chat(client, scenario, task.messages())
         response = httpx.post(f"{server.url}/reef/report", headers={"x-reef-scenario": scenario},
-                              json={"score": reef_sao_tasks.score(task, text), "references": [receipt]})
+                              json={"score": reef_sao_tasks.letter_share(task, text), "references": [receipt]})
         assert response.status_code == 200
 
 

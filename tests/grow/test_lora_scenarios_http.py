@@ -91,7 +91,7 @@ def test_two_lora_scenarios_learn_independently_each_served_by_its_own_adapter(r
     assert a_before["version"] == b_before["version"] and a_before["version"].endswith(":0")  # both on the base
 
     # A trains on its reward (vowels); B, which never trained, is served exactly as before
-    _train(server, client, "lora-a", reef_sao_tasks.score, 2, deadline, seed=1)
+    _train(server, client, "lora-a", reef_sao_tasks.letter_share, 2, deadline, seed=1)
     b_after_a = _probe(server, client, "lora-b")
     assert b_after_a["version"] == b_before["version"]
     assert b_after_a["output_ids"] == b_before["output_ids"]
@@ -99,7 +99,7 @@ def test_two_lora_scenarios_learn_independently_each_served_by_its_own_adapter(r
     assert torch.allclose(_recomputed(base, b_after_a), torch.tensor(b_after_a["output_logprobs"]), atol=2e-3)
 
     # B trains on the opposite reward
-    _train(server, client, "lora-b", lambda task, text: 1.0 - reef_sao_tasks.score(task, text), 1, deadline,
+    _train(server, client, "lora-b", lambda task, text: 1.0 - reef_sao_tasks.letter_share(task, text), 1, deadline,
            seed=2)
 
     incarnation = b_before["version"].rpartition(":")[0]

@@ -42,7 +42,7 @@ def _step(server, client, scenario, tasks) -> None:
                                                                extra_headers={"x-reef-scenario": scenario})
         text = raw.parse().choices[0].message.content or ""
         report = httpx.post(f"{server.url}/reef/report", headers={"x-reef-scenario": scenario},
-                            json={"score": reef_sao_tasks.score(task, text),
+                            json={"score": reef_sao_tasks.letter_share(task, text),
                                   "references": [raw.headers["x-reef-agent-record-id"]]})
         assert report.status_code == 200, report.text
     wait_until(lambda: len(_trained(server, scenario)) > before, timeout=120, what=f"a step of {scenario}")

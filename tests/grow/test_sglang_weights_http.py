@@ -35,7 +35,7 @@ def _round(server, client, tasks) -> None:
         raw = client.chat.completions.with_raw_response.create(model="tiny", messages=task.messages())
         text = raw.parse().choices[0].message.content or ""
         report = httpx.post(f"{server.url}/reef/report", headers={"x-reef-scenario": SCENARIO},
-                            json={"score": reef_sao_tasks.score(task, text),
+                            json={"score": reef_sao_tasks.letter_share(task, text),
                                   "references": [raw.headers["x-reef-agent-record-id"]]})
         assert report.status_code == 200, report.text
 

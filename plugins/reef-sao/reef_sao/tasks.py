@@ -1,10 +1,19 @@
 """The example task stream and its verifier: "answer using only vowels".
 
-Every task asks for a reply written with the letters of an alphabet (default: the vowels ``aeiou``); the verifier
-scores the reply by the fraction of its characters that belong to the alphabet (whitespace and punctuation count
-as characters outside it; an empty reply scores 0). The reward is dense, so even a random-init model gets a
-gradient from its first rollouts: the tiny test model starts near 0.22 and SAO lifts it well above 0.5 within a
-few hundred rollouts on CPU (see the package README for measured curves).
+Every task asks for a reply written with the letters of an alphabet (default: the vowels ``aeiou``). The
+verifier (:func:`score`) multiplies two shares, each in [0, 1]:
+
+* the *letter share*: the fraction of the reply's non-blank characters that belong to the alphabet, in either
+  case (blanks are free, so "a e i o u" and "oui, eau" are fine; digits and punctuation count against);
+* the *variety*: the fraction of the reply's character pairs (bigrams, lowercased) that are distinct, 1.0 for a
+  reply shorter than three characters.
+
+Variety is what makes the optimum honest. With the letter share alone (:func:`letter_share`, the verifier of
+earlier rounds, which also counted blanks against), a policy gains by repeating one vowel-rich token until the
+budget ends (" release release ...", "ionionion..."): the result packet ``results/2026-12-03-sao-tiny`` shows it.
+Repetition repeats bigrams, so it now scores low; since five vowels and a blank make only 36 distinct pairs, a
+long reply must repeat and the best replies are short vowel words that stop ("aeiou", "a e i o u", "oui").
+The reward stays dense: a random-init model's first replies score about 0.2.
 
 Tasks are generated in code from a seed (no data download) and vary in wording, so the prompt stream looks like a
 real one while the verifier stays exact.
@@ -60,12 +69,34 @@ def task_stream(count: int | None = None, *, seed: int = 0, alphabet: str = VOWE
         i += 1
 
 
-def score(task: Task, text: str) -> float:
-    """The verifier: fraction of the characters of ``text`` in ``task.alphabet`` (0.0 for an empty reply)."""
+def letter_share(task: Task, text: str) -> float:
+    """Fraction of the characters of ``text`` in ``task.alphabet``, blanks counted against (0.0 for an empty reply).
+
+    The dense signal of earlier rounds, kept for tests of the loop's plumbing (any learnable reward will do
+    there). A policy games it by repetition: use :func:`score` for anything about what is learned."""
     if not text:
         return 0.0
     allowed = set(task.alphabet)
     return sum(ch in allowed for ch in text) / len(text)
+
+
+def variety(text: str) -> float:
+    """Fraction of the character bigrams of ``text`` (lowercased) that are distinct; 1.0 below three characters."""
+    text = text.lower()
+    pairs = [text[i:i + 2] for i in range(len(text) - 1)]
+    if len(pairs) < 2:
+        return 1.0
+    return len(set(pairs)) / len(pairs)
+
+
+def score(task: Task, text: str) -> float:
+    """The verifier: letter share of the non-blank characters times :func:`variety` (0.0 without any)."""
+    marks = [ch for ch in text if not ch.isspace()]
+    if not marks:
+        return 0.0
+    allowed = set(task.alphabet.lower())
+    share = sum(ch.lower() in allowed for ch in marks) / len(marks)
+    return share * variety(text.strip())
 
 
 def verify(output: str, task: dict) -> float:
@@ -74,4 +105,10 @@ def verify(output: str, task: dict) -> float:
     return score(Task(task_id=str(task.get("id", "")), prompt="", alphabet=task.get("alphabet") or VOWELS), output)
 
 
-__all__ = ["VOWELS", "Task", "task_stream", "score", "verify"]
+def verify_letter_share(output: str, task: dict) -> float:
+    """:func:`letter_share` as a task-file verifier, for gate tests whose steered candidates repeat two letters."""
+    return letter_share(Task(task_id=str(task.get("id", "")), prompt="", alphabet=task.get("alphabet") or VOWELS),
+                        output)
+
+
+__all__ = ["VOWELS", "Task", "task_stream", "score", "letter_share", "variety", "verify", "verify_letter_share"]

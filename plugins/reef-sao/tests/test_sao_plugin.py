@@ -18,7 +18,7 @@ from reef_core.api import (
 from reef_core.testing import PluginManager, available_recipes, compose_config
 from reef_sao.objectives import GRPODISObjective, SAOObjective, objective_for
 from reef_sao.schema import validate_sao_report
-from reef_sao.tasks import MAX_TOKENS, Task, score, task_stream
+from reef_sao.tasks import MAX_TOKENS, Task, letter_share, score, task_stream, variety
 from reef_sao.trainer import SAOOptions
 
 #: sao.yaml's shipped choices for the default deployment (SmolLM2 on CPU; see its header).
@@ -175,9 +175,22 @@ def test_task_stream_is_deterministic_and_the_verifier_is_exact():
     a, b = list(task_stream(20, seed=3)), list(task_stream(20, seed=3))
     assert a == b and len({t.prompt for t in a}) > 3 and a != list(task_stream(20, seed=4))
     task = Task("t", "reply", alphabet="aeiou")
-    assert score(task, "") == 0.0 and score(task, "aeiou") == 1.0 and score(task, "a e") == pytest.approx(2 / 3)
-    assert score(task, "xyz") == 0.0
+    assert score(task, "") == 0.0 and score(task, "   ") == 0.0 and score(task, "xyz") == 0.0
+    assert score(task, "aeiou") == 1.0 and score(task, "a e i o u") == 1.0 and score(task, "Oui") == 1.0
+    assert score(task, "oui, eau") == pytest.approx(6 / 7)  # blanks are free, punctuation counts against
+    assert letter_share(task, "a e") == pytest.approx(2 / 3)  # the old signal: blanks counted against
     assert task.messages() == [{"role": "user", "content": "reply"}]
+
+
+@pytest.mark.parametrize("reply", [" release" * 8, "ion" * 8, "uestion" * 8, "a" * 24, "a e i o u " * 5,
+                                   "aeiou" * 5])
+def test_repetition_does_not_pay(reply):
+    """The optima that earlier verifiers let a policy reach (results/2026-12-03-sao-tiny/samples.md) now score
+    below half of what the plain short answer scores, and below their old letter share."""
+    task = Task("t", "reply", alphabet="aeiou")
+    assert score(task, reply) < 0.5 * score(task, "aeiou")
+    assert score(task, reply) < letter_share(task, reply)
+    assert variety(reply) < 0.5
 
 
 # -- one default per knob: SAOOptions (and the trainer section) -----------------------------------------------------
