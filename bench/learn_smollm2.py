@@ -107,10 +107,10 @@ class _ReleasePoller(threading.Thread):
         return max((n for at, n in self.timeline if at <= t), default=0)
 
 
-def _commits(base: str) -> list[dict]:
+def _commits(base: str, scenario: str = SCENARIO) -> list[dict]:
     rows, after = [], 0
     while True:
-        page = _get_json(base, f"/reef/scenarios/{SCENARIO}/commits?after_step={after}&limit=100")
+        page = _get_json(base, f"/reef/scenarios/{scenario}/commits?after_step={after}&limit=100")
         rows += page.get("commits", [])
         after = page.get("next_after_step")
         if after is None:

@@ -1,16 +1,22 @@
 """Result packets: run a recipe's experiment in K seeds x (recipe, control) and write the packet (issue #38).
 
 ``python -m bench results --recipe sao --setting tiny`` starts ``reef serve`` as the README does, once per seed
-and arm, each on a fresh data directory, and drives it with the recipe's own example client over HTTP. The control
-arm is the same deployment with learning off (``server.learner=false``: records and reports are stored, nothing
-trains), so the two arms differ only in learning. The packet goes to ``results/<date>-<recipe>-<setting>/``
-(:mod:`bench.packet`: README.md, metrics.json, curve.png, samples.md).
+and arm, each on a fresh data directory, and drives it with the recipe's own example client over HTTP. The packet
+goes to ``results/<date>-<recipe>-<setting>/`` (:mod:`bench.packet`: README.md, metrics.json, curve.png,
+samples.md).
+
+Each setting names its control arm, the recipe's own: the same deployment with learning off
+(``server.learner=false``: records and reports are stored, nothing trains) where the recipe's loop runs without a
+learner, or the recipe's frozen-weights arm where the loop needs its steps (TTT's plan advances only when a step
+commits: ``+ttt_arm=control`` zeroes every advantage, so the search runs and the weights stay).
 
 Settings:
 
 * ``sao/tiny``: ``+recipe=sao +sao_profile=tiny`` (the tiny random-init model; a few minutes per packet on 2 cores);
 * ``sao/smollm2``: ``+recipe=sao`` (SmolLM2-135M-Instruct, the README's deployment; about ``--rollouts`` / 30
-  minutes per arm and seed on 2 cores).
+  minutes per arm and seed on 2 cores);
+* ``ttt/tiny``: ``+recipe=ttt +ttt_profile=tiny`` (TTT-Discover, the model writes the candidate: the string-scored
+  toy task, a 2 x 8 grid per step; ``--rollouts`` / 16 steps per arm and seed), driven by ``reef_ttt.client``.
 """
 
 from __future__ import annotations
@@ -20,18 +26,71 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from bench import common, packet
 from bench.learn_smollm2 import SCENARIO, _commits, _load_client
 from bench.publish import _get_json
 
-#: (recipe, setting) -> the recipe arm's overrides, the task's reply budget, the default window
+
+def _sao(url: str, scenario: str, args, seed: int, max_tokens, window: int) -> dict:
+    return _load_client().run(url, scenario, args.rollouts, seed=seed, token=common.TOKEN, max_tokens=max_tokens,
+                              window=window, concurrency=args.concurrency, quiet=True)
+
+
+def _ttt(url: str, scenario: str, args, seed: int, max_tokens, window: int) -> dict:
+    """TTT steps until ``--rollouts`` are reported (whole steps: the grid is the unit); each rollout's state is its
+    reply (the model writes the candidate)."""
+    from reef_ttt.client import TTTClient
+
+    client = TTTClient(url, scenario, token=common.TOKEN, seed=seed, max_tokens=max_tokens)
+    rewards, replies = [], []
+    try:
+        while len(rewards) < args.rollouts:
+            result = client.run(1)[0]
+            rewards += result.rewards
+            replies += [{"prompt": p, "reply": "" if s is None else str(s), "reward": r}
+                        for p, s, r in zip(result.prompts, result.states, result.rewards)]
+        best = client.archive()["best"]
+    finally:
+        client.close()
+    releases = _get_json(url, f"/reef/scenarios/{scenario}/releases").get("releases", [])
+    return {"rewards": rewards, "replies": replies, "releases": releases, "best": best}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One experiment: the recipe arm's overrides, the control's extra overrides, the driver, and its defaults."""
+
+    overrides: list[str]
+    control: list[str]
+    drive: Callable[..., dict]
+    scenario: str
+    max_tokens: int | None
+    window: int
+    task: str
+    client: str
+
+    @property
+    def learner_off(self) -> bool:
+        return "server.learner=false" in self.control
+
+
+_SAO_TASK = ("reef_sao.tasks (answer using only the given letters; verifier reef_sao.tasks.score: share of allowed "
+             "letters among non-blank characters times the share of distinct character pairs)")
+_SAO_CLIENT = "plugins/reef-sao/examples/client.py over HTTP (temperature 1, top_p 1)"
 SETTINGS = {
-    ("sao", "tiny"): (["+recipe=sao", "+sao_profile=tiny"], 8, 48),
-    ("sao", "smollm2"): (["+recipe=sao"], None, 16),
+    ("sao", "tiny"): Setting(["+recipe=sao", "+sao_profile=tiny"], ["server.learner=false"], _sao, SCENARIO, 8, 48,
+                             _SAO_TASK, _SAO_CLIENT),
+    ("sao", "smollm2"): Setting(["+recipe=sao"], ["server.learner=false"], _sao, SCENARIO, None, 16, _SAO_TASK,
+                                _SAO_CLIENT),
+    ("ttt", "tiny"): Setting(["+recipe=ttt", "+ttt_profile=tiny"], ["+ttt_arm=control"], _ttt, "ttt-vowels", None,
+                             48, "reef_ttt.tasks.vowels (the reply is the candidate text; verifier: share of vowels), "
+                                 "PUCT archive seeded with 'xyz'",
+                             "reef_ttt.client.TTTClient over HTTP (temperature 1, top_p 1; one step = a 2 x 8 grid)"),
 }
-CONTROL = ["server.learner=false"]
 
 
 def add_arguments(parser) -> None:
@@ -40,14 +99,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per arm (default 3)")
     parser.add_argument("--rollouts", type=int, default=480, help="rollouts per seed and arm (default 480)")
     parser.add_argument("--window", type=int, default=None, help="rollouts per window (default: the setting's)")
-    parser.add_argument("--concurrency", type=int, default=4, help="example clients at once (default 4)")
+    parser.add_argument("--concurrency", type=int, default=4,
+                        help="example clients at once (SAO; default 4)")
     parser.add_argument("--out", default=None, help="packet directory (default results/<date>-<recipe>-<setting>)")
     parser.add_argument("--cache", default=None, help="model cache (default REEF_MODEL_CACHE or the user's)")
     parser.add_argument("--ready-timeout", type=float, default=900)
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for both arms")
 
 
-def _arm(args, arm: str, seed: int, overrides: list[str], max_tokens, window: int, workdir: Path) -> packet.ArmRun:
+def _arm(args, setting: Setting, arm: str, seed: int, overrides: list[str], window: int,
+         workdir: Path) -> packet.ArmRun:
     port = common.free_port()
     data = workdir / f"{arm}-{seed}"
     cmd = [common.PYTHON, "-m", "reef_core.cli", "serve", *overrides, f"seed={seed}", f"engine.seed={seed}",
@@ -60,11 +121,12 @@ def _arm(args, arm: str, seed: int, overrides: list[str], max_tokens, window: in
     try:
         reef.start(timeout=args.ready_timeout)
         began = time.monotonic()
-        out = _load_client().run(reef.url, SCENARIO, args.rollouts, seed=seed, token=common.TOKEN,
-                                 max_tokens=max_tokens, window=window, concurrency=args.concurrency, quiet=True)
+        out = setting.drive(reef.url, setting.scenario, args, seed, setting.max_tokens, window)
         wall = round(time.monotonic() - began, 1)
-        status = _get_json(reef.url, f"/reef/scenarios/{SCENARIO}/status")
-        commits = _commits(reef.url) if arm == "recipe" else []  # learning off: no learner, no commits route
+        status = _get_json(reef.url, f"/reef/scenarios/{setting.scenario}/status")
+        # learning off: no learner, no commits route
+        learner = arm == "recipe" or not setting.learner_off
+        commits = _commits(reef.url, setting.scenario) if learner else []
     except Exception as exc:
         raise RuntimeError(f"{arm} seed {seed}: {exc}\n--- reef log tail ---\n{reef.log_tail()}") from exc
     finally:
@@ -84,12 +146,12 @@ def run(args) -> dict:
         raise SystemExit(f"no setting {args.setting!r} for {args.recipe}: {sorted(SETTINGS)}")
     if args.seeds < 1 or args.rollouts < 2 or args.concurrency < 1:
         raise SystemExit("--seeds and --concurrency must be >= 1, --rollouts >= 2")
-    overrides, max_tokens, default_window = SETTINGS[(args.recipe, args.setting)]
-    window = args.window or default_window
+    setting = SETTINGS[(args.recipe, args.setting)]
+    window = args.window or setting.window
     if 2 * window > args.rollouts:
         raise SystemExit(f"--rollouts {args.rollouts} cannot hold two windows of {window}")
-    recipe_arm = [*overrides, *args.overrides]
-    control_arm = [*recipe_arm, *CONTROL]
+    recipe_arm = [*setting.overrides, *args.overrides]
+    control_arm = [*recipe_arm, *setting.control]
     machine = common.machine()
     date = datetime.date.today().isoformat()
     out = Path(args.out or common.ROOT / "results" / f"{date}-{args.recipe}-{args.setting}")
@@ -98,21 +160,19 @@ def run(args) -> dict:
     began = time.monotonic()
     try:
         for seed in range(args.seeds):  # arms interleaved: a change in the machine's load hits both
-            runs.append(_arm(args, "recipe", seed, recipe_arm, max_tokens, window, workdir))
-            runs.append(_arm(args, "control", seed, control_arm, max_tokens, window, workdir))
+            runs.append(_arm(args, setting, "recipe", seed, recipe_arm, window, workdir))
+            runs.append(_arm(args, setting, "control", seed, control_arm, window, workdir))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    setting = {"recipe": args.recipe, "setting": args.setting, "date": date, "seeds": args.seeds,
-               "rollouts per seed and arm": args.rollouts, "window": window, "concurrency": args.concurrency,
-               "task": "reef_sao.tasks (answer using only the given letters; verifier reef_sao.tasks.score: share of "
-                       "allowed letters among non-blank characters times the share of distinct character pairs)",
-               "client": "plugins/reef-sao/examples/client.py over HTTP (temperature 1, top_p 1)",
-               "machine": f"{machine['cores']} cores ({machine['cpu']}), load "
-                          f"{machine['load_avg_1m_at_start']} at start",
-               "wall-clock": f"{time.monotonic() - began:.0f} s",
-               "overrides": {"recipe": recipe_arm, "control": control_arm}}
-    title = f"{args.recipe} on {args.setting}: recipe vs learning off, {args.seeds} seeds"
-    metrics = packet.write(out, title=title, setting=setting, runs=runs, window=window)
+    info = {"recipe": args.recipe, "setting": args.setting, "date": date, "seeds": args.seeds,
+            "rollouts per seed and arm": args.rollouts, "window": window, "concurrency": args.concurrency,
+            "task": setting.task, "client": setting.client,
+            "machine": f"{machine['cores']} cores ({machine['cpu']}), load {machine['load_avg_1m_at_start']} at start",
+            "wall-clock": f"{time.monotonic() - began:.0f} s",
+            "overrides": {"recipe": recipe_arm, "control": control_arm}}
+    control_name = "learning off" if setting.learner_off else "frozen weights"
+    title = f"{args.recipe} on {args.setting}: recipe vs {control_name}, {args.seeds} seeds"
+    metrics = packet.write(out, title=title, setting=info, runs=runs, window=window)
     analysis = metrics["analysis"]
     print(f"\n{title}")
     print(common.table(["arm", "first", "last", "gain", "95% CI"],

@@ -36,6 +36,9 @@ class StepResult:
     malformed: int = 0
     #: guidance mode: the guidance of each rollout, in report order (None when malformed)
     guidance: list = field(default_factory=list)
+    #: the state each rollout produced, in report order (None when it produced none), and its prompt's last message
+    states: list = field(default_factory=list)
+    prompts: list[str] = field(default_factory=list)
 
     @property
     def mean(self) -> float:
@@ -123,19 +126,21 @@ class TTTClient:
     def step(self, expected: int | None = None) -> StepResult:
         started = time.monotonic()
         plan = self.wait_for_step(expected) if expected is not None else self.plan()
-        step, rewards, guidance = plan["step"], [], []
+        step, rewards, guidance, states, prompts = plan["step"], [], [], [], []
         for group in plan["groups"]:
             for r in range(plan["rollouts_per_group"]):
                 score, state, receipt, said = self.rollout(plan, group, r)
                 guidance.append(said)
                 rewards.append(score)
+                states.append(state)
+                prompts.append(str(group["prompt"][-1].get("content", "")) if group["prompt"] else "")
                 body = {"score": score, "references": [receipt],
                         "metadata": {"step": step, "group": group["group"], "rollout": r, "state": state}}
                 self.http.post("/reef/report", json=body).raise_for_status()
         self.wait_for_step(step + 1)
         malformed = sum(g is None for g in guidance) if plan["mode"] == "guidance" else 0
         return StepResult(step, rewards, self.archive(), time.monotonic() - started, malformed,
-                          guidance if plan["mode"] == "guidance" else [])
+                          guidance if plan["mode"] == "guidance" else [], states, prompts)
 
     def run(self, steps: int, on_step: Callable[[StepResult], None] | None = None) -> list[StepResult]:
         results = []

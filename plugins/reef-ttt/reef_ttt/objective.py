@@ -34,9 +34,10 @@ class TTTObjective(Objective):
     name = "ttt"
     slime_loss = "ttt_loss"
 
-    def __init__(self, *, advantage: str = "entropic_adaptive_beta", kl_coef: float = 0.1):
+    def __init__(self, *, advantage: str = "entropic_adaptive_beta", kl_coef: float = 0.1, learn: bool = True):
         self.advantage = advantage
         self.kl_coef = float(kl_coef)
+        self.learn = learn
         self.needs_reference = self.kl_coef > 0
         self.steps = 0
 
@@ -78,6 +79,8 @@ class TTTObjective(Objective):
             per_token, d_mean = centered_kl_advantages(per_token, batch.rollout_logprobs,
                                                        self.reference_logprobs(batch), mask, self.kl_coef)
             metrics["ttt/kl_to_base"] = d_mean
+        if not self.learn:  # the control arm: a zero gradient, so Adam (no weight decay) leaves the weights as they are
+            per_token = torch.zeros_like(per_token)
         self.steps += 1
         return Prepared(batch=batch.with_extras(advantages=per_token), metrics=metrics)
 

@@ -48,6 +48,9 @@ class TTTOptions:
     betas: tuple = (0.9, 0.95)
     weight_decay: float = 0.0
     max_grad_norm: float | None = None
+    #: False is the control arm (``+ttt_arm=control``): the same search, archive and releases, but every
+    #: advantage is zeroed, so no step changes the weights (best-of-N search with the frozen model).
+    learn: bool = True
 
     @classmethod
     def from_options(cls, options: Any) -> "TTTOptions":
@@ -82,8 +85,12 @@ class TTTOptions:
             raise ConfigError(f"ttt: recipe.options.max_grad_norm must be positive or null, got {self.max_grad_norm!r}")
         if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
             raise ConfigError(f"ttt: recipe.options.betas must be two numbers in [0, 1), got {self.betas!r}")
-        if not isinstance(self.guidance_tags, bool):
-            raise ConfigError("ttt: recipe.options.guidance_tags must be true or false")
+        for name in ("guidance_tags", "learn"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"ttt: recipe.options.{name} must be true or false")
+        if not self.learn and self.weight_decay:
+            raise ConfigError("ttt: recipe.options.learn=false (the control arm) needs weight_decay 0: decay alone "
+                              "would change the weights")
         if self.executor is not None and (not isinstance(self.executor, str) or not (
                 ":" in self.executor)):
             raise ConfigError(f"ttt: recipe.options.executor must be a 'module:function' path or an http(s) URL, "

@@ -208,7 +208,7 @@ def make_ttt_trainer(*, scenario: str, recipe: RecipeConfig, trainer: TrainerCon
         raise ConfigError(f"ttt: G x R = {opts.batch_size} must be a multiple of trainer.grad_accumulation "
                           f"{trainer.grad_accumulation}")
     task = load_task(opts.task, opts.task_options)
-    objective = TTTObjective(advantage=opts.advantage, kl_coef=opts.kl_coef)
+    objective = TTTObjective(advantage=opts.advantage, kl_coef=opts.kl_coef, learn=opts.learn)
     inner = TorchTrainer.from_config(objective, context, trainer, who="ttt", max_grad_norm=opts.max_grad_norm,
                                      weight_decay=float(opts.weight_decay), betas=tuple(opts.betas),
                                      name="ttt-guidance" if opts.mode == "guidance" else "ttt-discover")

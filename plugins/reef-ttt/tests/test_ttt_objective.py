@@ -70,3 +70,22 @@ def test_no_kl_means_no_reference_and_plain_group_advantages(model):
     objective.setup(model, None, "cpu")
     adv = objective.prepare(model, batch).batch.extras["advantages"]
     assert torch.allclose(adv[:, 3:], torch.tensor([[-1.0], [2.0], [2.0], [-1.0]]).expand(4, 3), atol=1e-4)
+
+
+def test_the_control_arm_zeroes_every_gradient_so_adam_leaves_the_weights(model):
+    """``learn=False`` (``+ttt_arm=control``): the step runs, its metrics are the learning arm's, the weights stay."""
+    rewards = [0.0, 0.0, 0.0, 1.0, 0.1, 0.2, 0.3, 0.4]
+    batch = _batch(model, rewards)
+    learning, control = TTTObjective(kl_coef=0.0), TTTObjective(kl_coef=0.0, learn=False)
+    for objective in (learning, control):
+        objective.setup(model, None, "cpu")
+    prepared = control.prepare(model, batch)
+    assert prepared.metrics == learning.prepare(model, batch).metrics  # the same groups and advantages reported
+    assert float(prepared.batch.extras["advantages"].abs().sum()) == 0.0
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    loss, _ = control.loss(model, prepared.batch, prepared)
+    loss.backward()
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))

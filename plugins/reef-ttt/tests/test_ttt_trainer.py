@@ -104,6 +104,8 @@ def test_malformed_guidance_scores_zero_and_never_enters_the_archive():
     ({"kl_coef": -1}, "kl_coef"),
     ({"bogus": 1}, "unknown option"),
     ({"task": "no_colon"}, "task"),
+    ({"learn": "no"}, "learn must be true or false"),
+    ({"learn": False, "weight_decay": 0.1}, "needs weight_decay 0"),
 ])
 def test_options_are_checked_naming_the_key(options, message):
     with pytest.raises(ConfigError) as info:
