@@ -89,6 +89,8 @@ class EvalEngine:
         #: The version requests are frozen on: the subject's adapter line for a LoRA subject, else None (the
         #: engine's own weights).
         self._version: str | None = None
+        #: Whether a full-weight swap moved the engine's own weights off the base it loaded.
+        self._moved = False
 
     def _call(self, coro):
         return self._loop.run_until_complete(coro)
@@ -138,6 +140,16 @@ class EvalEngine:
         else:
             self._version = None
             self._call(engine.swap_weights("eval", weights))
+            self._moved = True
+
+    def restore_base(self, engine, base_state: Callable[[], dict]) -> None:
+        """Serve the base model again (called from ``load``): requests leave any adapter line, and only weights a
+        full swap moved are put back, from ``base_state()`` (a full swap is refused while adapters are loaded, and
+        after adapters only the engine's own, untouched, weights are needed)."""
+        self._version = None
+        if self._moved:
+            self._call(engine.swap_weights("eval", base_state()))
+            self._moved = False
 
     def close(self) -> None:
         """Stop the worker and free the model (idempotent)."""
@@ -149,3 +161,4 @@ class EvalEngine:
                 self._loop.close()
                 self._loop = None
             self.loaded_key = None
+            self._version, self._moved = None, False
