@@ -75,6 +75,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
     p.add_argument("overrides", nargs="*")
 
+    p = sub.add_parser("eval", help="evaluate without recording (reef eval releases --scenario S --tasks FILE)")
+    kinds = p.add_subparsers(dest="eval_command", metavar="WHAT", required=True)
+    e = kinds.add_parser("releases", help="score every retained release of a scenario on held-out task files, "
+                                          "through a private engine; records, trains and publishes nothing")
+    e.add_argument("--scenario", required=True, help="the scenario whose release chain to evaluate")
+    e.add_argument("--tasks", action="append", required=True, metavar="[SET=]FILE",
+                   help="a JSONL task file (the learn.file format; pkg://<package>/<path> allowed), scored by "
+                        "learn.verifier; repeat for several task sets (a task's own 'set' field also names one)")
+    e.add_argument("--from", dest="first", metavar="RELEASE", help="the oldest release to evaluate (an id or a "
+                                                                   "unique prefix of 7+ digits)")
+    e.add_argument("--to", dest="last", metavar="RELEASE", help="the newest release to evaluate")
+    e.add_argument("--last", dest="last_n", type=int, metavar="N", help="only the newest N retained releases")
+    e.add_argument("--max-tokens", type=int, metavar="N", help="each reply's budget (default: "
+                                                              "evaluation.options.generation, learn.max_tokens, "
+                                                              "engine.max_new_tokens)")
+    e.add_argument("--no-save", action="store_true", help="print the result only (default: also keep it under "
+                                                          "<data_dir>/evaluations/ for the dashboard)")
+    e.add_argument("overrides", nargs="*", help="Hydra overrides: the scenario's deployment (+recipe=..., "
+                                                "storage.data_dir=..., engine.model=...)")
+
     # Commands that talk to a running server (reef report, records, releases, status, harness pull).
     from .client.cli import add_commands
 
@@ -252,9 +272,18 @@ def cmd_gc(args) -> int:
     return run_gc_command(cfg, dry_run=args.dry_run)
 
 
+def cmd_eval(args) -> int:
+    from .config import compose_config
+    from .loop.eval_command import run_eval_releases
+
+    cfg = compose_config(args.overrides)
+    return run_eval_releases(cfg, scenario=args.scenario, tasks=args.tasks, first=args.first, last=args.last,
+                             last_n=args.last_n, max_tokens=args.max_tokens, save=not args.no_save)
+
+
 COMMANDS = {
     "serve": cmd_serve, "learn": cmd_learn, "config": cmd_config, "plugins": cmd_plugins, "recipes": cmd_recipes,
-    "sweep": cmd_sweep, "gc": cmd_gc,
+    "sweep": cmd_sweep, "gc": cmd_gc, "eval": cmd_eval,
 }
 
 if __name__ == "__main__":  # pragma: no cover
