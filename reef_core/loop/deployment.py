@@ -507,6 +507,12 @@ class Deployment:
         return self._learners[scenario].release_rows() if scenario in self._learners else [
             r.to_dict() for r in self.artifacts.releases(scenario)]
 
+    def evaluation_runs(self, scenario: str, limit: int) -> list[dict]:
+        """The scenario's ``reef eval releases`` results under the data directory, newest first."""
+        from .eval_results import load_runs
+
+        return load_runs(self.data_dir, scenario, limit)
+
     def archive_scenario(self, name: str) -> None:
         learner = self._learners.pop(name, None)
         if learner is not None:

@@ -17,10 +17,12 @@ def _fmt(value: float) -> str:
     return f"{value:.3g}"
 
 
-def line_svg(title: str, points: list[tuple[float, float]], *, unit: str = "") -> str:
-    """An SVG of ``points`` (x ascending) with its title, axis bounds and one marker a point."""
+def line_svg(title: str, points: list[tuple[float, float]], *, unit: str = "", x_label: str = "step",
+             series: str | None = None) -> str:
+    """An SVG of ``points`` (x ascending) with its title, axis bounds and one marker a point; ``x_label`` names
+    the x axis (``step``, ``release``), ``series`` the figure's ``data-series`` (default: from the title)."""
     points = [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y)]
-    slug = "".join(c if c.isalnum() else "-" for c in title.lower())
+    slug = "".join(c if c.isalnum() else "-" for c in (series or title).lower())
     head = (f'<figure class="plot" data-series="{escape(slug)}" data-points="{len(points)}">'
             f'<figcaption>{escape(title)}{f" ({escape(unit)})" if unit else ""}</figcaption>')
     if not points:
@@ -41,12 +43,12 @@ def line_svg(title: str, points: list[tuple[float, float]], *, unit: str = "") -
 
     path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in points)
     dots = "".join(f'<circle class="pt" cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3">'
-                   f"<title>step {_fmt(x)}: {_fmt(y)}</title></circle>" for x, y in points)
+                   f"<title>{escape(x_label)} {_fmt(x)}: {_fmt(y)}</title></circle>" for x, y in points)
     axes = (f'<line x1="{PAD}" y1="{HEIGHT - PAD}" x2="{WIDTH - PAD}" y2="{HEIGHT - PAD}" class="axis"/>'
             f'<line x1="{PAD}" y1="{PAD}" x2="{PAD}" y2="{HEIGHT - PAD}" class="axis"/>'
             f'<text x="{PAD - 4}" y="{PAD + 4}" text-anchor="end">{_fmt(y1)}</text>'
             f'<text x="{PAD - 4}" y="{HEIGHT - PAD}" text-anchor="end">{_fmt(y0)}</text>'
-            f'<text x="{PAD}" y="{HEIGHT - PAD + 16}">step {_fmt(x0)}</text>'
+            f'<text x="{PAD}" y="{HEIGHT - PAD + 16}">{escape(x_label)} {_fmt(x0)}</text>'
             f'<text x="{WIDTH - PAD}" y="{HEIGHT - PAD + 16}" text-anchor="end">{_fmt(x1)}</text>')
     return (head + f'<svg viewBox="0 0 {WIDTH} {HEIGHT}" width="{WIDTH}" height="{HEIGHT}" role="img" '
             f'aria-label="{escape(title)}">{axes}<polyline points="{path}" class="line"/>{dots}</svg></figure>')

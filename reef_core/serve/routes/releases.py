@@ -1,4 +1,4 @@
-"""Release, commit-log and status routes of a scenario.
+"""Release, commit-log, evaluation and status routes of a scenario.
 
 Reads (release list, commit log, status) need an inference token; operations that change what
 a scenario serves (rollback, promote, delete) are marked admin and need an admin token.
@@ -43,6 +43,15 @@ async def list_releases(request: Request, scenario: str):
     dep, found = await _scenario(request, scenario)
     rows = await asyncio.to_thread(dep.release_rows, found.name)
     return JSONResponse({"scenario": found.name, "releases": rows}, headers=_NO_STORE)
+
+
+@router.get("/reef/scenarios/{scenario}/evaluations")
+async def list_evaluations(request: Request, scenario: str, limit: int = Query(10, ge=1, le=100)):
+    """The scenario's ``reef eval releases`` runs, newest first: scores per release and task set, and forgetting."""
+    dep, found = await _scenario(request, scenario)
+    runs = await asyncio.to_thread(dep.evaluation_runs, found.name, limit)
+    runs = [{k: v for k, v in run.items() if k != "path"} for run in runs]  # the server's own file path stays private
+    return JSONResponse({"scenario": found.name, "evaluations": runs}, headers=_NO_STORE)
 
 
 async def _republish(request: Request, scenario: str, operation: str) -> dict:

@@ -15,8 +15,9 @@ credential and needs no form token. Plots are SVG drawn here
 (:mod:`reef_core.serve.routes.plot`): no script and no CDN.
 
 Pages: ``/ui`` (scenarios with recipe, current release and learner state), ``/ui/scenarios/{s}`` (plots over
-steps of reward, loss, gate score, publish latency and policy lag; the release chain and every gate decision
-with its reason), ``/ui/scenarios/{s}/records`` (paged, filtered by type and tag), one record with its payload.
+steps of reward, loss, gate score, publish latency and policy lag; score by release from the newest ``reef eval
+releases`` run, with forgetting; the release chain and every gate decision with its reason),
+``/ui/scenarios/{s}/records`` (paged, filtered by type and tag), one record with its payload.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from reef_core.serve.middleware.auth import ADMIN, UI_COOKIE, _cookie_token, _pr
 from reef_core.serve.routes.names import path_record, path_scenario
 from reef_core.serve.routes.plot import line_svg
 from reef_core.serve.routes.reads import MAX_SEQUENCE, record_row
+from reef_core.serve.routes.ui_evaluations import by_release_section
 from reef_core.serve.middleware.tenancy import visible
 
 #: The session's random nonce, set at login beside the token cookie; the form token is keyed over it.
@@ -243,6 +245,7 @@ async def scenario_page(request: Request, scenario: str):
     commits = await _all_commits(dep, found)
     releases = await asyncio.to_thread(dep.release_rows, found.name)
     status = await asyncio.to_thread(dep.scenario_status, found)
+    evaluations = await asyncio.to_thread(dep.evaluation_runs, found.name, 1)
     series = _series(commits, releases)
     units = {"publish latency": "ms"}
     plots = "".join(line_svg(name, points, unit=units.get(name, "")) for name, points in series.items())
@@ -279,6 +282,7 @@ async def scenario_page(request: Request, scenario: str):
             f'<a href="/ui/scenarios/{_q(found.name)}/records">records</a></p>'
             + _trouble(status) +
             f'<h2>Over steps</h2><div class="plots">{plots}</div>'
+            + by_release_section(found.name, evaluations[0] if evaluations else None) +
             "<h2>Release chain</h2><table id=\"chain\"><tr><th>Release</th><th>Operation</th><th>Step</th><th>State</th>"
             "<th>Source</th><th>Created</th><th></th></tr>" + "".join(chain) + "</table>"
             "<h2>Gate decisions</h2><table id=\"decisions\"><tr><th>Step</th><th>Decision</th><th>Policy</th>"

@@ -556,7 +556,7 @@ def _plain_post(draw, pools: Pools, route: str):
 def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
     """``METHOD /openapi/path`` -> strategy of cases for that route."""
     plain = ["/reef/scenarios/{scenario}/releases", "/reef/scenarios/{scenario}/status",
-             "/reef/scenarios/{scenario}/samples"]
+             "/reef/scenarios/{scenario}/samples", "/reef/scenarios/{scenario}/evaluations"]
     routes = {
         "GET /healthz": _plain_get(pools, "/healthz"),
         "GET /v1/models": _plain_get(pools, "/v1/models"),
@@ -622,7 +622,7 @@ def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
     }
     for route in plain:
         routes[f"GET {route}"] = _scenario_route(pools, "GET", route, route.rsplit("}", 1)[1],
-                                                 ("limit",) if route.endswith("samples") else ())
+                                                 ("limit",) if route.endswith(("samples", "evaluations")) else ())
     for name in scenario_route_names():
         route = f"/reef/scenarios/{{scenario}}/{name}"
         routes[f"GET {route}"] = _scenario_route(pools, "GET", route, f"/{name}", ("step", "limit", "group"))
