@@ -15,6 +15,8 @@ Settings:
 * ``sao/tiny``: ``+recipe=sao +sao_profile=tiny`` (the tiny random-init model; a few minutes per packet on 2 cores);
 * ``sao/smollm2``: ``+recipe=sao`` (SmolLM2-135M-Instruct, the README's deployment; about ``--rollouts`` / 30
   minutes per arm and seed on 2 cores);
+* ``gepa/smollm2``: ``+recipe=gepa`` with SmolLM2 served by Reef as the task model and the scripted reflector
+  (named as the stand-in it is); ``--rollouts`` / 3 rounds per arm and seed;
 * ``ttt/tiny``: ``+recipe=ttt +ttt_profile=tiny`` (TTT-Discover, the model writes the candidate: the string-scored
   toy task, a 2 x 8 grid per step; ``--rollouts`` / 16 steps per arm and seed), driven by ``reef_ttt.client``.
 """
@@ -35,12 +37,12 @@ from bench.learn_smollm2 import SCENARIO, _commits, _load_client
 from bench.publish import _get_json
 
 
-def _sao(url: str, scenario: str, args, seed: int, max_tokens, window: int) -> dict:
+def _sao(url: str, scenario: str, args, seed: int, max_tokens, window: int, learning: bool) -> dict:
     return _load_client().run(url, scenario, args.rollouts, seed=seed, token=common.TOKEN, max_tokens=max_tokens,
                               window=window, concurrency=args.concurrency, quiet=True)
 
 
-def _ttt(url: str, scenario: str, args, seed: int, max_tokens, window: int) -> dict:
+def _ttt(url: str, scenario: str, args, seed: int, max_tokens, window: int, learning: bool) -> dict:
     """TTT steps until ``--rollouts`` are reported (whole steps: the grid is the unit); each rollout's state is its
     reply (the model writes the candidate)."""
     from reef_ttt.client import TTTClient
@@ -60,6 +62,39 @@ def _ttt(url: str, scenario: str, args, seed: int, max_tokens, window: int) -> d
     return {"rewards": rewards, "replies": replies, "releases": releases, "best": best}
 
 
+def _gepa(url: str, scenario: str, args, seed: int, max_tokens, window: int, learning: bool) -> dict:
+    """The GEPA demo's client loop (``reef_gepa.examples.demo``) on a seed-shuffled train split: each round pulls
+    the harness, runs a minibatch of 3 tasks through the served model, reports score and feedback, and (learning
+    on) waits for the step it fed, so that the next round runs the prompt that step published."""
+    from reef_core.api import ReefClient
+    from reef_gepa.examples import tasks, verify_mentions
+    from reef_gepa.examples.demo import PROMPT_FILE, pull, run_round, wait_for_step
+
+    train = tasks("train", seed=seed)
+    rewards, replies, cursor = [], [], 0
+    with ReefClient(url, scenario=scenario, token=common.TOKEN, timeout=300) as client:
+        harness = pull(client)
+        while len(rewards) < args.rollouts:
+            prompt = harness["files"].get(PROMPT_FILE) if harness else None
+            batch = [train[(cursor + i) % len(train)] for i in range(GEPA_MINIBATCH)]
+            cursor += GEPA_MINIBATCH
+            answered: list = []
+            _scores, step, _served = run_round(client, scenario, batch, prompt, score=verify_mentions,
+                                               answered=answered)
+            rewards += [value for _task, _answer, value in answered]
+            replies += [{"prompt": task["input"], "reply": answer or "", "reward": value}
+                        for task, answer, value in answered]
+            if learning:
+                harness, _row = wait_for_step(client, scenario, step + 1, timeout_s=900)
+        releases = client.releases()
+    return {"rewards": rewards, "replies": replies, "releases": releases,
+            "prompt": harness["files"].get(PROMPT_FILE) if harness else None}
+
+
+#: GEPA's minibatch (recipe.options.minibatch_size's default): one learner step per this many reports.
+GEPA_MINIBATCH = 3
+
+
 @dataclass(frozen=True)
 class Setting:
     """One experiment: the recipe arm's overrides, the control's extra overrides, the driver, and its defaults."""
@@ -72,6 +107,7 @@ class Setting:
     window: int
     task: str
     client: str
+    rollouts: int = 480  # per seed and arm, unless --rollouts says
 
     @property
     def learner_off(self) -> bool:
@@ -86,6 +122,17 @@ SETTINGS = {
                              _SAO_TASK, _SAO_CLIENT),
     ("sao", "smollm2"): Setting(["+recipe=sao"], ["server.learner=false"], _sao, SCENARIO, None, 16, _SAO_TASK,
                                 _SAO_CLIENT),
+    ("gepa", "smollm2"): Setting(
+        ["+recipe=gepa", "recipe.options.reflection_model=reef_gepa.examples:reflector",
+         "recipe.options.verifier=reef_gepa.examples:verify_mentions", "engine.max_new_tokens=24",
+         "+recipe.options.valset.kwargs.per_category=2"],
+        ["server.learner=false"], _gepa, "gepa-codes", None, 9,
+        "reef_gepa.examples (the code of an item: known only from a fact the prompt states; verifier "
+        "reef_gepa.examples:verify_mentions, the expected code and no other); task model: SmolLM2-135M-Instruct "
+        "served by Reef (the embedded engine); reflection: the scripted stand-in reef_gepa.examples:reflector "
+        "(adds the first fact the feedback names), replaceable by any OpenAI-compatible URL with "
+        "recipe.options.reflection_model={url: ..., model: ...}; valset 8 tasks (2 per category)",
+        "the GEPA demo's client loop (reef_gepa.examples.demo.run_round) over HTTP, minibatches of 3", rollouts=36),
     ("ttt", "tiny"): Setting(["+recipe=ttt", "+ttt_profile=tiny"], ["+ttt_arm=control"], _ttt, "ttt-vowels", None,
                              48, "reef_ttt.tasks.vowels (the reply is the candidate text; verifier: share of vowels), "
                                  "PUCT archive seeded with 'xyz'",
@@ -97,7 +144,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--recipe", default="sao", choices=sorted({r for r, _ in SETTINGS}))
     parser.add_argument("--setting", default="tiny", choices=sorted({s for _, s in SETTINGS}))
     parser.add_argument("--seeds", type=int, default=3, help="seeds per arm (default 3)")
-    parser.add_argument("--rollouts", type=int, default=480, help="rollouts per seed and arm (default 480)")
+    parser.add_argument("--rollouts", type=int, default=None,
+                        help="rollouts per seed and arm (default: the setting's, 480; gepa/smollm2 36)")
     parser.add_argument("--window", type=int, default=None, help="rollouts per window (default: the setting's)")
     parser.add_argument("--concurrency", type=int, default=4,
                         help="example clients at once (SAO; default 4)")
@@ -121,12 +169,11 @@ def _arm(args, setting: Setting, arm: str, seed: int, overrides: list[str], wind
     try:
         reef.start(timeout=args.ready_timeout)
         began = time.monotonic()
-        out = setting.drive(reef.url, setting.scenario, args, seed, setting.max_tokens, window)
+        learning = arm == "recipe" or not setting.learner_off
+        out = setting.drive(reef.url, setting.scenario, args, seed, setting.max_tokens, window, learning)
         wall = round(time.monotonic() - began, 1)
         status = _get_json(reef.url, f"/reef/scenarios/{setting.scenario}/status")
-        # learning off: no learner, no commits route
-        learner = arm == "recipe" or not setting.learner_off
-        commits = _commits(reef.url, setting.scenario) if learner else []
+        commits = _commits(reef.url, setting.scenario) if learning else []  # learning off: no commits route
     except Exception as exc:
         raise RuntimeError(f"{arm} seed {seed}: {exc}\n--- reef log tail ---\n{reef.log_tail()}") from exc
     finally:
@@ -144,9 +191,10 @@ def _arm(args, setting: Setting, arm: str, seed: int, overrides: list[str], wind
 def run(args) -> dict:
     if (args.recipe, args.setting) not in SETTINGS:
         raise SystemExit(f"no setting {args.setting!r} for {args.recipe}: {sorted(SETTINGS)}")
+    setting = SETTINGS[(args.recipe, args.setting)]
+    args.rollouts = setting.rollouts if args.rollouts is None else args.rollouts
     if args.seeds < 1 or args.rollouts < 2 or args.concurrency < 1:
         raise SystemExit("--seeds and --concurrency must be >= 1, --rollouts >= 2")
-    setting = SETTINGS[(args.recipe, args.setting)]
     window = args.window or setting.window
     if 2 * window > args.rollouts:
         raise SystemExit(f"--rollouts {args.rollouts} cannot hold two windows of {window}")

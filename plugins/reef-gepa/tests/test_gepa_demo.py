@@ -17,3 +17,12 @@ def test_demo_prompt_improves_release_by_release(tmp_path):
     assert [row["served_by"] for row in history[1:]] == [[r] for r in releases[:-1]]
     assert [row["metrics"]["episodes_reused"] for row in history] == [3, 3, 3, 3]
     assert "5 releases" in lines[-1]  # the creation release plus one per round
+
+
+def test_verify_mentions_takes_the_code_in_a_sentence_and_nothing_else():
+    from reef_gepa.examples import verify_mentions
+
+    task = {"answer": "ALP-7"}
+    assert verify_mentions("ALP-7", task) == verify_mentions("The code of item 7 is ALP-7.", task) == 1.0
+    for wrong in ("ALP-7 or BET-7", "ALP-71", "alp-7", "I do not know the code of item 7.", ""):
+        assert verify_mentions(wrong, task) == 0.0, wrong

@@ -81,6 +81,16 @@ def verify(output: str, task: dict) -> float:
     return 1.0 if str(output).strip() == task["answer"] else 0.0
 
 
+_CODE = re.compile(r"\b(ALP|BET|GAM|DEL)-(\d+)\b")
+
+
+def verify_mentions(output: str, task: dict) -> float:
+    """1.0 when the answer names the expected code and no other item code: the verifier for a real chat model,
+    which wraps its answer in a sentence ("The code is ALP-7.") where the stand-in answers the bare code."""
+    codes = {f"{m.group(1)}-{m.group(2)}" for m in _CODE.finditer(str(output))}
+    return 1.0 if codes == {task["answer"]} else 0.0
+
+
 def feedback(task: dict, output: str, score: float) -> str:
     """Names the fact a wrong answer lacked: the only signal reflection gets."""
     if score >= 1.0:
@@ -109,4 +119,4 @@ def score_prompt(system_prompt: str, task_list: list[dict]) -> float:
 
 
 __all__ = ["CATEGORIES", "CODES", "FACTS", "SEED_PROMPT", "tasks", "train_tasks", "val_tasks", "task_model",
-           "verify", "feedback", "reflector", "score_prompt"]
+           "verify", "verify_mentions", "feedback", "reflector", "score_prompt"]

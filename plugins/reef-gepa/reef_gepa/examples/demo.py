@@ -58,15 +58,18 @@ def learner_status(client: ReefClient) -> dict:
 
 
 def committed_steps(client: ReefClient) -> int:
-    return int(learner_status(client).get("step", 0))
+    return int(learner_status(client).get("step") or 0)  # None while no learner runs (learning off)
 
 
-def run_round(client: ReefClient, scenario: str, batch: list[dict],
-              prompt: str | None) -> tuple[list[float], int, set[str]]:
-    """Run ``batch`` through Reef with ``prompt``, then report each score with its feedback.
+def run_round(client: ReefClient, scenario: str, batch: list[dict], prompt: str | None, *,
+              score: Callable[[str, dict], float] = verify,
+              answered: list | None = None) -> tuple[list[float], int, set[str]]:
+    """Run ``batch`` through Reef with ``prompt``, then report each score (by ``score``, the deployment's
+    verifier) with its feedback.
 
     Returns the scores, the number of committed steps before the reports (the learner commits one step
-    per minibatch of reports) and the releases that served the inferences (``x-reef-release-id``)."""
+    per minibatch of reports) and the releases that served the inferences (``x-reef-release-id``).
+    ``answered``, when given, gets ``(task, answer, score)`` of each task in order."""
     answers, served_by = [], set()
     chat = client.openai()
     for task in batch:
@@ -79,10 +82,12 @@ def run_round(client: ReefClient, scenario: str, batch: list[dict],
     step = committed_steps(client)  # the scenario exists now (its first request created it)
     scores = []
     for task, answer, receipt in answers:
-        score = verify(answer, task)
-        client.report(score=score, feedback=feedback(task, answer, score), references=[receipt],
+        value = score(answer, task)
+        client.report(score=value, feedback=feedback(task, answer, value), references=[receipt],
                       metadata={"task": task})
-        scores.append(score)
+        scores.append(value)
+        if answered is not None:
+            answered.append((task, answer, value))
     return scores, step, served_by
 
 
