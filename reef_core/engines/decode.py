@@ -305,15 +305,29 @@ def prefill_rows(decoders: list[FastDecoder], prompts: list[list[int]]) -> torch
     Through the C layers, the prompts' tokens go as one sequence of rows, :data:`MAX_KERNEL_ROWS` a call, across
     prompts (each call's rows attend causally to the rows of their own generation before them, and to what earlier
     calls cached): several short prompts share the reading of the weights. Each row's arithmetic is what it is
-    alone, so a prompt's logits do not depend on the prompts beside it. Without the C layers, or with portable-C
-    kernels and a long prompt (torch's matrix products are faster then), each prompt goes through torch alone."""
+    alone, so a prompt's logits do not depend on the prompts beside it. Without the C layers, each prompt goes
+    through torch alone; with portable-C kernels, so does each prompt longer than :data:`MAX_KERNEL_ROWS` (torch's
+    matrix products are faster then). The path is chosen per prompt, never per batch: a short prompt takes the
+    kernel beside a long one exactly as it does alone."""
     if any(d.pos for d in decoders):
         raise RuntimeError("prefill on a cache already in use")
     if any(not ids for ids in prompts):
         raise ValueError("an empty prompt")
     lead = decoders[0]
-    if lead.native is None or (kernels.isa() == "c" and max(map(len, prompts)) > MAX_KERNEL_ROWS):
-        return torch.stack([d._forward(torch.tensor(ids, device=d.k.device)) for d, ids in zip(decoders, prompts)])
+    alone = [lead.native is None or (kernels.isa() == "c" and len(ids) > MAX_KERNEL_ROWS) for ids in prompts]
+    logits: list[torch.Tensor | None] = [None] * len(prompts)
+    for i in (i for i, torch_path in enumerate(alone) if torch_path):
+        logits[i] = decoders[i]._forward(torch.tensor(prompts[i], device=decoders[i].k.device))
+    shared = [i for i, torch_path in enumerate(alone) if not torch_path]
+    if shared:
+        for i, row in zip(shared, _prefill_native([decoders[i] for i in shared], [prompts[i] for i in shared])):
+            logits[i] = row
+    return torch.stack(logits)
+
+
+def _prefill_native(decoders: list[FastDecoder], prompts: list[list[int]]) -> torch.Tensor:
+    """:func:`prefill_rows` through the C layers for all of ``prompts``: ``[B, vocab]`` float32 logits."""
+    lead = decoders[0]
     rows = [(d, p) for d, ids in zip(decoders, prompts) for p in range(len(ids))]
     tokens = torch.tensor([t for ids in prompts for t in ids], device=lead.k.device)
     ends, at = [], -1

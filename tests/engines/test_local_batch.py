@@ -15,7 +15,7 @@ from reef_core.engines.local import LocalEngine
 from reef_core.errors import ConfigError
 from reef_core.models.loading import load_model
 
-from reef_core.models.adapter import AdapterWeights
+from reef_core.testing.adapters import random_adapter
 
 # eight requests of different lengths and sampling parameters (one with a stop string, two greedy, one nucleus)
 BODIES = [
@@ -62,25 +62,6 @@ def _logprobs(model, prompt_ids, output_ids):
         logits = model(input_ids=ids).logits[0].float()
     lp = torch.log_softmax(logits[len(prompt_ids) - 1:-1], dim=-1)
     return lp[torch.arange(len(output_ids)), torch.tensor(output_ids)], lp
-
-
-def _adapter(base, seed):
-    """A random non-zero LoRA adapter for ``base``, and ``base`` with it applied (by peft) for reference."""
-    import copy
-
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-
-    torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
-    peft_model = get_peft_model(copy.deepcopy(base), config)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    as_dict = {k: (v.value if hasattr(v, "value") else sorted(v) if isinstance(v, set) else v)
-               for k, v in config.to_dict().items()}
-    weights = AdapterWeights(as_dict, {k: v.clone() for k, v in get_peft_model_state_dict(peft_model).items()})
-    return weights, peft_model.eval()
 
 
 @pytest.mark.parametrize("which", ["qwen2", "llama-bf16"])
@@ -171,7 +152,7 @@ def test_a_swap_waits_for_the_batch_and_no_request_spans_two_versions(tiny_model
 def test_rows_share_a_step_only_with_rows_of_the_same_adapter(tiny_model_dir):
     base, _ = load_model(tiny_model_dir)
     base.eval()
-    (a, ref_a), (b, ref_b) = _adapter(base, 1), _adapter(base, 2)
+    (a, ref_a), (b, ref_b) = random_adapter(base, 1), random_adapter(base, 2)
     body = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "temperature": 1.0, "max_tokens": 10}
 
     async def go():

@@ -4,7 +4,6 @@ and harness releases answered by the base. The verifier is a digest of the reply
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -18,6 +17,7 @@ from reef_core.cli import main
 from reef_core.commit.git_store import GitArtifactStore
 from reef_core.grow.eval_engine import EvalEngine
 from reef_core.models.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterWeights
+from reef_core.testing.adapters import random_adapter
 from reef_core.models.loading import ensure_tiny_model, load_model
 from reef_core.surfaces.weights import model_digest
 from reef_core.testing.chain import publish
@@ -32,18 +32,7 @@ def tiny() -> Path:
 
 
 def _adapter(base, seed: int) -> AdapterWeights:
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-
-    torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
-    model = get_peft_model(copy.deepcopy(base), config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    plain = {k: (v.value if hasattr(v, "value") else sorted(v) if isinstance(v, set) else v)
-             for k, v in config.to_dict().items()}
-    return AdapterWeights(plain, {k: v.clone() for k, v in get_peft_model_state_dict(model).items()})
+    return random_adapter(base, seed)[0]
 
 
 def _full(base, seed: int) -> dict:

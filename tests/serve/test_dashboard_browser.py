@@ -10,7 +10,6 @@ test's tmp dir).
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import httpx
@@ -22,12 +21,12 @@ from reef_core.serve.app import create_app
 from reef_core.background import serve_asgi
 from reef_core.testing.fixtures import wait_until
 
-webdriver = pytest.importorskip("selenium.webdriver")
+pytest.importorskip("selenium.webdriver")
+from reef_core.testing.browser import chromium  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.expected_conditions import staleness_of  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
-CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 TOKEN, ADMIN = "ui-inference-token", "ui-admin-token"
 REPORTS = 6
@@ -72,19 +71,7 @@ def loop_url(tmp_path, fake_upstream_url):
 
 @pytest.fixture
 def browser():
-    if not (CHROMIUM and DRIVER):
-        if os.environ.get("CI"):  # .ci/run installs them: missing there is a failure, not a skip
-            pytest.fail("chromium and chromedriver are not installed")
-        pytest.skip("needs Debian's chromium and chromium-driver (scripts/setup.sh installs them as root)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,1600"):
-        options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=DRIVER), options=options)
-    driver.set_page_load_timeout(30)
-    yield driver
-    driver.quit()
+    yield from chromium("1280,1600")
 
 
 def follow(driver, element) -> None:

@@ -9,7 +9,6 @@ import contextlib
 import io
 import json
 import os
-import shutil
 import sqlite3
 from pathlib import Path
 
@@ -25,7 +24,8 @@ from reef_core.loop.offline import job_config, run_learning
 from reef_core.serve.app import create_app
 
 tasks_module = pytest.importorskip("reef_sao.tasks")
-webdriver = pytest.importorskip("selenium.webdriver")
+pytest.importorskip("selenium.webdriver")
+from reef_core.testing.browser import chromium  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
@@ -34,7 +34,6 @@ pytestmark = pytest.mark.slow
 SCENARIO, TOKEN = "learn", "eval-token"
 OVERRIDES = ["+recipe=sao", "+sao_profile=tiny", "seed=0"]
 ROLLOUTS = 40  # batches of 4: ten training releases after the creation release
-CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 
 def _records(data: Path) -> int:
@@ -149,19 +148,7 @@ def test_the_evaluations_route_serves_the_run_and_checks_its_inputs(server, eval
 
 @pytest.fixture
 def browser():
-    if not (CHROMIUM and DRIVER):
-        if os.environ.get("CI"):
-            pytest.fail("chromium and chromedriver are not installed")
-        pytest.skip("needs Debian's chromium and chromium-driver (scripts/setup.sh installs them as root)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,2000"):
-        options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=DRIVER), options=options)
-    driver.set_page_load_timeout(30)
-    yield driver
-    driver.quit()
+    yield from chromium("1280,2000")
 
 
 def test_the_dashboard_plots_one_point_per_evaluated_release(server, evaluated, browser, tmp_path):
