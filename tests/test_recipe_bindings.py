@@ -232,7 +232,7 @@ def test_reef_config_shows_what_a_routed_recipe_runs_with():
     assert shown["trainer"]["lr"] == 0.5
     sao = shown["routed_recipes"]["sao"]
     assert sao["patterns"] == ["math-*"] and sao["overrides"] == ["trainer.lora=true"]
-    assert sao["trainer"]["lora"] is True and sao["trainer"]["lr"] == 3.0e-3
+    assert sao["trainer"]["lora"] is True and sao["trainer"]["lr"] == 2.0e-3
     assert sao["trainer"]["lora_layers"] == 8 and sao["recipe"]["trainer"] == "sao"
     refused = reef("config", "routes=[{pattern: 'math-*', recipe: sao, overrides: ['engine.model=tiny']}]")
     assert refused.returncode == 2 and "routes[0]" in refused.stderr and "'engine.model'" in refused.stderr
