@@ -120,7 +120,11 @@ def diagnose(analysis: dict, runs: list[ArmRun], recipe: str = "recipe", control
     out = []
     trained = [r for r in runs if r.arm == recipe]
     if not any(r.steps for r in trained):
-        out.append("the recipe arm committed no training step: its rewards never reached the learner")
+        if any(r.dropped.get("trainer_skipped") for r in trained):
+            out.append("the recipe arm committed no training step: its trainer made no candidate from any batch "
+                       "(trainer_skipped)")
+        else:
+            out.append("the recipe arm committed no training step: its rewards never reached the learner")
     lost = sum(sum(r.dropped.values()) for r in trained)
     rollouts = sum(len(r.rewards) for r in trained)
     if rollouts and lost > 0.25 * rollouts:

@@ -51,6 +51,10 @@ def test_no_effect_does_not_hold_and_says_why():
                for r in runs]
     reasons = diagnose(analyse(starved, 24), starved)
     assert any("no training step" in line for line in reasons) and any("stale 240" in line for line in reasons)
+    assert any("never reached the learner" in line for line in reasons)
+    skipped = [ArmRun(r.arm, r.seed, r.rewards, steps=0, dropped={"trainer_skipped": 80} if r.arm == "recipe" else {})
+               for r in runs]
+    assert any("made no candidate from any batch" in line for line in diagnose(analyse(skipped, 24), skipped))
 
 
 def test_arms_must_share_their_seeds_and_hold_two_windows():

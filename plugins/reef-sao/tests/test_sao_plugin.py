@@ -22,7 +22,7 @@ from reef_sao.tasks import MAX_TOKENS, Task, letter_share, score, task_stream, v
 from reef_sao.trainer import SAOOptions
 
 #: sao.yaml's shipped choices for the default deployment (SmolLM2 on CPU; see its header).
-LR, CRITIC_LR, BATCH, GRAD_ACCUMULATION = 3e-3, 2e-4, 4, 1
+LR, CRITIC_LR, BATCH, GRAD_ACCUMULATION = 2e-3, 2e-4, 4, 1
 
 
 @pytest.fixture(scope="module")
