@@ -33,7 +33,7 @@ from reef_sao.tasks import MAX_TOKENS, score, task_stream
 
 def run(base_url: str, scenario: str, rollouts: int | None, *, seed: int = 0, token: str = "reef",
         max_tokens: int | None = None, window: int = 48, quiet: bool = False, concurrency: int = 1,
-        duration_s: float | None = None) -> dict:
+        duration_s: float | None = None, verifier=score) -> dict:
     """Send ``rollouts`` tasks (endless with None), report their scores; return ``{"rewards": [...], "times": [...],
     "replies": [...], "releases": [...]}`` (``times``: seconds from the start to each report; ``replies``: each
     rollout's prompt, reply and reward).
@@ -43,7 +43,8 @@ def run(base_url: str, scenario: str, rollouts: int | None, *, seed: int = 0, to
 
     ``concurrency`` clients send tasks at once (each with its own receipts, so ``references="last"`` stays its own
     completion; rewards are listed in the order their reports went out). ``duration_s`` stops starting new tasks
-    after that many seconds; the ones already sent finish and count."""
+    after that many seconds; the ones already sent finish and count. ``verifier(task, reply)`` scores each reply
+    (default :func:`reef_sao.tasks.score`; tests of the loop's plumbing pass ``letter_share``)."""
     if concurrency < 1 or window < 1:
         raise ValueError("concurrency and window must be >= 1")
     if rollouts is None and duration_s is None:
@@ -72,7 +73,7 @@ def run(base_url: str, scenario: str, rollouts: int | None, *, seed: int = 0, to
                 completion = chat.chat.completions.create(model="reef", messages=task.messages(),
                                                           temperature=1.0, top_p=1.0, **extra)
                 reply = completion.choices[0].message.content or ""
-                value = score(task, reply)
+                value = verifier(task, reply)
                 reef.report(score=value, references="last")  # the receipt of this worker's completion above
                 with lock:
                     rewards.append(value)
