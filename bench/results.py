@@ -55,11 +55,10 @@ def _ttt(url: str, scenario: str, args, seed: int, max_tokens, window: int, lear
             rewards += result.rewards
             replies += [{"prompt": p, "reply": "" if s is None else str(s), "reward": r}
                         for p, s, r in zip(result.prompts, result.states, result.rewards)]
-        best = client.archive()["best"]
     finally:
         client.close()
     releases = _get_json(url, f"/reef/scenarios/{scenario}/releases").get("releases", [])
-    return {"rewards": rewards, "replies": replies, "releases": releases, "best": best}
+    return {"rewards": rewards, "replies": replies, "releases": releases}
 
 
 def _gepa(url: str, scenario: str, args, seed: int, max_tokens, window: int, learning: bool) -> dict:
@@ -87,8 +86,7 @@ def _gepa(url: str, scenario: str, args, seed: int, max_tokens, window: int, lea
             if learning:
                 harness, _row = wait_for_step(client, scenario, step + 1, timeout_s=900)
         releases = client.releases()
-    return {"rewards": rewards, "replies": replies, "releases": releases,
-            "prompt": harness["files"].get(PROMPT_FILE) if harness else None}
+    return {"rewards": rewards, "replies": replies, "releases": releases}
 
 
 #: GEPA's minibatch (recipe.options.minibatch_size's default): one learner step per this many reports.

@@ -99,16 +99,19 @@ def score(task: Task, text: str) -> float:
     return share * variety(text.strip())
 
 
+def _file_task(task: dict) -> Task:
+    """A line of a task file (``reef_sao/data/vowels.jsonl``: its ``alphabet`` field) as a :class:`Task`."""
+    return Task(task_id=str(task.get("id", "")), prompt="", alphabet=task.get("alphabet") or VOWELS)
+
+
 def verify(output: str, task: dict) -> float:
-    """:func:`score` as a task-file verifier (``learn.verifier=python``, ``path: reef_sao.tasks:verify``): the task
-    is a line of ``reef_sao/data/vowels.jsonl`` (its ``alphabet`` field)."""
-    return score(Task(task_id=str(task.get("id", "")), prompt="", alphabet=task.get("alphabet") or VOWELS), output)
+    """:func:`score` as a task-file verifier (``learn.verifier=python``, ``path: reef_sao.tasks:verify``)."""
+    return score(_file_task(task), output)
 
 
 def verify_letter_share(output: str, task: dict) -> float:
     """:func:`letter_share` as a task-file verifier, for gate tests whose steered candidates repeat two letters."""
-    return letter_share(Task(task_id=str(task.get("id", "")), prompt="", alphabet=task.get("alphabet") or VOWELS),
-                        output)
+    return letter_share(_file_task(task), output)
 
 
 __all__ = ["VOWELS", "Task", "task_stream", "score", "letter_share", "variety", "verify", "verify_letter_share"]

@@ -128,12 +128,13 @@ class TTTClient:
         plan = self.wait_for_step(expected) if expected is not None else self.plan()
         step, rewards, guidance, states, prompts = plan["step"], [], [], [], []
         for group in plan["groups"]:
+            asked = str(group["prompt"][-1].get("content", "")) if group["prompt"] else ""
             for r in range(plan["rollouts_per_group"]):
                 score, state, receipt, said = self.rollout(plan, group, r)
                 guidance.append(said)
                 rewards.append(score)
                 states.append(state)
-                prompts.append(str(group["prompt"][-1].get("content", "")) if group["prompt"] else "")
+                prompts.append(asked)
                 body = {"score": score, "references": [receipt],
                         "metadata": {"step": step, "group": group["group"], "rollout": r, "state": state}}
                 self.http.post("/reef/report", json=body).raise_for_status()
