@@ -513,6 +513,33 @@ class Deployment:
 
         return load_runs(self.data_dir, scenario, limit)
 
+    def _scores_by_release(self, scenario: str):
+        from .release_compare import scores_by_release, version_table
+
+        rows = self.release_rows(scenario)
+        return rows, *scores_by_release(self.store.replay(scenario), version_table(rows))
+
+    def release_scores(self, scenario: Scenario) -> dict:
+        """Reported scores per release of ``scenario``, in the order the releases first served (a scan of its
+        records: :mod:`reef_core.loop.release_compare`)."""
+        _rows, groups, unattributed = self._scores_by_release(scenario.name)
+        return {"scenario": scenario.name, "releases": [g.row() for g in groups], "unattributed": unattributed}
+
+    def compare_releases(self, scenario: Scenario, a: str, b: str) -> dict:
+        """Scored counts, means and the bootstrap interval of ``b - a`` for two releases of ``scenario`` (ids, or
+        alias names); NotFound naming ``a`` or ``b`` for one the scenario does not have."""
+        from .release_compare import compare
+
+        rows, groups, _unattributed = self._scores_by_release(scenario.name)
+        resolved = [self._release_named(scenario, rows, value, field) for field, value in (("a", a), ("b", b))]
+        return {"scenario": scenario.name, **compare(groups, *resolved)}
+
+    def _release_named(self, scenario: Scenario, rows: list[dict], value: str, field: str) -> str:
+        """The release id ``value`` names among the scenario's release rows (400/404 naming ``field``)."""
+        if any(row.get("release_id") == value for row in rows):
+            return value
+        raise NotFound(f"{field}: scenario {scenario.name!r} has no release {value[:80]!r}", param=field)
+
     def archive_scenario(self, name: str) -> None:
         learner = self._learners.pop(name, None)
         if learner is not None:

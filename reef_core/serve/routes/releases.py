@@ -54,6 +54,19 @@ async def list_evaluations(request: Request, scenario: str, limit: int = Query(1
     return JSONResponse({"scenario": found.name, "evaluations": runs}, headers=_NO_STORE)
 
 
+_RELEASE_QUERY = {"min_length": 1, "max_length": 200}
+
+
+@router.get("/reef/scenarios/{scenario}/releases/compare")
+async def compare_releases(request: Request, scenario: str,
+                           a: str = Query(..., description="release id (or alias) of the baseline", **_RELEASE_QUERY),
+                           b: str = Query(..., description="release id (or alias) compared with a", **_RELEASE_QUERY)):
+    """Scored records, mean reported score of releases a and b, and a bootstrap interval of b - a (unpaired),
+    from the scenario's production reports grouped by the release that served each record."""
+    dep, found = await _scenario(request, scenario)
+    return JSONResponse(await asyncio.to_thread(dep.compare_releases, found, a, b), headers=_NO_STORE)
+
+
 async def _republish(request: Request, scenario: str, operation: str) -> dict:
     dep, found = await _scenario(request, scenario)
     release_id = await _release_id(request)

@@ -17,7 +17,8 @@ credential and needs no form token. Plots are SVG drawn here
 Pages: ``/ui`` (scenarios with recipe, current release and learner state), ``/ui/scenarios/{s}`` (plots over
 steps of reward, loss, gate score, publish latency and policy lag; score by release from the newest ``reef eval
 releases`` run, with forgetting; the release chain and every gate decision with its reason),
-``/ui/scenarios/{s}/records`` (paged, filtered by type and tag), one record with its payload.
+``/ui/scenarios/{s}/records`` (paged, filtered by type and tag), one record with its payload,
+``/ui/scenarios/{s}/compare`` (two releases' mean reported scores and their difference, the mean by release).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from reef_core.serve.middleware.auth import ADMIN, UI_COOKIE, _cookie_token, _pr
 from reef_core.serve.routes.names import path_record, path_scenario
 from reef_core.serve.routes.plot import line_svg
 from reef_core.serve.routes.reads import MAX_SEQUENCE, record_row
+from reef_core.serve.routes.ui_compare import comparison_body, default_pair
 from reef_core.serve.routes.ui_evaluations import by_release_section
 from reef_core.serve.middleware.tenancy import visible
 
@@ -279,7 +281,8 @@ async def scenario_page(request: Request, scenario: str):
     body = (f"<p>Recipe <b>{escape(str(status.get('recipe', found.recipe)))}</b> · learner "
             f"<b>{escape(str(status.get('learner', '-')))}</b> · step {escape(str(status.get('step', 0)))} · current "
             f"release <code>{escape(str(status.get('current_release_id') or '-'))}</code> · "
-            f'<a href="/ui/scenarios/{_q(found.name)}/records">records</a></p>'
+            f'<a href="/ui/scenarios/{_q(found.name)}/records">records</a> · '
+            f'<a href="/ui/scenarios/{_q(found.name)}/compare">compare releases</a></p>'
             + _trouble(status) +
             f'<h2>Over steps</h2><div class="plots">{plots}</div>'
             + by_release_section(found.name, evaluations[0] if evaluations else None) +
@@ -307,6 +310,20 @@ def _trouble(status: dict) -> str:
     if status.get("quarantined"):
         parts.append(f'<p class="errors">quarantined: <code>{escape(str(status["quarantined"]))}</code></p>')
     return "".join(parts)
+
+
+@router.get("/ui/scenarios/{scenario}/compare", response_class=HTMLResponse)
+async def compare_page(request: Request, scenario: str, a: str = Query("", max_length=200),
+                       b: str = Query("", max_length=200)):
+    """Two releases' mean reported scores and the interval of their difference (default: the last two releases
+    that served), and the mean score of every release in the order they served."""
+    dep = request.app.state.reef
+    found = await path_scenario(dep, scenario)
+    scores = await asyncio.to_thread(dep.release_scores, found)
+    first, last = default_pair(scores["releases"])
+    a, b = a or first, b or last
+    comparison = await asyncio.to_thread(dep.compare_releases, found, a, b) if a and b else None
+    return _page(f"Compare releases of {found.name}", comparison_body(found.name, scores, comparison))
 
 
 # -- release files -------------------------------------------------------------------------------------------

@@ -477,6 +477,22 @@ def _commits(draw, pools: Pools):
                              f"/reef/scenarios/{segment}/commits{query}", names=[raw], note=note))
 
 
+@st.composite
+def _compare(draw, pools: Pools, prefix: str = "/reef/scenarios/"):
+    """Release comparison: ``a`` and ``b`` drawn from known releases, odd text or left out."""
+    segment, raw, note = draw(_path_scenario(pools, pools.harness))
+    ids = [r for rs in pools.releases.values() for r in rs] or ["0" * 40]
+    pairs = []
+    for key in ("a", "b"):
+        if draw(st.integers(0, 5)):
+            value = draw(st.one_of(st.sampled_from(ids), st.sampled_from(["production", "staging"]), odd_text))
+            pairs.append(f"{key}={path_segment(value)}")
+    query = ("?" + "&".join(pairs)) if pairs else ""
+    route = f"{prefix}{{scenario}}/{'releases/compare' if prefix.startswith('/reef') else 'compare'}"
+    target = route.replace("{scenario}", segment) + query
+    return draw(request_case(pools, "GET", route, target, names=[raw], note=note))
+
+
 def _release_body(pools: Pools):
     def body(draw):
         ids = [r for rs in pools.releases.values() for r in rs] or ["0" * 40]
@@ -602,6 +618,8 @@ def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
                                                                   "/records", ("after_sequence", "limit")),
         "GET /reef/scenarios/{scenario}/records/{record_id}": _record(pools),
         "GET /reef/scenarios/{scenario}/commits": _commits(pools),
+        "GET /reef/scenarios/{scenario}/releases/compare": _compare(pools),
+        "GET /ui/scenarios/{scenario}/compare": _compare(pools, prefix="/ui/scenarios/"),
         "POST /reef/scenarios/{scenario}/rollback": _scenario_route(
             pools, "POST", "/reef/scenarios/{scenario}/rollback", "/rollback", admin=True, body=_release_body(pools),
             pool=pools.harness),
