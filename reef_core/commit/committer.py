@@ -100,11 +100,14 @@ class Committer:
         )
         return self._commit(staged, row, step, hold=False)
 
-    def rollback(self, release_id: str, *, expected_head: str | None) -> tuple[Release, dict]:
-        return self._republish("rollback", release_id, expected_head)
+    def rollback(self, release_id: str, *, expected_head: str | None,
+                 note: dict | None = None) -> tuple[Release, dict]:
+        """``note``: who asked and why (``by``, ``reason``, ``alias``), kept in the release's source and its row."""
+        return self._republish("rollback", release_id, expected_head, note)
 
-    def promote(self, release_id: str, *, expected_head: str | None) -> tuple[Release, dict]:
-        return self._republish("promote", release_id, expected_head)
+    def promote(self, release_id: str, *, expected_head: str | None,
+                note: dict | None = None) -> tuple[Release, dict]:
+        return self._republish("promote", release_id, expected_head, note)
 
     def restore(self, release_id: str, *, expected_head: str | None, failed_release_id: str,
                 error: str) -> tuple[Release, dict]:

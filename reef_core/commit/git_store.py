@@ -196,6 +196,12 @@ class GitArtifactStore:
     def is_remote(self) -> bool:
         return self.url is not None
 
+    def aliases(self):
+        """The scenarios' release aliases, kept in this repository (:class:`~reef_core.commit.aliases.AliasLog`)."""
+        from reef_core.commit.aliases import AliasLog
+
+        return AliasLog(self.git, self._refs)
+
     @property
     def git_dir(self) -> Path:
         return self.git.git_dir

@@ -85,7 +85,7 @@ class ScenarioFollower:
     def current_release_id(self) -> str | None:
         return self.release_id
 
-    def republish(self, operation: str, release_id: str):
+    def republish(self, operation: str, release_id: str, note: dict | None = None):
         raise Conflict(f"scenario {self.name!r} is trained by another process (this one only serves it): "
                        f"send the {operation} to the server running its learner")
 

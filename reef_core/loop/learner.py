@@ -556,8 +556,9 @@ class ScenarioLearner:
     def current_release_id(self) -> str | None:
         return self.live_release_id or (self.head.release_id if self.head else None)
 
-    def republish(self, operation: str, release_id: str) -> Release:
-        """Rollback or promote: publish an earlier (or held) release's content as a new head."""
+    def republish(self, operation: str, release_id: str, note: dict | None = None) -> Release:
+        """Rollback or promote: publish an earlier (or held) release's content as a new head (``note``: who asked
+        and why, kept in the new release's source)."""
         with self.lock:
             try:
                 target = self.artifacts.get(release_id)
@@ -570,7 +571,7 @@ class ScenarioLearner:
             before = (self.head, self.live_release_id)
             expected = self.head.release_id if self.head else None
             release, _row = (self.committer.rollback if operation == "rollback" else self.committer.promote)(
-                release_id, expected_head=expected)
+                release_id, expected_head=expected, note=note)
             self.head = release
             self.live_release_id = None
             served = self._activate_committed(release.release_id, before)
