@@ -16,6 +16,9 @@ SCENARIO_HEADER = "x-reef-scenario"
 RECORD_ID_HEADER = "x-reef-agent-record-id"
 #: The harness release that shaped an answer, or that a harness read returns.
 RELEASE_HEADER = "x-reef-release-id"
+#: A request's pin: an alias (``staging``, ``production``) or a release id of its scenario to serve it instead of the
+#: head, where the token may pin (admin or the ``pin`` scope) and the surface can (harness trees).
+PIN_HEADER = "x-reef-release"
 #: ``x-reef-tag-<name>: <value>`` request headers become the record's tags.
 TAG_PREFIX = "x-reef-tag-"
 #: Set (``true``) on an answer replayed from a stored record instead of computed again.

@@ -37,7 +37,7 @@ from ..commit.pg_log import PgCommitLog
 from ..commit.release import scenario_path
 from ..config.recipes import RecipeBinding, check_components, recipe_bindings
 from ..config.schema import ReefConfig
-from ..errors import ConfigError, Conflict, NotFound, ReefError, ScenarioQuarantined
+from ..errors import ConfigError, Conflict, NotFound, ReefError, ScenarioQuarantined, ValidationFailed
 from ..grow.eval_engine import EvalGeneration
 from ..observe.instructions import TRAINING_MODES
 from ..observe.records import RecordStore, Scenario
@@ -535,10 +535,14 @@ class Deployment:
         return {"scenario": scenario.name, **compare(groups, *resolved)}
 
     def _release_named(self, scenario: Scenario, rows: list[dict], value: str, field: str) -> str:
-        """The release id ``value`` names among the scenario's release rows (400/404 naming ``field``)."""
-        if any(row.get("release_id") == value for row in rows):
-            return value
-        raise NotFound(f"{field}: scenario {scenario.name!r} has no release {value[:80]!r}", param=field)
+        """The release id ``value`` (a release id or an alias name) names among the scenario's releases (404
+        naming ``field``)."""
+        from .aliases import named
+
+        found = named(value, rows, self._aliases_now(scenario.name))
+        if found is not None:
+            return found
+        raise NotFound(f"{field}: scenario {scenario.name!r} has no release or alias {value[:80]!r}", param=field)
 
     def archive_scenario(self, name: str) -> None:
         learner = self._learners.pop(name, None)
@@ -586,9 +590,76 @@ class Deployment:
     def release_files(self, release_id: str):
         return self.artifacts.read_files(release_id)
 
-    def republish(self, scenario: Scenario, operation: str, release_id: str):
-        """Roll ``scenario`` back to, or promote, ``release_id`` (``operation``: ``rollback`` / ``promote``)."""
-        return self.learner(scenario).republish(operation, release_id)
+    def republish(self, scenario: Scenario, operation: str, release_id: str, note: dict | None = None):
+        """Roll ``scenario`` back to, or promote, ``release_id`` (``operation``: ``rollback`` / ``promote``);
+        ``note`` (who asked, why) is kept in the new release's source."""
+        return self.learner(scenario).republish(operation, release_id, note)
+
+    # -- aliases (loop/aliases.py) -----------------------------------------------------------------
+
+    def _alias_log(self, required: bool = False):
+        make = getattr(self.artifacts, "aliases", None)
+        if make is None and required:
+            raise Conflict(f"the artifact store {type(self.artifacts).__name__} keeps no aliases")
+        return make() if make is not None else None
+
+    def _aliases_now(self, scenario: str) -> dict[str, str]:
+        log = self._alias_log()
+        return log.current(scenario) if log is not None else {}
+
+    def list_aliases(self, scenario: Scenario) -> dict:
+        """``production`` (the release serving now) and every other alias of ``scenario`` with its last move."""
+        from . import aliases
+
+        rows = self.release_rows(scenario.name)
+        out = [found] if (found := aliases.production(rows)) else []
+        log = self._alias_log()
+        if log is not None:
+            last = {}
+            for move in log.history(scenario.name, limit=10_000):
+                last.setdefault(move["alias"], move)
+            for name, release_id in sorted(log.current(scenario.name).items()):
+                move = last.get(name, {})
+                out.append({"alias": name, "release_id": release_id, "moved_at": move.get("at"),
+                            "moved_by": move.get("by"), "reason": move.get("reason")})
+        return {"scenario": scenario.name, "aliases": out}
+
+    def move_alias(self, scenario: Scenario, name: str, release_id, reason, by: str) -> dict:
+        """Point alias ``name`` at ``release_id`` (checked first: 400/404 naming the field, nothing written).
+        ``production`` is served: it moves by a rollback (a promote for a release held for review)."""
+        from . import aliases
+
+        aliases.check_name(name)
+        reason = aliases.check_reason(reason)
+        rows = self.release_rows(scenario.name)
+        row = aliases.target(release_id, rows)
+        if name != aliases.PRODUCTION:
+            move = self._alias_log(required=True).move(scenario.name, name, row["release_id"], by=by, reason=reason)
+            return {"scenario": scenario.name, **move, "moved": move["from"] != move["to"]}
+        before = aliases.production(rows)
+        if before is not None and before["release_id"] == row["release_id"]:
+            return {"scenario": scenario.name, "alias": name, "from": row["release_id"], "to": row["release_id"],
+                    "by": by, "reason": reason, "at": None, "moved": False}
+        operation = "promote" if row.get("pending") else "rollback"
+        release = self.republish(scenario, operation, row["release_id"],
+                                 {"alias": name, "by": by, "reason": reason})
+        return {"scenario": scenario.name, "alias": name, "from": before["release_id"] if before else None,
+                "to": release.release_id, "by": by, "reason": reason, "at": release.created_at,
+                "operation": operation, "target_release_id": row["release_id"], "moved": True}
+
+    def alias_history(self, scenario: Scenario, name: str, limit: int) -> dict:
+        """The moves of alias ``name``, newest first (``production``'s: the release chain)."""
+        from . import aliases
+
+        aliases.check_name(name)
+        if name == aliases.PRODUCTION:
+            moves = aliases.production_history(self.release_rows(scenario.name), limit)
+        else:
+            log = self._alias_log()
+            moves = log.history(scenario.name, name, limit) if log is not None else []
+            if not moves:
+                raise NotFound(f"alias: scenario {scenario.name!r} has no alias {name!r}", param="alias")
+        return {"scenario": scenario.name, "alias": name, "moves": moves}
 
     def commit_rows(self, scenario: Scenario, after_step, limit: int, record_id: str | None) -> list[dict]:
         return self.learner(scenario).commit_rows(after_step, limit, record_id)
@@ -615,10 +686,35 @@ class Deployment:
         return inference.find_retry(self, scenario, request_hash, record_id, **lookup)
 
     async def plan_inference(self, scenario: Scenario, client_dialect: str, route: str, body: dict,
-                             forward_headers: dict[str, str]):
-        """:func:`reef_core.loop.inference.plan`: the engine request for a validated body of ``scenario``."""
+                             forward_headers: dict[str, str], pin: str | None = None):
+        """:func:`reef_core.loop.inference.plan`: the engine request for a validated body of ``scenario``; ``pin``:
+        the ``x-reef-release`` a request names (an alias or a release id)."""
         return await inference.plan(self, scenario, client_dialect, route, body, forward_headers,
-                                    self.cfg.engine.max_new_tokens)
+                                    self.cfg.engine.max_new_tokens, pin=pin)
+
+    def pinned_release(self, scenario: Scenario, value: str) -> str | None:
+        """The release a request pinning ``value`` is served by, or None for the head (``production``, or the
+        alias of the head); 400 naming the header where the surface serves only its head, 404 for a name the
+        scenario does not have. Blocking: git reads."""
+        from .aliases import PRODUCTION, named, pinnable
+        from ..wire import PIN_HEADER
+
+        if value == PRODUCTION:
+            return None
+        if not self.is_active(scenario.name):
+            raise NotFound(f"{PIN_HEADER}: scenario {scenario.name!r} has no release yet", param=PIN_HEADER)
+        surface = self.surface_for(scenario)
+        if not pinnable(surface):
+            kind = getattr(surface, "kind", None) or "no"
+            raise ValidationFailed(
+                f"{PIN_HEADER}: scenario {scenario.name!r} has {kind} surface, which serves only its head release; "
+                "a request can pin releases of a harness surface only (leave the header out)", param=PIN_HEADER)
+        rows = self.release_rows(scenario.name)
+        found = named(value, rows, self._aliases_now(scenario.name))
+        if found is None:
+            raise NotFound(f"{PIN_HEADER}: scenario {scenario.name!r} has no release or alias {value[:80]!r}",
+                           param=PIN_HEADER)
+        return None if found == self.serving_version(scenario) else found
 
     def harness_adapter(self, name: str):
         """The registered harness adapter ``name`` (UnknownComponent names the registered ones)."""

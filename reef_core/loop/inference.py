@@ -14,6 +14,7 @@ Nothing here knows HTTP: the route turns what comes back into responses, streams
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,11 +95,16 @@ class Plan:
     release_id: str | None = None
     #: Headers the surface adds to the answer (the release id).
     response_headers: dict[str, str] = field(default_factory=dict)
+    #: The ``x-reef-release`` value that pinned a release other than the head (kept in the record).
+    pinned: str | None = None
 
 
 async def plan(dep, scenario, client_dialect: str, route: str, body: dict, forward_headers: dict[str, str],
-               max_new_tokens: int) -> Plan:
-    """The engine request for a validated ``body`` of ``scenario`` (resolved, not necessarily stored yet)."""
+               max_new_tokens: int, pin: str | None = None) -> Plan:
+    """The engine request for a validated ``body`` of ``scenario`` (resolved, not necessarily stored yet);
+    ``pin`` (``x-reef-release``) names the release to serve instead of the head, resolved before anything is
+    created."""
+    pinned = await asyncio.to_thread(dep.pinned_release, scenario, pin) if pin is not None else None
     engine = dep.engine
     engine_dialect = client_dialect if client_dialect in engine.dialects else engine.dialects[0]
     engine_route = route if engine_dialect == client_dialect else (
@@ -113,15 +119,18 @@ async def plan(dep, scenario, client_dialect: str, route: str, body: dict, forwa
     surface = recipe_surface if dep.is_active(scenario.name) else None
     release_id, headers = None, {}
     if surface is not None and route != "count_tokens":
-        body, release_id = surface.prepare_request(scenario.name, client_dialect, body)
+        if pinned is not None:  # a pinnable (harness) surface shapes this one request with the pinned release
+            body, release_id = surface.prepare_pinned(scenario.name, client_dialect, body, pinned)
+        else:
+            body, release_id = surface.prepare_request(scenario.name, client_dialect, body)
         headers = surface.response_headers(scenario.name, release_id)
     upstream_body = translate_request(body, client_dialect, engine_dialect, max_new_tokens)
     # Token data is what a weights recipe trains on; other scenarios may take an engine's plain route.
     trains_weights = getattr(recipe_surface, "kind", None) == "weights"
     request = EngineRequest(dialect=engine_dialect, route=engine_route, body=upstream_body, headers=forward_headers,
-                            version=dep.serving_version(scenario), tokens=trains_weights)
+                            version=pinned or dep.serving_version(scenario), tokens=trains_weights)
     return Plan(scenario=scenario, engine_dialect=engine_dialect, engine_request=request, release_id=release_id,
-                response_headers=headers)
+                response_headers=headers, pinned=pin if pinned is not None else None)
 
 
 @dataclass
@@ -159,6 +168,8 @@ class Exchange:
             payload["error"] = error
         if self.plan.release_id:
             payload["release_id"] = self.plan.release_id  # the harness release that shaped the request
+        if self.plan.pinned:
+            payload["pinned"] = self.plan.pinned  # the alias (or id) that chose the release, not the head
         if self.retry_of:
             payload["retry_of"] = self.retry_of  # the incomplete attempt this request repeats
         if self.responses_entry is not None:

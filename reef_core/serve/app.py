@@ -20,8 +20,8 @@ from reef_core.serve.routes.inference import InferenceCall
 from reef_core.serve.routes.names import scenario_header
 from reef_core.serve.schema import install_openapi
 from reef_core.serve.middleware import metrics
-from reef_core.serve.routes import (docs, harness, imports, install, instructions, reads, releases, reports,
-                                    scenario_routes, skills, ui)
+from reef_core.serve.routes import (aliases, docs, harness, imports, install, instructions, reads, releases,
+                                    reports, scenario_routes, skills, ui)
 from reef_core.serve.middleware.observe import ObserveMiddleware
 from reef_core.serve.middleware.scenario_path import take_scenario_from_path
 from reef_core.serve.middleware.usage import Usage
@@ -87,8 +87,8 @@ def create_app(deployment, forward_to: str | None = None) -> FastAPI:
     async def count_tokens(request: Request):
         return await InferenceCall(deployment, request, *INFERENCE_ROUTES["/v1/messages/count_tokens"]).run()
 
-    for router in (reads.router, reports.router, instructions.router, imports.router, releases.router, harness.router,
-                   install.router, skills.router, metrics.router, ui.router, docs.router):
+    for router in (reads.router, reports.router, instructions.router, imports.router, releases.router, aliases.router,
+                   harness.router, install.router, skills.router, metrics.router, ui.router, docs.router):
         app.include_router(router)
     scenario_routes.mount(app, getattr(deployment, "pm", None))
 

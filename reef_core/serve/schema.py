@@ -19,7 +19,7 @@ import math
 from typing import Any
 
 from reef_core.errors import ValidationFailed
-from reef_core.wire import RECORD_ID_HEADER, SCENARIO_HEADER, TAG_PREFIX
+from reef_core.wire import PIN_HEADER, RECORD_ID_HEADER, SCENARIO_HEADER, TAG_PREFIX
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -360,6 +360,9 @@ _ENVELOPE = {"type": "object", "required": ["agent_record_id", "request_type", "
                  "payload": {"type": "object"}}}
 _RELEASE = {"type": "object", "required": ["release_id"], "additionalProperties": False,
             "properties": {"release_id": {"type": "string", "minLength": 1}}}
+_ALIAS_MOVE = {"type": "object", "required": ["release", "reason"], "additionalProperties": False, "properties": {
+    "release": {"type": "string", "minLength": 1, "maxLength": 200, "description": "a release id of the scenario"},
+    "reason": {"type": "string", "minLength": 1, "maxLength": 500, "description": "why (kept in the audit)"}}}
 
 _SCENARIO = _header(SCENARIO_HEADER, "the scenario the request belongs to", required=True)
 _INFERENCE_HEADERS = [
@@ -367,7 +370,9 @@ _INFERENCE_HEADERS = [
     _header(RECORD_ID_HEADER, "a client-chosen receipt (a retry with it answers the stored exchange)"),
     _header("Idempotency-Key", "a retry with the same key answers the stored exchange"),
     *[_header(f"{TAG_PREFIX}{name}", f"stored as the record's tag {name!r}; any x-reef-tag-<name> header is, "
-              "up to 32 of them") for name in ("session", "client", "trial")]]
+              "up to 32 of them") for name in ("session", "client", "trial")],
+    _header(PIN_HEADER, "an alias or release id to serve this request instead of the head (admin or pin scope; "
+            "harness surfaces only)")]
 
 #: ``(method, path) -> (request body or None, header parameters)`` added to the generated document.
 OPENAPI_ADDITIONS: dict[tuple[str, str], tuple[dict | None, list[dict]]] = {
@@ -383,6 +388,7 @@ OPENAPI_ADDITIONS: dict[tuple[str, str], tuple[dict | None, list[dict]]] = {
                                       [_SCENARIO]),
     ("post", "/reef/scenarios/{scenario}/rollback"): (_json(_RELEASE), []),
     ("post", "/reef/scenarios/{scenario}/promote"): (_json(_RELEASE), []),
+    ("put", "/reef/scenarios/{scenario}/aliases/{name}"): (_json(_ALIAS_MOVE), []),
     ("post", "/reef/scenarios/{scenario}/skills/close-day"): (
         _json({"type": "object", "maxProperties": 0, "description": "no fields"}, required=False), []),
     ("post", "/ui/login"): (_form({"token": {"type": "string"}}, ["token"]), []),

@@ -250,6 +250,7 @@ class HarnessSurface(Surface):
         self._lock = threading.RLock()
         self._served: dict[str, ServedTree] = {}
         self._looked_up: set[str] = set()
+        self._pinned: dict[str, dict[str, str]] = {}
 
     # -- validation ----------------------------------------------------------------------------------
 
@@ -343,6 +344,29 @@ class HarnessSurface(Surface):
             if text:
                 body = inject_system(dialect, body, text, self.inject_mode)
         return body, served.release_id
+
+    #: A request may be served by a release other than the head (``x-reef-release``: :meth:`prepare_pinned`).
+    pins_releases = True
+    #: Pinned trees kept in memory (release id -> files): a pinned alias is asked for again and again.
+    PINNED_CACHE = 8
+
+    def prepare_pinned(self, scenario: str, dialect: str, body: dict, release_id: str) -> tuple[dict, str]:
+        """:meth:`prepare_request` with the files of ``release_id`` (a release of the scenario the caller checked)
+        instead of the head's; nothing that serves changes."""
+        with self._lock:
+            pinned = self._pinned
+            files = pinned.get(release_id)
+        if files is None:
+            files = self._read_release(release_id)
+            with self._lock:
+                if len(pinned) >= self.PINNED_CACHE:
+                    pinned.pop(next(iter(pinned)))
+                pinned[release_id] = files
+        if self.inject == "system":
+            text = render_system_prompt(files, self.system_files)
+            if text:
+                body = inject_system(dialect, body, text, self.inject_mode)
+        return body, release_id
 
     def response_headers(self, scenario: str, release_id: str | None) -> dict[str, str]:
         if release_id is None:

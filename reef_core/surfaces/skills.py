@@ -252,6 +252,8 @@ class SkillSurface(HarnessSurface):
     """
 
     serves_skills = True
+    #: A pool serves every agent of the scenario as one state: no request is served by another release.
+    pins_releases = False
 
     def __init__(self, artifacts: Any = None, options: Mapping[str, Any] | None = None):
         opts = dict(options or {})

@@ -41,13 +41,15 @@ def document(server):
 
 
 def test_every_post_route_declares_its_body(document):
-    missing = [path for path, ops in document["paths"].items()
-               if "post" in ops and path not in BODYLESS and "requestBody" not in ops["post"]]
+    missing = [(method, path) for path, ops in document["paths"].items() for method in ("post", "put")
+               if method in ops and path not in BODYLESS and "requestBody" not in ops[method]]
     assert missing == []
+    assert "put" in document["paths"]["/reef/scenarios/{scenario}/aliases/{name}"]
     for path, ops in document["paths"].items():
-        body = ops.get("post", {}).get("requestBody")
-        for media in (body or {}).get("content", {}).values():
-            jsonschema.Draft202012Validator.check_schema(media["schema"])
+        for method in ("post", "put"):
+            body = ops.get(method, {}).get("requestBody")
+            for media in (body or {}).get("content", {}).values():
+                jsonschema.Draft202012Validator.check_schema(media["schema"])
 
 
 def test_the_bodies_are_the_doors(document):
@@ -69,7 +71,7 @@ def test_headers_are_declared_where_they_are_read(document):
         assert scenario[0]["required"] is (path != "/reef/harness/install"), (method, path)
     for path in INFERENCE:
         names = {p["name"] for p in document["paths"][path]["post"]["parameters"] if p["in"] == "header"}
-        assert {"x-reef-tag-session", "x-reef-agent-record-id", "Idempotency-Key"} <= names, path
+        assert {"x-reef-tag-session", "x-reef-agent-record-id", "Idempotency-Key", "x-reef-release"} <= names, path
 
 
 def _schemathesis() -> str | None:

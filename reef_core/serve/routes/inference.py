@@ -47,7 +47,7 @@ from reef_core.serve.routes.disconnect import CLIENT_DISCONNECTED, ClientGone, C
 from reef_core.serve.errors import error_body, new_error_id
 from reef_core.serve.routes.jsonbody import parse_json_object
 from reef_core.serve.routes import responses
-from reef_core.serve.routes.names import RECORD_ID_HEADER, optional_id_header, scenario_header
+from reef_core.serve.routes.names import RECORD_ID_HEADER, optional_id_header, pin_header, scenario_header
 from reef_core.serve.schema import validate_request
 from reef_core.serve.middleware.tenancy import principal_of
 from reef_core.wire import (HEADER_PREFIX, IDEMPOTENCY_HEADER, OVERHEAD_HEADER, REPLAYED_HEADER, TAG_PREFIX,
@@ -136,6 +136,7 @@ class InferenceCall:
         # Rate limits and budgets (429 before any engine work, a stream included); in memory, no database trip.
         self.usage = request.app.state.reef_usage
         self.principal = principal_of(request.scope)
+        self.pin = pin_header(request, self.principal)
         self.usage.admit(self.principal, name)
         self.scenario = await dep.resolve(name)  # creates nothing: the first stored record does
         # What /metrics and the request log line learn about this call (never a body or a token).
@@ -160,7 +161,8 @@ class InferenceCall:
         if retry.replay is not None:
             return self._replay(retry.replay, stream=bool(body.get("stream")))
         self.record_id = retry.record_id
-        plan = await dep.plan_inference(self.scenario, self.client_dialect, self.route, body, _forward_headers(request))
+        plan = await dep.plan_inference(self.scenario, self.client_dialect, self.route, body, _forward_headers(request),
+                                        pin=self.pin)
         self.scenario, self.engine_dialect, self.engine_request = plan.scenario, plan.engine_dialect, plan.engine_request
         self.extra_headers = plan.response_headers
         self.exchange = Exchange(

@@ -10,10 +10,10 @@ import asyncio
 
 from starlette.requests import Request
 
-from reef_core.errors import NotFound, ValidationFailed
+from reef_core.errors import Forbidden, NotFound, ValidationFailed
 from reef_core.observe.model import MAX_ID_LENGTH as STORED_ID_LENGTH
 from reef_core.serve.middleware.tenancy import check_scenario
-from reef_core.wire import RECORD_ID_HEADER, SCENARIO_HEADER  # noqa: F401 - read here
+from reef_core.wire import PIN_HEADER, RECORD_ID_HEADER, SCENARIO_HEADER  # noqa: F401 - read here
 from reef_core.names import check_record_id, check_scenario_name, header_text, is_record_id, scenario_problem
 
 
@@ -47,6 +47,27 @@ def optional_id_header(request: Request, header: str) -> str | None:
     if raw is None:
         return None
     return check_record_id(header_text(raw, header), header)
+
+
+#: The scopes that may pin a release per request (``x-reef-release``).
+PIN_SCOPES = frozenset({"admin", "pin"})
+
+
+def pin_header(request: Request, principal) -> str | None:
+    """The ``x-reef-release`` pin (an alias or a release id), or None: 403 naming it for a token without the
+    ``admin`` or ``pin`` scope, 400 for a value that is no name at all. What it names is resolved later, before
+    anything is created (:meth:`~reef_core.loop.deployment.Deployment.pinned_release`)."""
+    raw = single_header(request, PIN_HEADER)
+    if raw is None:
+        return None
+    if not PIN_SCOPES & principal.scopes:
+        raise Forbidden(f"{PIN_HEADER}: token {principal.name!r} may not pin a release (it needs the admin or pin "
+                        "scope)", param=PIN_HEADER)
+    value = header_text(raw, PIN_HEADER).strip()
+    if not value or len(value) > 200:
+        raise ValidationFailed(f"{PIN_HEADER}: an alias name or a release id of at most 200 characters",
+                               param=PIN_HEADER)
+    return value
 
 
 def _storable_lookup(value: str) -> bool:

@@ -70,7 +70,8 @@ async def compare_releases(request: Request, scenario: str,
 async def _republish(request: Request, scenario: str, operation: str) -> dict:
     dep, found = await _scenario(request, scenario)
     release_id = await _release_id(request)
-    release = await asyncio.to_thread(dep.republish, found, operation, release_id)
+    note = {"by": principal_of(request.scope).name}  # who moved the head, in the new release's source
+    release = await asyncio.to_thread(dep.republish, found, operation, release_id, note)
     return {"scenario": found.name, "release_id": release.release_id, "content_id": release.content_id}
 
 

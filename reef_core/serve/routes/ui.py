@@ -44,7 +44,7 @@ from reef_core.serve.routes.plot import line_svg
 from reef_core.serve.routes.reads import MAX_SEQUENCE, record_row
 from reef_core.serve.routes.ui_compare import comparison_body, default_pair
 from reef_core.serve.routes.ui_evaluations import by_release_section
-from reef_core.serve.middleware.tenancy import visible
+from reef_core.serve.middleware.tenancy import principal_of, visible
 
 #: The session's random nonce, set at login beside the token cookie; the form token is keyed over it.
 UI_SESSION_COOKIE = "reef_ui_session"
@@ -483,7 +483,8 @@ async def _republish(request: Request, scenario: str, operation: str) -> Respons
     release_id = form.get("release_id", "")
     if form.get("confirm") != "yes" or not release_id:
         raise ValidationFailed(f"a {operation} needs release_id and confirm=yes (from the confirmation page)")
-    await asyncio.to_thread(dep.republish, found, operation, release_id)
+    by = principal_of(request.scope).name  # who moved the head, in the new release's source
+    await asyncio.to_thread(dep.republish, found, operation, release_id, {"by": by})
     return RedirectResponse(f"/ui/scenarios/{_q(found.name)}", status_code=303, headers=_HEADERS)
 
 

@@ -196,6 +196,7 @@ def extra_headers(draw):
         (b"x-reef-agent-record-id", receipt_values),
         (b"idempotency-key", st.one_of(st.uuids().map(str), odd_text, st.binary(max_size=20))),
         (b"x-stainless-retry-count", st.sampled_from(["0", "1", "-1", "abc", str(2**70)])),
+        (b"x-reef-release", st.one_of(st.sampled_from(ALIAS_NAMES), odd_text, st.binary(max_size=20))),
     ]:
         if draw(st.integers(0, 5)) == 0:
             value = draw(values)
@@ -493,6 +494,35 @@ def _compare(draw, pools: Pools, prefix: str = "/reef/scenarios/"):
     return draw(request_case(pools, "GET", route, target, names=[raw], note=note))
 
 
+#: Alias names: the built-in ones, a custom one, and ones the door refuses.
+ALIAS_NAMES = ["staging", "production", "qa-1", "Staging", "a" * 70, "0" * 40, "%2e%2e", "%00"]
+
+
+def _alias_name(draw) -> str:
+    return draw(st.one_of(st.sampled_from(ALIAS_NAMES[:3]), st.sampled_from(ALIAS_NAMES), odd_text.map(path_segment)))
+
+
+@st.composite
+def _alias_move(draw, pools: Pools):
+    """``PUT .../aliases/{name}``: a known or odd release and reason, mutated."""
+    segment, raw, note = draw(_path_scenario(pools, pools.harness))
+    ids = [r for rs in pools.releases.values() for r in rs] or ["0" * 40]
+    valid = st.fixed_dictionaries({"release": st.one_of(st.sampled_from(ids), odd_text),
+                                   "reason": st.one_of(words, odd_text)})
+    drawn = draw(mutated_body(valid, ("release", "reason")))
+    target = f"/reef/scenarios/{segment}/aliases/{_alias_name(draw)}"
+    return draw(request_case(pools, "PUT", "/reef/scenarios/{scenario}/aliases/{name}", target, body=drawn,
+                             admin=True, names=[raw], note=note))
+
+
+@st.composite
+def _alias_history(draw, pools: Pools):
+    segment, raw, note = draw(_path_scenario(pools, pools.harness))
+    target = f"/reef/scenarios/{segment}/aliases/{_alias_name(draw)}/history" + draw(_query("limit"))
+    return draw(request_case(pools, "GET", "/reef/scenarios/{scenario}/aliases/{name}/history", target,
+                             names=[raw], note=note))
+
+
 def _release_body(pools: Pools):
     def body(draw):
         ids = [r for rs in pools.releases.values() for r in rs] or ["0" * 40]
@@ -619,6 +649,10 @@ def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
         "GET /reef/scenarios/{scenario}/records/{record_id}": _record(pools),
         "GET /reef/scenarios/{scenario}/commits": _commits(pools),
         "GET /reef/scenarios/{scenario}/releases/compare": _compare(pools),
+        "GET /reef/scenarios/{scenario}/aliases": _scenario_route(pools, "GET", "/reef/scenarios/{scenario}/aliases",
+                                                                  "/aliases", pool=pools.harness),
+        "PUT /reef/scenarios/{scenario}/aliases/{name}": _alias_move(pools),
+        "GET /reef/scenarios/{scenario}/aliases/{name}/history": _alias_history(pools),
         "GET /ui/scenarios/{scenario}/compare": _compare(pools, prefix="/ui/scenarios/"),
         "POST /reef/scenarios/{scenario}/rollback": _scenario_route(
             pools, "POST", "/reef/scenarios/{scenario}/rollback", "/rollback", admin=True, body=_release_body(pools),
