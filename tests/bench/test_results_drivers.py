@@ -40,6 +40,15 @@ def test_openclaw_driver_reports_each_turn_of_the_scripted_user(reef_server):
     assert second["prompt"].startswith("Thanks." if first["reward"] else "No, not like that.")
 
 
+def test_sao_rounds_driver_waits_for_the_learner_after_each_round(reef_server):
+    server = _serve(reef_server, "+recipe=sao", "+sao_profile=tiny")
+    args = _args(6)
+    args.concurrency = 4  # rounds of 4, then 2: SAO's batch is 4, so the first round trains a step before the next
+    out = results._sao_rounds(server.url, "sao-vowels", args, 0, 8, 2, learning=True)
+    _assert_rollouts(out, 6)
+    assert any(r["operation"] == "training" for r in out["releases"])
+
+
 def test_ttt_driver_runs_whole_steps_and_the_reply_is_the_candidate(reef_server):
     server = _serve(reef_server, "+recipe=ttt", "+ttt_profile=tiny")
     out = results._ttt(server.url, "ttt-vowels", _args(5), 0, None, 2, learning=True)
