@@ -26,6 +26,16 @@ from typing import Any, Callable
 from ..errors import ConfigError, ReefError
 
 
+class EngineRefused(ReefError):
+    """The private engine answered a task with an error status (``engine_status``): a request it would not take
+    (4xx), or its own failure."""
+
+
+def reply_text(answer: dict) -> str:
+    """The reply text of an OpenAI chat completion."""
+    return answer["choices"][0]["message"]["content"] or ""
+
+
 @dataclass(frozen=True)
 class EvalGeneration:
     """How evaluation replies are generated (``evaluation.options.generation``)."""
@@ -110,8 +120,15 @@ class EvalEngine:
     def generate(self, key: Any, load: Callable[[Any], None], messages: list[dict]) -> str:
         """The reply to ``messages`` with the weights named ``key``; ``load(engine)`` puts them in when the
         engine holds other weights (an exception there leaves the engine marked as holding nothing known)."""
+        return reply_text(self.complete(key, load, messages))
+
+    def complete(self, key: Any, load: Callable[[Any], None], messages: list[dict],
+                 generation: EvalGeneration | None = None) -> dict:
+        """:meth:`generate`'s whole answer (an OpenAI chat completion), under ``generation`` if given (one call's
+        settings, as ``POST /reef/scenarios/{s}/evaluate`` asks), else this engine's."""
         from ..engines.base import GENERATE_ROUTE, EngineRequest
 
+        generation = generation or self.generation
         with self._lock:
             engine = self._started()
             if key != self.loaded_key:
@@ -119,13 +136,14 @@ class EvalEngine:
                 load(engine)
                 self.loaded_key = key
                 self.loads += 1
-            body = {"model": engine.name, "messages": messages, "temperature": self.generation.temperature,
-                    "max_tokens": self.generation.max_tokens or self.max_new_tokens, "seed": self.generation.seed}
+            body = {"model": engine.name, "messages": messages, "temperature": generation.temperature,
+                    "max_tokens": generation.max_tokens or self.max_new_tokens, "seed": generation.seed}
             request = EngineRequest("openai", GENERATE_ROUTE["openai"], body, version=self._version)
             response = self._call(engine.complete(request))
         if response.status >= 400:
-            raise ReefError(f"the evaluation engine refused a task ({response.status}): {response.body}")
-        return response.body["choices"][0]["message"]["content"] or ""
+            raise EngineRefused(f"the evaluation engine refused a task ({response.status}): {response.body}",
+                                engine_status=response.status)
+        return response.body
 
     def swap(self, engine, weights: Any) -> None:
         """Load the subject's weights into ``engine`` (called from ``load`` in :meth:`generate`): a (possibly

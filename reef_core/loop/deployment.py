@@ -42,6 +42,7 @@ from ..grow.eval_engine import EvalGeneration
 from ..observe.instructions import TRAINING_MODES
 from ..observe.records import RecordStore, Scenario
 from . import inference
+from .evaluate import Evaluator
 from .follower import HeadWatcher, ScenarioFollower, head_channel, notify_head_moved
 from .lease import LeaseHolder, psycopg_dsn
 from .pool import LearnerPool
@@ -84,6 +85,8 @@ class Deployment:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._writer_lock: WriterLock | None = None
         self.pool = LearnerPool(workers=cfg.trainer.learner_workers)
+        #: The private engine of evaluate calls (loop/evaluate.py): built on the first, loading nothing before.
+        self.evaluator = Evaluator(cfg, plugin_manager)
         self.serving_ports = ServingPorts(engine=engine, artifacts=artifacts, run_async=self.run_async,
                                           load_base_model=self.load_base_model)
         #: Commit logs and leases in the database when the record store is PostgreSQL (shared by processes).
@@ -661,6 +664,27 @@ class Deployment:
                 raise NotFound(f"alias: scenario {scenario.name!r} has no alias {name!r}", param="alias")
         return {"scenario": scenario.name, "alias": name, "moves": moves}
 
+    async def evaluate(self, scenario: Scenario, release: str, messages: list, options: dict) -> dict:
+        """``messages`` answered by the release ``release`` names (an id, an alias, ``candidate``) on the private
+        engine, recording and training nothing (:mod:`reef_core.loop.evaluate`); 404 naming ``release`` for a name
+        the scenario does not have, 409 for a release the private engine cannot serve, 429 when it is busy."""
+        from .evaluate import generation_of, resolve
+
+        def target():  # git reads, before the evaluator's slot is taken
+            row = resolve(release, self.release_rows(scenario.name), self._aliases_now(scenario.name))
+            return row, self.artifacts.get(row["release_id"])
+
+        surface = self.surface_for(scenario)
+        kind = getattr(surface, "kind", None) or "none"
+        row, found = await asyncio.to_thread(target)
+        self.evaluator.check(kind)
+        generation = generation_of(self.recipe(scenario).evaluation.options.get("generation"), options)
+        answer = await self.evaluator.submit(lambda: self.evaluator.answer(
+            kind, surface, found, lambda: self.artifacts.read_files(found.release_id), messages, generation))
+        answer["reef"] = {"scenario": scenario.name, "release_id": row["release_id"], "release": release,
+                          "content_id": row.get("content_id"), "surface": kind, "recorded": False}
+        return answer
+
     def commit_rows(self, scenario: Scenario, after_step, limit: int, record_id: str | None) -> list[dict]:
         return self.learner(scenario).commit_rows(after_step, limit, record_id)
 
@@ -815,6 +839,7 @@ class Deployment:
         for learner in list(self._learners.values()):
             await asyncio.to_thread(learner.stop)
         await asyncio.to_thread(self.pool.close)
+        await asyncio.to_thread(self.evaluator.close)
         if self._watcher is not None:
             await asyncio.to_thread(self._watcher.stop)
         if self._leases is not None:

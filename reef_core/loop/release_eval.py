@@ -18,18 +18,17 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..engines.base import GENERATE_ROUTE, EngineRequest
 from ..engines.translate import translate_request, translate_response
 from ..errors import ConfigError, ReefError, ValidationFailed
-from ..grow.eval_engine import EvalEngine, EvalGeneration
+from ..grow.eval_engine import EngineRefused, EvalEngine, EvalGeneration, reply_text
 from ..models.release_files import ADAPTER_WEIGHTS, BASE_REFERENCE, MODEL_FILE, base_reference
 from ..surfaces.harness import HarnessSurface, inject_system, render_system_prompt
 
-#: ``reply(messages) -> text``: how one release answers a chat.
-Reply = Callable[[list[dict]], str]
 KINDS = ("weights", "harness")
 
 
@@ -39,6 +38,29 @@ class LoadFailed(ReefError):
 
 def _keep(engine: Any) -> None:
     """``load`` of a generation that needs no weights of its own (the engine keeps what it holds)."""
+
+
+def _as_sent(messages: list[dict]) -> list[dict]:
+    return messages
+
+
+@dataclass(frozen=True)
+class Reply:
+    """How one release answers a chat: ``reply(messages)`` is its text (what a verifier reads), :meth:`complete`
+    the engine's whole OpenAI chat completion under one call's generation settings."""
+
+    generator: Any
+    #: The weights the generator must hold (``load`` puts them in when it holds others).
+    key: Any
+    load: Callable[[Any], None]
+    #: The chat as the release serves it (a harness release puts its system prompt in front).
+    shape: Callable[[list[dict]], list[dict]] = _as_sent
+
+    def complete(self, messages: list[dict], generation: EvalGeneration | None = None) -> dict:
+        return self.generator.complete(self.key, self.load, self.shape(messages), generation)
+
+    def __call__(self, messages: list[dict]) -> str:
+        return reply_text(self.complete(messages))
 
 
 class UpstreamGenerator:
@@ -52,20 +74,26 @@ class UpstreamGenerator:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def generate(self, key: Any, load: Callable[[Any], None], messages: list[dict]) -> str:
+        return reply_text(self.complete(key, load, messages))
+
+    def complete(self, key: Any, load: Callable[[Any], None], messages: list[dict],
+                 generation: EvalGeneration | None = None) -> dict:
+        """The provider's answer as an OpenAI chat completion, under ``generation`` if given, else this client's."""
+        generation = generation or self.generation
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
             self._loop.run_until_complete(self.engine.start())
-        max_tokens = self.generation.max_tokens or self.max_new_tokens
-        body = {"model": "reef", "messages": messages, "temperature": self.generation.temperature,
-                "max_tokens": max_tokens, "seed": self.generation.seed}
+        max_tokens = generation.max_tokens or self.max_new_tokens
+        body = {"model": "reef", "messages": messages, "temperature": generation.temperature,
+                "max_tokens": max_tokens, "seed": generation.seed}
         dialect = "openai" if "openai" in self.engine.dialects else self.engine.dialects[0]
         body = translate_request(body, "openai", dialect, max_tokens)
         request = EngineRequest(dialect, GENERATE_ROUTE[dialect], body, tokens=False)
         response = self._loop.run_until_complete(self.engine.complete(request))
         if response.status >= 400:
-            raise ReefError(f"the upstream provider refused a task ({response.status}): {response.body}")
-        answer = translate_response(response.body, dialect, "openai")
-        return answer["choices"][0]["message"]["content"] or ""
+            raise EngineRefused(f"the upstream provider refused a task ({response.status}): {response.body}",
+                                engine_status=response.status)
+        return translate_response(response.body, dialect, "openai")
 
     def close(self) -> None:
         if self._loop is not None:
@@ -127,7 +155,12 @@ class WeightsReleases:
                 message = exc.message if isinstance(exc, ReefError) else f"{type(exc).__name__}: {exc}"
                 raise LoadFailed(f"release {release_id}: its weights do not load: {message}"[:500]) from exc
 
-        return lambda messages: self.engine.generate(key, load, messages)
+        return Reply(self.engine, key, load)
+
+    def base(self) -> tuple[Any, Callable[[Any], None]]:
+        """(key, load) of the base model, for generations that share this engine but need no weights of their own
+        (harness releases): whatever weights a release left in, the base serves them."""
+        return ("base",), lambda engine: self.engine.restore_base(engine, self._base_state)
 
     def close(self) -> None:
         self.engine.close()
@@ -138,9 +171,12 @@ class HarnessReleases:
 
     kind = "harness"
 
-    def __init__(self, generator: Any, surface: HarnessSurface):
+    def __init__(self, generator: Any, surface: HarnessSurface, base: tuple[Any, Callable[[Any], None]] | None = None):
         self.generator = generator
         self.surface = surface
+        #: (key, load) of the weights the generator must hold: the base where weights releases share the engine
+        #: (:meth:`WeightsReleases.base`), else whatever it holds (it never holds other weights).
+        self.base = base or (None, _keep)
 
     def check(self, release: Any, read: Callable[[], Mapping[str, bytes]]) -> None:
         """Refuse a tree the harness surface would not serve, before any model loads."""
@@ -153,38 +189,47 @@ class HarnessReleases:
     def prepare(self, release_id: str, content_id: str, files: Mapping[str, bytes]) -> Reply:
         text = render_system_prompt(self.surface.checked(files), self.surface.system_files)
 
-        def reply(messages: list[dict]) -> str:
-            shaped = inject_system("openai", {"messages": messages}, text, self.surface.inject_mode)["messages"]
-            return self.generator.generate(None, _keep, shaped)
+        def shape(messages: list[dict]) -> list[dict]:
+            return inject_system("openai", {"messages": messages}, text, self.surface.inject_mode)["messages"]
 
-        return reply
+        return Reply(self.generator, *self.base, shape)
 
     def close(self) -> None:
         self.generator.close()
 
 
-def release_runner(cfg: Any, kind: str, surface_options: Mapping[str, Any], generation: EvalGeneration,
-                   max_new_tokens: int, plugin_manager: Any):
-    """The private engine for ``kind`` releases under ``cfg.engine``; ConfigError for what it cannot evaluate."""
+def private_generator(cfg: Any, generation: EvalGeneration, max_new_tokens: int, plugin_manager: Any):
+    """The private engine under ``cfg.engine``: a second local engine of the base model (``engine.kind=local``),
+    else a private client of the provider; ConfigError for an engine kind that has neither."""
     from ..models.device import engine_device
     from ..models.loading import model_cache_dir, resolve_model
 
     data_dir = Path(cfg.storage.data_dir)
-    local = cfg.engine.kind == "local"
-    if kind == "weights" and not local:
+    if cfg.engine.kind == "local":
+        model_dir = resolve_model(cfg.engine.model, data_dir, model_cache_dir(cfg.engine))
+        return EvalEngine(model_dir, device=engine_device(cfg.engine), generation=generation,
+                          max_new_tokens=max_new_tokens)
+    if cfg.engine.kind != "upstream":
+        raise ConfigError(f"evaluating releases needs engine.kind=local or upstream, not {cfg.engine.kind!r}")
+    engine = plugin_manager.create("engine", cfg.engine.kind, config=cfg.engine, data_dir=data_dir)
+    return UpstreamGenerator(engine, generation, max_new_tokens)
+
+
+def weights_releases(generator: EvalEngine) -> WeightsReleases:
+    from ..surfaces.weights import model_digest
+
+    return WeightsReleases(generator, functools.cache(lambda: model_digest(generator.model_dir)))  # hashed once
+
+
+def release_runner(cfg: Any, kind: str, surface_options: Mapping[str, Any], generation: EvalGeneration,
+                   max_new_tokens: int, plugin_manager: Any):
+    """The private engine for ``kind`` releases under ``cfg.engine``; ConfigError for what it cannot evaluate."""
+    if kind == "weights" and cfg.engine.kind != "local":
         raise ConfigError(f"evaluating weights releases needs engine.kind=local (a private copy of the base model "
                           f"loads each release), not {cfg.engine.kind!r}")
     if kind == "harness" and cfg.engine.kind not in ("local", "upstream"):
         raise ConfigError(f"evaluating harness releases needs engine.kind=local or upstream, not {cfg.engine.kind!r}")
-    if local:
-        model_dir = resolve_model(cfg.engine.model, data_dir, model_cache_dir(cfg.engine))
-        generator = EvalEngine(model_dir, device=engine_device(cfg.engine), generation=generation,
-                               max_new_tokens=max_new_tokens)
-    else:
-        engine = plugin_manager.create("engine", cfg.engine.kind, config=cfg.engine, data_dir=data_dir)
-        generator = UpstreamGenerator(engine, generation, max_new_tokens)
+    generator = private_generator(cfg, generation, max_new_tokens, plugin_manager)
     if kind == "harness":
         return HarnessReleases(generator, HarnessSurface(None, surface_options))
-    from ..surfaces.weights import model_digest
-
-    return WeightsReleases(generator, functools.cache(lambda: model_digest(model_dir)))  # hashed once, if asked
+    return weights_releases(generator)

@@ -13,15 +13,15 @@ from starlette.responses import JSONResponse
 
 from reef_core import __version__
 from reef_core.errors import ReefError
-from reef_core.serve.middleware.auth import ADMIN, AuthMiddleware, OPEN_PATHS, TokenSet
+from reef_core.serve.middleware.auth import ADMIN, EVAL, AuthMiddleware, OPEN_PATHS, TokenSet
 from reef_core.serve.errors import dialect_for_path, error_body, new_error_id
 from reef_core.serve.process.forward import ForwardToPrimary
 from reef_core.serve.routes.inference import InferenceCall
 from reef_core.serve.routes.names import scenario_header
 from reef_core.serve.schema import install_openapi
 from reef_core.serve.middleware import metrics
-from reef_core.serve.routes import (aliases, docs, harness, imports, install, instructions, reads, releases,
-                                    reports, scenario_routes, skills, ui)
+from reef_core.serve.routes import (aliases, docs, evaluate, harness, imports, install, instructions, reads,
+                                    releases, reports, scenario_routes, skills, ui)
 from reef_core.serve.middleware.observe import ObserveMiddleware
 from reef_core.serve.middleware.scenario_path import take_scenario_from_path
 from reef_core.serve.middleware.usage import Usage
@@ -88,29 +88,35 @@ def create_app(deployment, forward_to: str | None = None) -> FastAPI:
         return await InferenceCall(deployment, request, *INFERENCE_ROUTES["/v1/messages/count_tokens"]).run()
 
     for router in (reads.router, reports.router, instructions.router, imports.router, releases.router, aliases.router,
-                   harness.router, install.router, skills.router, metrics.router, ui.router, docs.router):
+                   evaluate.router, harness.router, install.router, skills.router, metrics.router, ui.router,
+                   docs.router):
         app.include_router(router)
     scenario_routes.mount(app, getattr(deployment, "pm", None))
 
     _install_error_handlers(app)
     install_openapi(app)  # request bodies and headers the routes read, in /openapi.json
-    admin_routes = [(route.path_regex, frozenset(route.methods or ()))
-                    for route in iter_routes(app.routes) if getattr(route, "openapi_extra", None) == ADMIN]
+    admin_routes, eval_routes = _marked_routes(app, ADMIN), _marked_routes(app, EVAL)
     tokens = app.state.reef_tokens = TokenSet.from_config(deployment.server)
     app.state.reef_usage = Usage(tokens)
     open_paths = OPEN_PATHS | ({"/metrics"} if deployment.server.metrics_public else set())
     inference_paths = frozenset(INFERENCE_ROUTES)
     app.add_middleware(AuthMiddleware, tokens=tokens, admin_routes=admin_routes, open_paths=open_paths,
-                       inference_paths=inference_paths)
+                       inference_paths=inference_paths, eval_routes=eval_routes)
     # Outermost, so a request refused by the token check is counted and logged (and audited) too.
     app.add_middleware(ObserveMiddleware, metrics=app.state.reef_metrics, inference_routes=INFERENCE_ROUTES)
     app.reef_inference = ObserveMiddleware(
         AuthMiddleware(_inference_endpoint(app, deployment), tokens=tokens, admin_routes=admin_routes,
-                       open_paths=open_paths, inference_paths=inference_paths),
+                       open_paths=open_paths, inference_paths=inference_paths, eval_routes=eval_routes),
         app.state.reef_metrics, INFERENCE_ROUTES)
     return app
 
 
+
+
+def _marked_routes(app, extra: dict) -> list:
+    """(path regex, methods) of the routes declaring ``openapi_extra=extra`` (the scope they need)."""
+    return [(route.path_regex, frozenset(route.methods or ()))
+            for route in iter_routes(app.routes) if getattr(route, "openapi_extra", None) == extra]
 
 
 class ReefApp(FastAPI):

@@ -196,6 +196,46 @@ def validate_openai_chat(body: dict) -> None:
         _fail("tool_choice", "must be 'none', 'auto', 'required' or an object")
 
 
+# -- POST /reef/scenarios/{s}/evaluate ------------------------------------------------------------------------
+
+#: What an evaluate body may hold (``model`` is accepted for OpenAI-shaped callers and ignored).
+EVALUATE_FIELDS = ("release", "messages", "max_tokens", "temperature", "seed", "model")
+#: Roles the private engine answers (no tool turns: it is given no tools).
+_EVALUATE_ROLES = frozenset({"system", "user", "assistant"})
+#: The longest reply an evaluate call may ask for.
+EVALUATE_MAX_TOKENS = 4096
+
+
+def _evaluate_message(message: dict, where: str) -> None:
+    content = message.get("content")
+    if isinstance(content, list):
+        _parts(content, f"{where}.content", "text parts")
+        for j, part in enumerate(content):
+            if part["type"] != "text":
+                _fail(f"{where}.content[{j}].type", "must be 'text' (the private engine reads text only)")
+    elif not isinstance(content, str):
+        _fail(f"{where}.content", f"must be a string or an array of text parts, not {_kind(content)}")
+    unknown = sorted(set(message) - {"role", "content", "name"})
+    if unknown:
+        _fail(f"{where}.{unknown[0]}", "unknown member (a message takes role, content and name)")
+    _typed(message, "name", str, "a string")
+
+
+def validate_evaluate(body: dict) -> None:
+    """An evaluate body (:data:`EVALUATE_FIELDS`): the first problem is a 400 naming its field."""
+    unknown = sorted(set(body) - set(EVALUATE_FIELDS))
+    if unknown:
+        _fail(unknown[0], f"unknown field (an evaluate body takes {', '.join(EVALUATE_FIELDS)})")
+    release = body.get("release")
+    if not isinstance(release, str) or not release.strip() or len(release) > 200:
+        _fail("release", "a release id, an alias name or 'candidate' (1 to 200 characters) is required")
+    _messages(body, _EVALUATE_ROLES, _evaluate_message)
+    _integer(body, "max_tokens", 1, EVALUATE_MAX_TOKENS)
+    _number(body, "temperature", 0, 2)
+    _integer(body, "seed")
+    _typed(body, "model", str, "a string")
+
+
 # -- Anthropic Messages and count_tokens ---------------------------------------------------------------------
 
 def _anthropic_message(message: dict, where: str) -> None:
@@ -364,6 +404,19 @@ _ALIAS_MOVE = {"type": "object", "required": ["release", "reason"], "additionalP
     "release": {"type": "string", "minLength": 1, "maxLength": 200, "description": "a release id of the scenario"},
     "reason": {"type": "string", "minLength": 1, "maxLength": 500, "description": "why (kept in the audit)"}}}
 
+_EVALUATE = {"type": "object", "required": ["release", "messages"], "additionalProperties": False, "properties": {
+    "release": {"type": "string", "minLength": 1, "maxLength": 200,
+                "description": "a release id, an alias (production, staging...) or 'candidate' (held for review)"},
+    "messages": {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["role", "content"], "additionalProperties": False, "properties": {
+            "role": {"enum": sorted(_EVALUATE_ROLES)}, "name": {"type": "string"},
+            "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+                "type": "object", "required": ["type", "text"],
+                "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}}},
+    "max_tokens": {"type": "integer", "minimum": 1, "maximum": EVALUATE_MAX_TOKENS},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2}, "seed": {"type": "integer"},
+    "model": {"type": "string", "description": "ignored (OpenAI-shaped callers send one)"}}}
+
 _SCENARIO = _header(SCENARIO_HEADER, "the scenario the request belongs to", required=True)
 _INFERENCE_HEADERS = [
     _SCENARIO,
@@ -389,6 +442,7 @@ OPENAPI_ADDITIONS: dict[tuple[str, str], tuple[dict | None, list[dict]]] = {
     ("post", "/reef/scenarios/{scenario}/rollback"): (_json(_RELEASE), []),
     ("post", "/reef/scenarios/{scenario}/promote"): (_json(_RELEASE), []),
     ("put", "/reef/scenarios/{scenario}/aliases/{name}"): (_json(_ALIAS_MOVE), []),
+    ("post", "/reef/scenarios/{scenario}/evaluate"): (_json(_EVALUATE), []),
     ("post", "/reef/scenarios/{scenario}/skills/close-day"): (
         _json({"type": "object", "maxProperties": 0, "description": "no fields"}, required=False), []),
     ("post", "/ui/login"): (_form({"token": {"type": "string"}}, ["token"]), []),

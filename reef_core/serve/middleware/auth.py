@@ -9,8 +9,8 @@
 * A token is looked up by its SHA-256 digest (:mod:`reef_core.serve.middleware.tenancy`) and never logged; its principal
   (name, scopes, scenario patterns) goes into the request state as ``reef_principal``.
 * Each route needs a scope: ``infer`` (inference POSTs), ``report`` (``POST /reef/report``, record imports,
-  ``POST /reef/train``), ``admin`` (routes marked admin: rollback, promote, delete, close-day) or ``read``
-  (everything else); a token without it gets 403. A scenario named in the path (``/reef/scenarios/{s}/...``, ``/ui/scenarios/{s}/...``) or
+  ``POST /reef/train``), ``admin`` (routes marked admin: rollback, promote, delete, close-day), ``eval`` (routes
+  marked eval: evaluate; admin passes too) or ``read`` (everything else); a token without it gets 403. A scenario named in the path (``/reef/scenarios/{s}/...``, ``/ui/scenarios/{s}/...``) or
   in ``x-reef-scenario`` outside the token's patterns is a 403 naming it, here, before any body is read (and again
   where a route reads the header: :func:`reef_core.serve.routes.names.scenario_header`). ``GET /metrics`` labels every
   scenario, so it needs an all-scenario token.
@@ -34,6 +34,10 @@ _SCENARIO_KEY = SCENARIO_HEADER.encode()
 #: declare it: ``@router.post(..., openapi_extra=ADMIN)``.
 SCOPE_EXTENSION = "x-reef-scope"
 ADMIN = {SCOPE_EXTENSION: "admin"}
+#: Routes an ``eval`` (or an admin) token may call: ``POST /reef/scenarios/{s}/evaluate``.
+EVAL = {SCOPE_EXTENSION: "eval"}
+#: A scope a route needs -> scopes that pass it too.
+IMPLIED_BY = {"eval": frozenset({"admin"})}
 
 OPEN_PATHS = frozenset({"/healthz", "/ui/login"})
 #: The dashboard's cookie: the token its login form stored, read for ``/ui`` paths only.
@@ -82,12 +86,14 @@ class AuthMiddleware:
     """Pure ASGI middleware: checks the token, its scope and a path's scenario before any routing or body parsing."""
 
     def __init__(self, app, tokens: Tenancy, admin_routes: list[tuple[re.Pattern, frozenset[str]]],
-                 open_paths: frozenset[str] = OPEN_PATHS, inference_paths: frozenset[str] = frozenset()):
+                 open_paths: frozenset[str] = OPEN_PATHS, inference_paths: frozenset[str] = frozenset(),
+                 eval_routes: list[tuple[re.Pattern, frozenset[str]]] = ()):
         self.app = app
         self.open_paths = open_paths
         self.tokens = tokens
         self.admin_routes = admin_routes
         self.inference_paths = inference_paths
+        self.eval_routes = list(eval_routes)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in self.open_paths or not self.tokens.enabled:
@@ -115,7 +121,7 @@ class AuthMiddleware:
             refused = _outside_scope(principal, path, scope["headers"])
             if refused is not None:
                 return await _deny(send, path, 403, refused)
-        if needed is not None and needed not in principal.scopes:
+        if needed is not None and not ({needed} | IMPLIED_BY.get(needed, set())) & principal.scopes:
             message = ("this route needs an admin token" if needed == "admin"
                        else f"token {principal.name!r} lacks the {needed!r} scope this route needs")
             return await _deny(send, path, 403, message)
@@ -128,6 +134,8 @@ class AuthMiddleware:
             return "report"
         if self._is_admin_route(method, path):
             return "admin"
+        if any(method in methods and regex.match(path) for regex, methods in self.eval_routes):
+            return "eval"
         if path in ("/ui/logout", "/v1/models"):  # an inference-only token's SDK lists models too
             return None
         return "read"

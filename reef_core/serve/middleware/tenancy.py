@@ -28,7 +28,8 @@ from typing import Any
 from reef_core.errors import ConfigError, Forbidden
 
 #: ``pin``: an inference may pin a release other than the head (``x-reef-release``); admin tokens may too.
-SCOPES = ("infer", "report", "read", "admin", "pin")
+#: ``eval``: ``POST /reef/scenarios/{s}/evaluate`` (a release answers on the private engine; admin tokens may too).
+SCOPES = ("infer", "report", "read", "admin", "pin", "eval")
 DEFAULT_SCOPES = frozenset({"infer", "report", "read"})
 PERIODS = ("day", "month", "total")
 TOKEN_SOURCES = ("token", "token_sha256", "token_env", "token_file")
