@@ -80,6 +80,13 @@ class ActivationFailed(Conflict):
     code = "activation_failed"
 
 
+class Gone(ReefError):
+    """The thing asked for existed and was removed on purpose (a record's body compacted by retention): 410."""
+
+    status = 410
+    code = "gone"
+
+
 class ValidationFailed(ReefError):
     status = 400
     code = "invalid_request"

@@ -87,10 +87,41 @@ class ServerConfig:
 
 
 @dataclass
+class RecordRetentionRule:
+    """Record retention of the scenarios matching ``pattern`` (fnmatch; the first matching rule applies). Null keeps
+    the deployment's value; ``max_age: forever`` turns expiry off; ``max_bytes`` is the scenario's own budget."""
+
+    pattern: str = "*"
+    max_age: Optional[str] = None
+    max_bytes: Optional[int] = None
+    keep_scored: Optional[bool] = None
+
+
+@dataclass
 class RetentionConfig:
+    # Release weights (``reef gc``, reef_core.commit.retention).
     keep_last: int = 20
     keep_ever_current: bool = True
     pinned: list[str] = field(default_factory=list)
+    # Record bodies (``reef gc --records`` and the server's background pass, reef_core.observe.compaction).
+    #: Inference bodies older than this are compacted (``30d``, ``12h``, ``900s``); null keeps them forever.
+    max_age: Optional[str] = None
+    #: Budget of inference body bytes over all scenarios: the oldest eligible bodies go first; null: none.
+    max_bytes: Optional[int] = None
+    #: Scored inferences (quoted by a report) keep their bodies, even once consumed.
+    keep_scored: bool = True
+    #: Seconds between the server's background passes (0: none; ``reef gc --records`` still works).
+    interval_s: float = 3600.0
+    #: Records compacted per transaction, and at most per background pass (bounded work).
+    chunk_records: int = 500
+    max_records_per_pass: int = 20_000
+    #: Per-scenario rules (first match wins), see :class:`RecordRetentionRule`.
+    scenarios: list[RecordRetentionRule] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        from .record_retention import check_record_retention
+
+        check_record_retention(self)
 
 
 @dataclass

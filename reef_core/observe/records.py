@@ -357,6 +357,11 @@ class RecordStore:
             return [(r.key, r.period, int(r.tokens), int(r.requests))
                     for r in conn.execute(q.USAGE_IN_PERIODS, {"periods": list(periods)})]
 
+    def write_transaction(self, fn):
+        """Run ``fn(connection)`` in one write transaction on the writer thread (queued with the appends, under the
+        cross-process write lock on SQLite) and return its result: retention's compaction chunks."""
+        return self._call(fn)
+
     # -- plumbing -----------------------------------------------------------------------------------------------
 
     def _check_open(self) -> None:

@@ -84,3 +84,17 @@ usage_counters = sa.Table(
     sa.Column("requests", sa.BigInteger(), nullable=False),
     sa.Column("updated_at", sa.Double(), nullable=False),
 )
+
+# Record bodies retention compacted (reef_core.observe.compaction), per scenario and reason (consumed, expired,
+# max_bytes): updated in the transaction that compacts them, so the counts survive restarts and add up across
+# processes.
+record_compactions = sa.Table(
+    "record_compactions",
+    metadata,
+    sa.Column("scenario", sa.String(255), primary_key=True),
+    sa.Column("reason", sa.String(16), primary_key=True),
+    sa.Column("records", sa.BigInteger(), nullable=False),
+    sa.Column("bytes_before", sa.BigInteger(), nullable=False),
+    sa.Column("bytes_after", sa.BigInteger(), nullable=False),
+    sa.Column("updated_at", sa.Double(), nullable=False),
+)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from reef_core.observe.compacted import is_compacted
 from reef_core.observe.model import Record
 from reef_core.observe.processor import ServingVersion
 from reef_core.versions import on_line, parse_version
@@ -38,6 +39,7 @@ STALE = "stale"  # more than max_staleness versions behind the serving version
 CROSS_INCARNATION = "cross_incarnation"  # produced by another engine incarnation
 FUTURE_VERSION = "future_version"  # produced by a version newer than the serving one
 UNKNOWN_VERSION = "unknown_version"  # no version recorded, or an unparseable one different from serving
+COMPACTED = "compacted"  # record retention dropped the body (expired or over budget) before it could train
 
 STALENESS_REASONS = (STALE, CROSS_INCARNATION, FUTURE_VERSION, UNKNOWN_VERSION)
 
@@ -101,6 +103,8 @@ class StalenessPolicy:
 
 def unusable_reason(record: Record) -> str | None:
     """Why an inference record can never train (incomplete or failed, not a chat), or ``None``."""
+    if is_compacted(record):
+        return COMPACTED
     if not record.complete or record.payload.get("error"):
         return INCOMPLETE
     if record.payload.get("route", "chat") not in ("chat", "messages"):

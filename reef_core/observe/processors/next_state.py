@@ -51,6 +51,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
+from reef_core.observe.compacted import is_compacted
 from reef_core.observe.model import Record
 from reef_core.observe.processor import Judge, ServingVersion
 from reef_core.observe.processors import eligibility as el
@@ -440,6 +441,8 @@ class NextStateProcessor(BufferedProcessor):
             records = list(self._load_records(ids))
         if len(records) != 2 or any(r is None or r.record_id != i for r, i in zip(records, ids)):
             return RECORD_GONE
+        if any(is_compacted(r) for r in records):
+            return el.COMPACTED
         try:
             messages, reply = exchange_of(records[0])
             following, _ = exchange_of(records[1])
@@ -502,6 +505,17 @@ class NextStateProcessor(BufferedProcessor):
         self._units.append(unit)
 
     # -- batches ------------------------------------------------------------------------------------------------------
+
+    def protected_ids(self) -> set[str]:
+        """The units' records, and every turn still waiting for its next state or judge (retention keeps them)."""
+        with self._lock:
+            ids = super().protected_ids()
+            ids.update(self._open)
+            for job in self._jobs:
+                ids.add(job.turn.record_id)
+                if job.next_turn is not None:
+                    ids.add(job.next_turn.record_id)
+            return ids
 
     def _waiting_units(self) -> Iterable[Unit]:
         return self._units

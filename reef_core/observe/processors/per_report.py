@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from reef_core.observe.compacted import is_compacted
 from reef_core.observe.model import Record
 from reef_core.observe.processor import ServingVersion
 from reef_core.observe.processors import eligibility as el
@@ -196,6 +197,8 @@ class ReportedProcessor(BufferedProcessor):
         inferences = self._read_inferences(refs)
         if inferences is None:
             return el.UNKNOWN_REFERENCE
+        if any(is_compacted(r) for r in inferences):
+            return el.COMPACTED
         metadata = report.payload.get("metadata")
         try:
             sample = trajectory_sample(self.scenario, inferences, reward=score,
