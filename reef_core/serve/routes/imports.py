@@ -6,9 +6,11 @@ For cold start and for learning from existing logs. An envelope is exactly ``{"a
 An inference payload is either Reef's own form ``{"request": {...}, "response": {...}, "dialect"?, "metadata"?}``
 or the provider request itself with its ``response`` beside it (``{"model", "messages", ..., "response"}``, the
 upstream form). Both are stored as a served exchange is (``route``, ``dialect``, ``request``, ``response``), with
-``imported: true``, so a recipe's processor reads an imported exchange exactly as a served one. The request must
-hold chat ``messages`` and the response an assistant message in the dialect. ``metadata.tags`` (a string map)
-becomes the record's tags. A report payload follows ``POST /reef/report``'s rules (its references name stored
+``imported: true``, so a recipe's processor reads an imported exchange exactly as a served one. A payload that
+already is a stored exchange (it has a ``route``: ``reef export --format reef-jsonl``) is stored verbatim, so it keeps
+its content hash (:mod:`reef_core.observe.stored_form`). The request must hold chat ``messages`` and the response an
+assistant message in the dialect. The envelope's optional ``tags`` (a string map), else ``metadata.tags``, become
+the record's tags. A report payload follows ``POST /reef/report``'s rules (its references name stored
 inference records of the scenario, or inference records earlier in the same batch).
 
 Everything is validated before anything is stored, and a batch is stored in one transaction: on any error (400
@@ -30,6 +32,7 @@ from reef_core.observe.model import Record, canonical_bytes
 from reef_core.names import check_record_id
 from reef_core.observe.processors.conversation import UnusableRecord, request_messages, response_message
 from reef_core.observe.reports import validate_report
+from reef_core.observe.stored_form import check_stored_payload, is_stored_form
 from reef_core.serve.routes.batch_body import TRIM_ABOVE_BYTES, give_back_memory, one_batch_at_a_time, parse_batch
 from reef_core.serve.routes.inference import read_body, read_json_body
 from reef_core.serve.routes.names import RECORD_ID_HEADER, scenario_header
@@ -37,6 +40,7 @@ from reef_core.serve.routes.names import RECORD_ID_HEADER, scenario_header
 router = APIRouter()
 
 ENVELOPE_FIELDS = frozenset({"agent_record_id", "request_type", "payload"})
+OPTIONAL_ENVELOPE_FIELDS = frozenset({"tags"})
 REQUEST_TYPES = ("inference", "report")
 #: Largest envelope, as canonical JSON (upstream: a record import over 1 MiB is a 413).
 MAX_RECORD_BYTES = 1024 * 1024
@@ -49,7 +53,13 @@ DIALECT_ROUTES = {"openai": "chat", "anthropic": "messages"}
 
 def _inference_payload(payload: dict, where: str) -> tuple[dict, dict]:
     """The stored payload of an imported exchange and its tags; ``where`` prefixes field names in errors."""
-    if "request" in payload:
+    stored = None
+    if is_stored_form(payload):
+        check_stored_payload(payload, where)
+        stored = payload
+        request, response, dialect = payload["request"], payload["response"], payload["dialect"]
+        metadata = payload.get("metadata")
+    elif "request" in payload:
         unknown = sorted(set(payload) - OWN_FORM_FIELDS)
         if unknown:
             raise ValidationFailed(f"{where}: unknown field(s) {', '.join(unknown)}; allowed: "
@@ -80,14 +90,19 @@ def _inference_payload(payload: dict, where: str) -> tuple[dict, dict]:
     if metadata is not None:
         if not isinstance(metadata, dict):
             raise ValidationFailed(f"{where}.metadata must be a JSON object", param=f"{where}.metadata")
-        tags = metadata.get("tags") or {}
-        if not isinstance(tags, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tags.items()):
-            raise ValidationFailed(f"{where}.metadata.tags must map strings to strings", param=f"{where}.metadata.tags")
-    stored = {"route": DIALECT_ROUTES[dialect], "dialect": dialect, "client_dialect": dialect, "request": request,
-              "response": response, "engine": "import", "stream": False, "imported": True}
-    if metadata is not None:
-        stored["metadata"] = metadata
+        tags = _tags(metadata.get("tags") or {}, f"{where}.metadata.tags")
+    if stored is None:
+        stored = {"route": DIALECT_ROUTES[dialect], "dialect": dialect, "client_dialect": dialect,
+                  "request": request, "response": response, "engine": "import", "stream": False, "imported": True}
+        if metadata is not None:
+            stored["metadata"] = metadata
     return stored, tags
+
+
+def _tags(tags, where: str) -> dict:
+    if not isinstance(tags, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tags.items()):
+        raise ValidationFailed(f"{where} must map strings to strings", param=where)
+    return tags
 
 
 def _anthropic_reply(response) -> bool:
@@ -99,10 +114,11 @@ def envelope_record(envelope, scenario: str, where: str = "record") -> Record:
     ``where`` and the field."""
     if not isinstance(envelope, dict):
         raise ValidationFailed(f"{where} must be a JSON object", param=where)
-    unknown = sorted(set(envelope) - ENVELOPE_FIELDS)
+    allowed = ENVELOPE_FIELDS | OPTIONAL_ENVELOPE_FIELDS
+    unknown = sorted(set(envelope) - allowed)
     if unknown:
         raise ValidationFailed(f"{where}: unknown field(s) {', '.join(unknown)}; allowed: "
-                               f"{', '.join(sorted(ENVELOPE_FIELDS))}", param=f"{where}.{unknown[0]}")
+                               f"{', '.join(sorted(allowed))}", param=f"{where}.{unknown[0]}")
     for name in sorted(ENVELOPE_FIELDS):
         if name not in envelope:
             raise ValidationFailed(f"{where}: missing {name}", param=f"{where}.{name}")
@@ -116,10 +132,11 @@ def envelope_record(envelope, scenario: str, where: str = "record") -> Record:
         raise ValidationFailed(f"{where}.payload must be a JSON object", param=f"{where}.payload")
     if len(canonical_bytes(envelope)) > MAX_RECORD_BYTES:
         raise PayloadTooLarge(f"{where} is larger than {MAX_RECORD_BYTES} bytes", param=where)
+    given_tags = _tags(envelope["tags"], f"{where}.tags") if "tags" in envelope else None
     if kind == "inference":
         stored, tags = _inference_payload(payload, f"{where}.payload")
-        return Record(record_id=record_id, scenario=scenario, kind="inference", payload=stored, tags=tags,
-                      created_at=time.time())
+        return Record(record_id=record_id, scenario=scenario, kind="inference", payload=stored,
+                      tags=tags if given_tags is None else given_tags, created_at=time.time())
     if "agent_record_id" in payload:
         raise ValidationFailed(f"{where}.payload.agent_record_id: the envelope names the record",
                                param=f"{where}.payload.agent_record_id")
@@ -129,7 +146,7 @@ def envelope_record(envelope, scenario: str, where: str = "record") -> Record:
         raise ValidationFailed(f"{where}.payload: {exc.message}", param=f"{where}.payload") from None
     return Record(record_id=record_id, scenario=scenario, kind="report",
                   payload={k: report[k] for k in ("score", "feedback", "metadata") if k in report},
-                  references=report["references"], created_at=time.time())
+                  references=report["references"], tags=given_tags or {}, created_at=time.time())
 
 
 def _receipt(record: Record) -> dict:
