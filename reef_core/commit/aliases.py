@@ -13,7 +13,9 @@ whose releases are its history (:mod:`reef_core.loop.aliases`).
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Callable
 from datetime import datetime, timezone
 
 from reef_core.commit._git import ZERO, Git
@@ -32,9 +34,12 @@ def alias_ref(scenario: str) -> str:
 class AliasLog:
     """The alias log of every scenario in one release repository."""
 
-    def __init__(self, git: Git, refs: LocalRefs):
+    def __init__(self, git: Git, refs: LocalRefs, lock: Callable[[], contextlib.AbstractContextManager] | None = None):
         self.git = git
         self.refs = refs
+        #: Held around a move: the repository's shared lock, so ``reef gc`` (which holds it exclusively while it
+        #: deletes weights, retaining every aliased release) never races a move to a release it is pruning.
+        self.lock = lock or contextlib.nullcontext
 
     def _tip(self, scenario: str) -> str | None:
         return self.refs.get(alias_ref(scenario))  # a remote's refs are fetched first
@@ -65,6 +70,10 @@ class AliasLog:
     def move(self, scenario: str, alias: str, release_id: str, *, by: str, reason: str, attempts: int = 3) -> dict:
         """Point ``alias`` at ``release_id``, recording who, when and why; return the move. A concurrent move of
         the same scenario's log is retried on the new tip (Conflict after ``attempts``)."""
+        with self.lock():
+            return self._move(scenario, alias, release_id, by=by, reason=reason, attempts=attempts)
+
+    def _move(self, scenario: str, alias: str, release_id: str, *, by: str, reason: str, attempts: int) -> dict:
         for _ in range(attempts):
             tip = self._tip(scenario)
             state = self._state(tip)

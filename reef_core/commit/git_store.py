@@ -200,7 +200,7 @@ class GitArtifactStore:
         """The scenarios' release aliases, kept in this repository (:class:`~reef_core.commit.aliases.AliasLog`)."""
         from reef_core.commit.aliases import AliasLog
 
-        return AliasLog(self.git, self._refs)
+        return AliasLog(self.git, self._refs, lock=lambda: self._flock(fcntl.LOCK_SH))
 
     @property
     def git_dir(self) -> Path:

@@ -16,6 +16,8 @@ Retained (never pruned):
   only frees held (review) releases that were never promoted and fell out of ``keep_last``;
   set ``keep_ever_current=False`` to also free old served weights;
 * ``pinned`` release ids;
+* every release an alias points at (``staging``, custom names: :mod:`reef_core.commit.aliases`), since a request
+  may pin it, evaluate it or move ``production`` to it;
 * everything reachable from archived scenarios (archiving promises that nothing is destroyed).
 
 An LFS object is deleted only when no retained release references it (content shared with a
@@ -77,7 +79,21 @@ class GcResult:
     reclaimed_bytes: int
 
 
-def _retained(releases: list[Release], policy: RetentionPolicy) -> dict[str, str]:
+def _aliased(store: ArtifactStore, releases: list[Release]) -> dict[str, str]:
+    """Release id -> the first alias (by name) pointing at it, over every scenario's alias log (none for a store
+    that keeps no aliases)."""
+    make = getattr(store, "aliases", None)
+    if make is None:
+        return {}
+    log = make()
+    found: dict[str, str] = {}
+    for scenario in sorted({rel.scenario for rel in releases}):
+        for name, release_id in sorted(log.current(scenario).items()):
+            found.setdefault(release_id, name)
+    return found
+
+
+def _retained(releases: list[Release], policy: RetentionPolicy, aliased: dict[str, str]) -> dict[str, str]:
     keep: dict[str, str] = {}
     by_scenario: dict[str, list[Release]] = {}
     for rel in releases:
@@ -89,6 +105,8 @@ def _retained(releases: list[Release], policy: RetentionPolicy) -> dict[str, str
             keep.setdefault(rel.release_id, "ever current")
         if rel.release_id in policy.pinned:
             keep.setdefault(rel.release_id, "pinned")
+        if rel.release_id in aliased:
+            keep.setdefault(rel.release_id, f"alias {aliased[rel.release_id]}")
         if rel.state in ("chain", "held", "promoted"):
             by_scenario.setdefault(rel.scenario, []).append(rel)
     for rows in by_scenario.values():
@@ -102,7 +120,7 @@ def _retained(releases: list[Release], policy: RetentionPolicy) -> dict[str, str
 def _plan(store: ArtifactStore, policy: RetentionPolicy) -> tuple[GcPlan, dict[str, set[str]]]:
     releases = store.all_releases()
     oids = {rel.release_id: rel.lfs_oids() for rel in releases}
-    keep = _retained(releases, policy)
+    keep = _retained(releases, policy, _aliased(store, releases))
     kept_oids = {oid for rid in keep for oid in oids.get(rid, ())}
     referenced = {oid for refs in oids.values() for oid in refs}
     on_disk = store.lfs_objects()

@@ -109,3 +109,19 @@ def test_gc_rechecks_under_its_lock_and_removes_orphans(release_store, history):
 def test_policy_validation():
     with pytest.raises(ValidationFailed):
         RetentionPolicy(keep_last=0)
+
+
+def test_an_aliased_release_keeps_its_weights(release_store, history):
+    # The held candidate is what the default policy frees; an alias pointing at it keeps it (and a served one too).
+    aliases = release_store.aliases()
+    aliases.move("s", "staging", history["held"].release_id, by="t", reason="candidate under evaluation")
+    aliases.move("s", "old", history["c2"].release_id, by="t", reason="baseline")
+    plan = plan_gc(release_store, RetentionPolicy(keep_last=1, keep_ever_current=False))
+    assert plan.reasons[history["held"].release_id] == "alias staging"
+    assert plan.reasons[history["c2"].release_id] == "alias old"
+    assert plan.prune_releases == [history["c3"].release_id]
+    result = run_gc(release_store, plan, dry_run=False)
+    assert result.pruned_releases == [history["c3"].release_id]
+    for kept in ("held", "c2"):
+        assert release_store.get(history[kept].release_id).restorable
+        assert release_store.read_files(history[kept].release_id)["m.safetensors"] == w(4 if kept == "held" else 2)
