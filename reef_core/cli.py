@@ -71,8 +71,11 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", help="Hydra multirun of offline tasks (reef sweep -m +recipe=sao,gepa seed=0,1)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="Hydra arguments, e.g. -m and overrides")
 
-    p = sub.add_parser("gc", help="apply the artifact retention policy")
+    p = sub.add_parser("gc", help="apply the artifact retention policy (--records: the record retention)")
     p.add_argument("--dry-run", action="store_true", help="only report what would be removed")
+    p.add_argument("--records", action="store_true",
+                   help="compact record bodies under storage.retention (max_age, max_bytes, keep_scored)")
+    p.add_argument("--scenario", default=None, help="with --records: only this scenario")
     p.add_argument("overrides", nargs="*")
 
     p = sub.add_parser("eval", help="evaluate without recording (reef eval releases --scenario S --tasks FILE)")
@@ -268,7 +271,13 @@ def cmd_gc(args) -> int:
 
     from .config import compose_config
 
+    if args.scenario is not None and not args.records:
+        raise ConfigError("--scenario applies to reef gc --records only", flag="--scenario")
     cfg = compose_config(args.overrides)
+    if args.records:
+        from .loop.records_gc import run_records_gc_command
+
+        return run_records_gc_command(cfg, dry_run=args.dry_run, scenario=args.scenario)
     return run_gc_command(cfg, dry_run=args.dry_run)
 
 

@@ -46,6 +46,7 @@ from .evaluate import Evaluator
 from .follower import HeadWatcher, ScenarioFollower, head_channel, notify_head_moved
 from .lease import LeaseHolder, psycopg_dsn
 from .pool import LearnerPool
+from .record_retention import RetentionWorker
 from .ports import LearnerPorts, LearnerSettings, ServingPorts
 from .taskfile import load_tasks
 
@@ -85,6 +86,9 @@ class Deployment:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._writer_lock: WriterLock | None = None
         self.pool = LearnerPool(workers=cfg.trainer.learner_workers)
+        #: Record retention (``storage.retention``): background compaction passes and their counts.
+        self.retention = RetentionWorker(store, cfg.storage.retention, scenarios=self._retained_scenarios,
+                                         protected=self._protected_records)
         #: The private engine of evaluate calls (loop/evaluate.py): built on the first, loading nothing before.
         self.evaluator = Evaluator(cfg, plugin_manager)
         self.serving_ports = ServingPorts(engine=engine, artifacts=artifacts, run_async=self.run_async,
@@ -755,6 +759,20 @@ class Deployment:
         """The record writer's counters (None for a store without a writer)."""
         return getattr(self.store, "stats", None)
 
+    def compaction_counts(self) -> dict:
+        """Records whose bodies retention compacted, per scenario and reason (``/metrics``)."""
+        return self.retention.counts()
+
+    def _retained_scenarios(self) -> list[str]:
+        """The scenarios whose learner runs here: the background pass can ask their processors what they hold."""
+        return [name for name, held in self.learners().items() if not isinstance(held, ScenarioFollower)]
+
+    def _protected_records(self, scenario: str) -> set[str]:
+        """Record ids the scenario's processor holds (pending units, the reserved batch): never compacted."""
+        learner = self._learners.get(scenario)
+        processor = getattr(learner, "processor", None)
+        return set(processor.protected_ids()) if processor is not None else set()
+
     def plugin_failures(self) -> dict[str, str]:
         return dict(getattr(self.pm, "failures", None) or {})
 
@@ -793,6 +811,7 @@ class Deployment:
     def status(self) -> dict:
         return {"scenarios": {name: learner.status() for name, learner in list(self._learners.items())},
                 "quarantined": dict(self._quarantined),
+                "record_retention": self.retention.status(),
                 "engine": {"name": getattr(self.engine, "name", None),
                            "version": getattr(self.engine, "version", None)}}
 
@@ -813,6 +832,8 @@ class Deployment:
                         self._scenarios[scenario.name] = scenario
                 except ScenarioQuarantined:
                     pass
+        if self.role != "serve":  # the pass keeps what this process's processors hold
+            await asyncio.to_thread(self.retention.start)
         if self.role == "all" and self.shared:
             # Other processes may serve the same scenarios: wake learners for their records, take over from the dead.
             await asyncio.to_thread(self._hold_writer_lock)
@@ -845,6 +866,7 @@ class Deployment:
         if self._leases is not None:
             self._leases.close()  # ends the session: another process's learner may take over now
             self._leases = None
+        await asyncio.to_thread(self.retention.stop)
         try:
             await self.engine.close()
         finally:

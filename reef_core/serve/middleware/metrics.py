@@ -212,6 +212,7 @@ class DeploymentCollector:
     def collect(self):
         yield from self._writer()
         yield from self._learners()
+        yield _compacted_family(self.dep.compaction_counts(), self.scenario_label)
         failures = self.dep.plugin_failures()
         yield GaugeMetricFamily("reef_plugin_load_failures", "Plugins that failed to load at startup",
                                 value=len(failures))
@@ -271,6 +272,21 @@ def _dropped_family(learners: dict, scenario_label: ScenarioLabels) -> CounterMe
         scenario = scenario_label(name)
         for reason, n in (counts or {}).items():
             summed[scenario, str(reason)] = summed.get((scenario, str(reason)), 0) + n
+    for (scenario, reason), value in sorted(summed.items()):
+        family.add_metric([scenario, reason], value)
+    return family
+
+
+def _compacted_family(counts: dict, scenario_label: ScenarioLabels) -> CounterMetricFamily:
+    """``reef_records_compacted{scenario,reason}``: record bodies retention compacted (consumed, expired,
+    max_bytes), as the store counts them (read at start-up and after each background pass)."""
+    family = CounterMetricFamily("reef_records_compacted", "Inference records whose bodies retention compacted, "
+                                 "by reason (consumed, expired, max_bytes)", labels=["scenario", "reason"])
+    summed: dict[tuple[str, str], float] = {}
+    for name, reasons in (counts or {}).items():
+        scenario = scenario_label(name)
+        for reason, row in reasons.items():
+            summed[scenario, reason] = summed.get((scenario, reason), 0) + row.get("records", 0)
     for (scenario, reason), value in sorted(summed.items()):
         family.add_metric([scenario, reason], value)
     return family

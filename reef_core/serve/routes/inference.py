@@ -43,6 +43,7 @@ from reef_core.observe.model import Record, canonical_bytes
 from reef_core.engines.sse import encode_event
 from reef_core.names import header_text
 from reef_core.serve.routes.aggregate import accumulator_for, receipt_events, synthetic_stream
+from reef_core.serve.routes.compacted import refuse_compacted
 from reef_core.serve.routes.disconnect import CLIENT_DISCONNECTED, ClientGone, ClientWatch
 from reef_core.serve.errors import error_body, new_error_id
 from reef_core.serve.routes.jsonbody import parse_json_object
@@ -185,6 +186,7 @@ class InferenceCall:
     # -- replies -------------------------------------------------------------------------------
 
     def _replay(self, record: Record, stream: bool) -> Response:
+        refuse_compacted(record)  # 410: a retry of an exchange whose reply retention dropped is not run again
         payload = record.payload
         self.facts["receipt"] = record.record_id
         # A token count is answered as the engine gave it (see _complete); only chat answers are translated.

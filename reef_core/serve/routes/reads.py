@@ -7,6 +7,8 @@ import asyncio
 from fastapi import APIRouter, Query, Request
 from starlette.responses import JSONResponse
 
+from reef_core.observe.compacted import MARKER, compaction_of
+from reef_core.serve.routes.compacted import compacted_error
 from reef_core.observe.model import Record
 from reef_core.serve.routes.names import path_record, path_scenario
 from reef_core.serve.middleware.tenancy import visible
@@ -29,6 +31,8 @@ def record_row(record: Record) -> dict:
         "score": score,
         "complete": record.complete,
         "tags": dict(record.tags),
+        # Retention dropped the bodies (``{"at", "reason", "body_bytes"}``), or null: the payload is whole.
+        "compacted": compaction_of(record),
     }
 
 
@@ -54,5 +58,19 @@ async def list_records(request: Request, scenario: str, after_sequence: int = Qu
 @router.get("/reef/scenarios/{scenario}/records/{record_id}")
 async def get_record(request: Request, scenario: str, record_id: str):
     record = await path_record(request.app.state.reef, scenario, record_id)
+    marker = compaction_of(record)
+    if marker is not None:
+        raise compacted_error(record, marker)
     return JSONResponse({**record_row(record), "scenario": record.scenario, "payload": record.payload},
                         headers=_NO_STORE)
+
+
+@router.get("/reef/scenarios/{scenario}/records/{record_id}/metadata")
+async def get_record_metadata(request: Request, scenario: str, record_id: str):
+    """A record without its bodies: 200 whether or not retention compacted it (``compacted`` says which), with
+    what a compacted record keeps (usage, token counts, route, timings...) under ``kept``."""
+    record = await path_record(request.app.state.reef, scenario, record_id)
+    kept = {k: v for k, v in record.payload.items() if k != MARKER} if compaction_of(record) is not None else None
+    return JSONResponse({**record_row(record), "scenario": record.scenario, "content_hash": record.content_hash,
+                         "kept": kept}, headers=_NO_STORE)
+

@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from reef_core.errors import NotFound, ValidationFailed
 from reef_core.observe.processors.conversation import UnusableRecord, exchange_of
+from reef_core.serve.routes.compacted import refuse_compacted
 from reef_core.wire import HEADER_PREFIX
 
 RESPONSE_PREFIX = "resp_"
@@ -152,6 +153,7 @@ async def previous_turns(find_record, scenario: str, response_id: str) -> list[d
     """The conversation ``previous_response_id`` names, its reply included (its instructions left out)."""
     record_id = response_id[len(RESPONSE_PREFIX):] if response_id.startswith(RESPONSE_PREFIX) else None
     record = await asyncio.to_thread(find_record, scenario, record_id) if record_id else None
+    refuse_compacted(record)  # 410 naming when its bodies were dropped, rather than a 404
     meta = (record.payload.get("responses") or {}) if record is not None and record.kind == "inference" else None
     if record is None or not meta or meta.get("store") is False:
         raise NotFound(f"Previous response with id {response_id!r} not found.", param="previous_response_id")
