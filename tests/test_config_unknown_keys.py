@@ -25,6 +25,8 @@ def reef(*args):
     ("+trainer.slime.flagz={}", "trainer.slime.flagz", "flags"),
     ("+recipe.procesor=x", "recipe.procesor", "processor"),
     ("+learn.rolouts=3", "learn.rolouts", "rollouts"),
+    ("+observability.tracing.enabeld=true", "observability.tracing.enabeld", "enabled"),
+    ("+observability.tracin.enabled=true", "observability.tracin", "tracing"),
 ])
 def test_an_unknown_key_of_a_typed_section_is_refused(override, key, known):
     with pytest.raises(ConfigError) as refused:
@@ -40,6 +42,7 @@ def test_an_unknown_key_of_a_route_is_refused():
 
 @pytest.mark.parametrize("args,named", [
     (["+server.prot=1"], "server.prot"),
+    (["+observability.tracing.sampel=0.5"], "observability.tracing.sampel"),
     (["+recipe=sao", "+recipe.options.eps_clp=0.2"], "eps_clp"),
     (["+recipe=sao", "+recipe.processor_options.max_stalenes=2"], "max_stalenes"),
     (["+recipe=gepa", "+recipe.options.minibatch=2"], "minibatch"),

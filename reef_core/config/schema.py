@@ -293,6 +293,44 @@ class RecipeConfig:
 
 
 @dataclass
+class TracingConfig:
+    """``observability.tracing``: OTLP export of records, reports and learner steps (``reef_core.observe.tracing``;
+    values checked by :mod:`reef_core.config.tracing`). Export is off the request path, bounded and lossy."""
+
+    enabled: bool = False
+    #: The collector's URL; unset: ``http://127.0.0.1:4318/v1/traces`` (http/protobuf; a URL without a path gets
+    #: ``/v1/traces``) or ``http://127.0.0.1:4317`` (grpc).
+    endpoint: Optional[str] = None
+    #: ``http/protobuf`` or ``grpc``.
+    protocol: str = "http/protobuf"
+    #: Header name -> the environment variable holding its value (``{authorization: OTLP_AUTH}``), read at start-up;
+    #: an unset variable is refused there, naming it.
+    headers: dict[str, str] = field(default_factory=dict)
+    service_name: str = "reef"
+    #: Share of traces exported (0 to 1), decided by trace id, so every process keeps or drops the same ones.
+    sample: float = 1.0
+    #: Message bodies (prompts, replies, feedback) as span attributes; off: counts, ids and names only.
+    include_content: bool = False
+    #: Spans waiting for the exporter at most; beyond it new ones are dropped and counted.
+    max_queue_size: int = 2048
+    max_export_batch_size: int = 512
+    #: The exporter sends what is queued at least this often.
+    schedule_delay_s: float = 1.0
+    #: One export's deadline (retries included); a batch that misses it is dropped and counted.
+    export_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        from .tracing import check_tracing
+
+        check_tracing(self)
+
+
+@dataclass
+class ObservabilityConfig:
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+
+
+@dataclass
 class LearnConfig:
     """The ``learn`` task of ``reef sweep``: the recipe's loop run offline on a task file."""
 
@@ -349,6 +387,8 @@ class ReefConfig:
     task: str = "dry_run"
     #: Options of the ``learn`` task.
     learn: LearnConfig = field(default_factory=LearnConfig)
+    #: Export to an OpenTelemetry collector (``observability.tracing``).
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
 
 def option_default(target: str, *, _node_: Any) -> Any:
