@@ -98,6 +98,22 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("overrides", nargs="*", help="Hydra overrides: the scenario's deployment (+recipe=..., "
                                                 "storage.data_dir=..., engine.model=...)")
 
+    p = sub.add_parser("export", help="write a scenario's records as a dataset (OpenAI fine-tuning JSONL, Reef's "
+                                      "import envelopes, a Hugging Face dataset or Parquet)")
+    p.add_argument("--scenario", required=True, help="the scenario whose records to export")
+    p.add_argument("--format", dest="export_format", default="openai-jsonl", metavar="FORMAT",
+                   help="openai-jsonl (default), reef-jsonl (imports back with the same content hashes), hf or "
+                        "parquet (these two need reef-core[export])")
+    p.add_argument("--since", metavar="TIME|SEQUENCE", help="records created from an ISO-8601 time on, or after a "
+                                                            "record sequence")
+    p.add_argument("--release", metavar="ID", help="only records this release served (an id or a unique prefix "
+                                                   "of 7+ hex digits)")
+    p.add_argument("--scored-only", action="store_true", help="only records a report gave a score")
+    p.add_argument("--out", metavar="PATH", help="the file (hf: the directory) to write; default stdout "
+                                                 "(JSONL formats only)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides: the deployment (storage.data_dir=..., "
+                                                "storage.records_url=...)")
+
     # Commands that talk to a running server (reef report, records, releases, status, harness pull).
     from .client.cli import add_commands
 
@@ -290,9 +306,20 @@ def cmd_eval(args) -> int:
                              last_n=args.last_n, max_tokens=args.max_tokens, save=not args.no_save)
 
 
+def cmd_export(args) -> int:
+    from .loop.export_command import check_flags, run_export
+
+    check_flags(args.export_format, args.since, args.out)  # before the config is composed
+    from .config import compose_config
+
+    cfg = compose_config(args.overrides)
+    return run_export(cfg, scenario=args.scenario, fmt=args.export_format, since=args.since, release=args.release,
+                      scored_only=args.scored_only, out=args.out)
+
+
 COMMANDS = {
     "serve": cmd_serve, "learn": cmd_learn, "config": cmd_config, "plugins": cmd_plugins, "recipes": cmd_recipes,
-    "sweep": cmd_sweep, "gc": cmd_gc, "eval": cmd_eval,
+    "sweep": cmd_sweep, "gc": cmd_gc, "eval": cmd_eval, "export": cmd_export,
 }
 
 if __name__ == "__main__":  # pragma: no cover

@@ -39,7 +39,7 @@ $PIP install -q torch==2.13.0
 # Every extra, so the README's commands and the whole test suite work: the embedded engine (local),
 # the torch trainer (train), the Ray trainer backend (ray), PostgreSQL (postgres), the SmolLM2 demo's converter (demo),
 # OTLP export (otel: its tests run against a loopback receiver).
-$PIP install -q -e '.[test,local,train,ray,postgres,demo,client,otel]'
+$PIP install -q -e '.[test,local,train,ray,postgres,demo,client,otel,export]'
 for plugin in plugins/reef-*/; do $PIP install -q -e "$plugin"; done
 # DSPy programs (reef-gepa's dspy_gepa trainer): dspy 3.4.1, never dspy[anthropic] (it pins anthropic below 1.0).
 $PIP install -q -e 'plugins/reef-gepa[dspy]'

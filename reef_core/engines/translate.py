@@ -380,7 +380,7 @@ def _anthropic_sampling_to_openai(body: dict) -> dict[str, Any]:
     return out
 
 
-def _anthropic_tools_to_openai(tools: list) -> list[dict]:
+def anthropic_tools_to_openai(tools: list) -> list[dict]:
     """Anthropic custom tool definitions as OpenAI function tools (server tools do not translate)."""
     out = []
     for j, t in enumerate(tools):
@@ -431,7 +431,7 @@ def anthropic_to_openai_request(body: dict) -> dict:
     out.update(_anthropic_sampling_to_openai(body))
     tools = body.get("tools")
     if tools:
-        out["tools"] = _anthropic_tools_to_openai(tools)
+        out["tools"] = anthropic_tools_to_openai(tools)
     choice = body.get("tool_choice")
     if choice and tools:
         out.update(_anthropic_tool_choice_to_openai(choice))

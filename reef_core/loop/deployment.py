@@ -590,6 +590,13 @@ class Deployment:
     def last_sequence(self, scenario: str) -> int:
         return self.store.last_sequence(scenario)
 
+    def export_rows(self, scenario: Scenario, fmt: str, **selection) -> Any:
+        """``scenario``'s records as an export's rows (:mod:`reef_core.loop.export`), read from the store page by
+        page as they are taken; the arguments are checked before this returns."""
+        from .export import plan
+
+        return plan(self.store.replay, scenario.name, self.release_rows(scenario.name), fmt, **selection)
+
     def find_release(self, release_id: str):
         """A release of the chain by id (NotFound for an unknown or malformed id)."""
         return self.artifacts.get(release_id)

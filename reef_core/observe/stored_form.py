@@ -3,7 +3,8 @@ takes it back verbatim, so that a record keeps its content hash across deploymen
 :func:`reef_core.observe.model.compute_content_hash`).
 
 A payload with a ``route`` is in this form: the fields a served (or imported) exchange is stored with
-(``reef_core.loop.inference.Exchange.record``), each checked for its type here; its request and response are checked
+(``reef_core.loop.inference.Exchange.record``: a field added there is added to :data:`FIELDS` here, or its records
+no longer import), each checked for its type here; its request and response are checked
 by the import as every imported exchange's are. Token data is checked for shape (what a weights trainer reads).
 """
 
@@ -20,7 +21,7 @@ ROUTE_DIALECTS = {"chat": "openai", "messages": "anthropic"}
 DIALECTS = ("openai", "anthropic")
 REQUIRED = ("route", "dialect", "request", "response")
 _TEXT = ("engine", "error", "release_id", "pinned")
-_OBJECTS = ("metadata", "responses")
+_OBJECTS = ("metadata", "responses", "rollout")
 FIELDS = frozenset({*REQUIRED, *_TEXT, *_OBJECTS, "client_dialect", "stream", "timings", "tokens", "retry_of",
                     "imported"})
 _LONGEST_TEXT = 4096

@@ -10,10 +10,12 @@ from starlette.responses import JSONResponse
 from reef_core.observe.compacted import MARKER, compaction_of
 from reef_core.serve.routes.compacted import compacted_error
 from reef_core.observe.model import Record
+from reef_core.serve.routes import export
 from reef_core.serve.routes.names import path_record, path_scenario
 from reef_core.serve.middleware.tenancy import visible
 
 router = APIRouter()
+router.include_router(export.router)  # GET /reef/scenarios/{s}/export: a read of the records, streamed
 #: Bound of sequence and step query parameters: the stores hold them as signed 64-bit integers.
 MAX_SEQUENCE = 2**63 - 1
 _NO_STORE = {"cache-control": "no-store"}
