@@ -238,3 +238,10 @@ def reef_report_accepted(record, references):
 @hookspec
 def reef_release_published(scenario, release):
     """Called after a release became a scenario's head (training, rollback or promote)."""
+
+
+@hookspec
+def reef_step_committed(scenario, row):
+    """Called after a learner step's commit-log row is durable, whatever the gate decided (selected, rejected, held
+    for review, or a batch the trainer refused). ``row`` is that row: ``step``, ``consumed_ids`` (the batch),
+    ``decision``, ``metrics``, ``release_id`` (or ``live_release_id``), ``recorded_at``. Runs on a learner thread."""

@@ -24,6 +24,7 @@ def build_deployment(cfg: ReefConfig, plugin_manager=None, role: str | None = No
 
     # A device the machine lacks is a config error before anything is built or written.
     check_devices(cfg)
+    tracing = open_tracing(cfg)  # its extra and its headers' variables, before anything is written
     pm = plugin_manager or get_plugin_manager()
     # So is a component's option it would refuse (a typo'd key): before the model loads, not on every step.
     for binding in recipe_bindings(cfg, pm).values():
@@ -40,7 +41,7 @@ def build_deployment(cfg: ReefConfig, plugin_manager=None, role: str | None = No
         options = {"schema": cfg.storage.records_schema} if cfg.storage.records_schema else {}
         store = RecordStore.open(cfg.storage.records_url, data_dir, **options)
         try:
-            return Deployment(cfg, pm, store, engine, artifacts, role=role)
+            return Deployment(cfg, pm, store, engine, artifacts, role=role, tracing=tracing)
         except BaseException:
             store.close()
             raise
@@ -48,3 +49,18 @@ def build_deployment(cfg: ReefConfig, plugin_manager=None, role: str | None = No
         if preload:
             asyncio.run(engine.close())  # ends the load begun above
         raise
+
+
+def open_tracing(cfg: ReefConfig):
+    """The OTLP exporter ``observability.tracing`` asks for (not started), or None when it is off; raises ConfigError
+    naming the missing extra or an unset header variable."""
+    settings = cfg.observability.tracing
+    if not settings.enabled:
+        return None
+    from ..config.tracing import check_tracing_start, endpoint_url
+    from ..observe.tracing import Tracing
+
+    headers = check_tracing_start(settings)
+    engine = cfg.engine
+    provider = engine.upstream_dialect if engine.kind == "upstream" else engine.kind
+    return Tracing(settings, endpoint_url(settings), headers, provider=provider)

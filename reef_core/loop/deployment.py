@@ -61,7 +61,7 @@ ROLES = ("all", "serve", "learn")
 
 class Deployment:
     def __init__(self, cfg: ReefConfig, plugin_manager, store: RecordStore, engine, artifacts,
-                 role: str | None = None):
+                 role: str | None = None, tracing=None):
         role = role or ("all" if cfg.server.learner else "serve")
         if role not in ROLES:
             raise ConfigError(f"deployment role must be one of {', '.join(ROLES)}, not {role!r}")
@@ -71,6 +71,9 @@ class Deployment:
         self.store = store
         self.engine = engine
         self.artifacts = artifacts
+        #: ``observability.tracing``'s exporter (:class:`~reef_core.observe.tracing.Tracing`), None when off: told
+        #: every lifecycle notification after the plugins, it only watches.
+        self.tracing = tracing
         self.data_dir = Path(cfg.storage.data_dir)
         self.recipes = self._load_recipes()
         self._settings = {name: LearnerSettings(data_dir=self.data_dir, seed=cfg.seed, trainer=binding.trainer,
@@ -388,6 +391,8 @@ class Deployment:
     def _notify(self, hook_name: str, **kwargs) -> None:
         """Lifecycle hooks for plugins; a head move also reaches the replicas listening on PostgreSQL."""
         self.pm.notify(hook_name, **kwargs)
+        if self.tracing is not None:
+            self.tracing.notify(hook_name, **kwargs)
         if hook_name == "reef_release_published":
             if self.shared:
                 notify_head_moved(self.store.sql_engine, self.store.schema, kwargs["scenario"])
@@ -487,9 +492,9 @@ class Deployment:
             self._announce_one(stored)
 
     def _announce_one(self, stored) -> None:
-        self.pm.notify("reef_record_stored", record=stored)
+        self._notify("reef_record_stored", record=stored)
         if stored.kind == "report":
-            self.pm.notify("reef_report_accepted", record=stored, references=list(stored.references))
+            self._notify("reef_report_accepted", record=stored, references=list(stored.references))
         learner = self._learners.get(stored.scenario)
         if learner is not None:
             if stored.version is not None:
@@ -766,6 +771,10 @@ class Deployment:
         """The record writer's counters (None for a store without a writer)."""
         return getattr(self.store, "stats", None)
 
+    def tracing_stats(self) -> dict | None:
+        """The OTLP exporter's counters (None with tracing off)."""
+        return self.tracing.stats() if self.tracing is not None else None
+
     def compaction_counts(self) -> dict:
         """Records whose bodies retention compacted, per scenario and reason (``/metrics``)."""
         return self.retention.counts()
@@ -818,6 +827,7 @@ class Deployment:
     def status(self) -> dict:
         return {"scenarios": {name: learner.status() for name, learner in list(self._learners.items())},
                 "quarantined": dict(self._quarantined),
+                **({"tracing": self.tracing.stats()} if self.tracing is not None else {}),
                 "record_retention": self.retention.status(),
                 "engine": {"name": getattr(self.engine, "name", None),
                            "version": getattr(self.engine, "version", None)}}
@@ -829,6 +839,8 @@ class Deployment:
         if self.role != "serve":
             await asyncio.to_thread(self._hold_writer_lock)  # a second server on this data dir fails here
         await self.engine.start()
+        if self.tracing is not None:
+            self.tracing.start()
         self._warm_surfaces()
         # Existing scenarios resume their learners (recovery runs before serving starts). One that cannot is
         # quarantined (see learner()); start-up goes on with the others.
@@ -867,6 +879,8 @@ class Deployment:
         for learner in list(self._learners.values()):
             await asyncio.to_thread(learner.stop)
         await asyncio.to_thread(self.pool.close)
+        if self.tracing is not None:  # after the learners: their last steps are queued
+            await asyncio.to_thread(self.tracing.close)
         await asyncio.to_thread(self.evaluator.close)
         if self._watcher is not None:
             await asyncio.to_thread(self._watcher.stop)

@@ -276,6 +276,18 @@ class ScenarioLearner:
             self.last_sequence = max(self.last_sequence, record.sequence or 0)
 
     def _step(self, batch=None, settle=None) -> None:
+        """:meth:`_train_step`, then ``reef_step_committed`` for each training row it committed (every outcome commits
+        one: selected, rejected, held, refused), after the lock is released, so a slow listener never holds it."""
+        since = self.log.last_step()
+        try:
+            self._train_step(batch, settle)
+        finally:
+            if self.log.last_step() > since:
+                for row in self.log.rows(after_step=since, limit=100):
+                    if row.get("operation") == "training":
+                        self.ports.notify("reef_step_committed", scenario=self.name, row=row)
+
+    def _train_step(self, batch=None, settle=None) -> None:
         """Train one batch (the processor's pending one unless given); ``settle`` acknowledges or drops it (the
         processor, unless an instruction step settles its own way)."""
         retry = settle is None

@@ -47,9 +47,11 @@ _UPSTREAM_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0
 #: processes: the per-request series and the record writer's counters (each process writes its own records).
 SUMMED = frozenset({"reef_requests", "reef_added_latency_seconds", "reef_upstream_latency_seconds", "reef_tokens",
                     "reef_record_writer_batches", "reef_record_writer_appends", "reef_record_writer_commit_seconds",
-                    "reef_record_writer_failed_requests", "reef_record_writer_queue_depth"})
+                    "reef_record_writer_failed_requests", "reef_record_writer_queue_depth",
+                    "reef_tracing_spans_exported", "reef_tracing_spans_dropped", "reef_tracing_spans_sampled_out",
+                    "reef_tracing_export_failures", "reef_tracing_queue_depth"})
 #: Of those, the ones that are not counters: a worker gone takes its value with it.
-_GAUGES = frozenset({"reef_record_writer_queue_depth"})
+_GAUGES = frozenset({"reef_record_writer_queue_depth", "reef_tracing_queue_depth"})
 
 
 class WorkerSeries:
@@ -211,6 +213,7 @@ class DeploymentCollector:
 
     def collect(self):
         yield from self._writer()
+        yield from self._tracing()
         yield from self._learners()
         yield _compacted_family(self.dep.compaction_counts(), self.scenario_label)
         failures = self.dep.plugin_failures()
@@ -232,6 +235,26 @@ class DeploymentCollector:
                                 value=stats.largest_batch)
         yield CounterMetricFamily("reef_record_writer_failed_requests", "Writes whose caller got a storage error",
                                   value=stats.failed_requests)
+
+    def _tracing(self):
+        """The OTLP exporter (``observability.tracing``): spans sent, dropped by reason, sampled out, failed exports."""
+        # A stand-in deployment without the method (a test's) has no exporter either.
+        stats = self.dep.tracing_stats() if hasattr(self.dep, "tracing_stats") else None
+        if stats is None:
+            return
+        yield CounterMetricFamily("reef_tracing_spans_exported", "Spans the collector accepted",
+                                  value=stats["exported"])
+        dropped = CounterMetricFamily("reef_tracing_spans_dropped", "Spans lost, by reason (queue_full, "
+                                      "export_failed, unencodable, shutdown)", labels=["reason"])
+        for reason, count in sorted(stats["dropped"].items()):
+            dropped.add_metric([reason], count)
+        yield dropped
+        yield CounterMetricFamily("reef_tracing_spans_sampled_out", "Traces left out by observability.tracing.sample",
+                                  value=stats["sampled_out"])
+        yield CounterMetricFamily("reef_tracing_export_failures", "Exports that failed or timed out",
+                                  value=stats["export_failures"])
+        yield GaugeMetricFamily("reef_tracing_queue_depth", "Spans waiting for the exporter",
+                                value=stats["queue_depth"])
 
     def _learners(self):
         counters = {name: CounterMetricFamily(f"reef_learner_{name}", help_, labels=["scenario"])
