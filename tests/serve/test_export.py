@@ -299,3 +299,30 @@ def test_cli_flags_are_checked_first(servers, recorded, tmp_path, capsys, monkey
     assert reef_main(["export", "--scenario", SCENARIO, data]) == 0  # openai-jsonl needs nothing extra
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 6 and all(openai_format_errors(json.loads(line)) == [] for line in out)
+
+
+def test_the_route_is_in_the_openapi_document(servers):
+    document = httpx.get(f"{servers[0].url}/openapi.json", timeout=30).json()
+    operation = document["paths"]["/reef/scenarios/{scenario}/export"]["get"]
+    assert {p["name"] for p in operation["parameters"] if p["in"] == "query"} == {
+        "format", "since", "release", "scored_only"}
+    assert "application/x-ndjson" in operation["responses"]["200"]["content"]
+
+
+def test_release_selects_what_a_release_served(module_reef_server, fake_upstream_url, tmp_path):
+    server = module_reef_server("+recipe=gepa", "engine.kind=upstream", f"engine.upstream_url={fake_upstream_url}")
+    scenario = "export-harness"
+    for text in ("one", "two"):
+        answer = httpx.post(f"{server.url}/v1/chat/completions", headers={"x-reef-scenario": scenario}, timeout=30,
+                            json={"model": "m", "messages": [{"role": "user", "content": text}]})
+        assert answer.status_code == 200, answer.text
+    releases = httpx.get(f"{server.url}/reef/scenarios/{scenario}/releases").json()["releases"]
+    seed = releases[-1]["release_id"]
+    served = _lines(_export(server, scenario, format="reef-jsonl", release=seed[:7]))
+    assert len(served) == 2 and all(e["payload"]["release_id"] == seed for e in served)
+    assert _export(server, scenario, release="f" * 40).status_code == 404
+    out = tmp_path / "rows.parquet"
+    assert reef_main(["export", "--scenario", scenario, "--release", seed, "--format", "parquet", "--out", str(out),
+                      "+recipe=gepa", f"storage.data_dir={server.data_dir}"]) == 0
+    pq = pytest.importorskip("pyarrow.parquet")
+    assert pq.read_table(out).column("release").to_pylist() == [seed, seed]

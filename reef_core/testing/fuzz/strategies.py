@@ -494,6 +494,27 @@ def _compare(draw, pools: Pools, prefix: str = "/reef/scenarios/"):
     return draw(request_case(pools, "GET", route, target, names=[raw], note=note))
 
 
+#: ``since`` values of the export: sequences, ISO-8601 times, and what the door refuses.
+SINCE = ["0", "3", "2026-01-01T00:00:00Z", "2026-01-01", "2026-01-01T00:00:00+05:30", str(2**63), "9" * 400,
+         "-1", "yesterday", "%00", "2026-13-40"]
+
+
+@st.composite
+def _export(draw, pools: Pools):
+    """The dataset export: known and unknown formats, ``since``, ``release`` and ``scored_only``, each or none."""
+    segment, raw, note = draw(_path_scenario(pools))
+    ids = [r for rs in pools.releases.values() for r in rs] or ["0" * 40]
+    values = {"format": st.sampled_from(["openai-jsonl", "reef-jsonl", "reef-jsonl", "hf", "parquet", "csv", ""]),
+              "since": st.one_of(st.sampled_from(SINCE[:5]), st.sampled_from(SINCE), odd_text.map(path_segment)),
+              "release": st.one_of(st.sampled_from(ids), st.just(ids[0][:7]), odd_text.map(path_segment)),
+              "scored_only": st.sampled_from(["true", "false", "false", "1", "maybe", ""])}
+    # Mostly valid queries (so most cases stream records), each parameter now and then odd; release seldom.
+    pairs = [f"{key}={draw(value)}" for key, value in values.items()
+             if draw(st.integers(0, 7 if key == "release" else 2)) == 0]
+    target = f"/reef/scenarios/{segment}/export" + ("?" + "&".join(pairs) if pairs else "")
+    return draw(request_case(pools, "GET", "/reef/scenarios/{scenario}/export", target, names=[raw], note=note))
+
+
 #: Alias names: the built-in ones, a custom one, and ones the door refuses.
 ALIAS_NAMES = ["staging", "production", "qa-1", "Staging", "a" * 70, "0" * 40, "%2e%2e", "%00"]
 
@@ -649,6 +670,7 @@ def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
         "GET /reef/scenarios/{scenario}/records/{record_id}": _record(pools),
         "GET /reef/scenarios/{scenario}/commits": _commits(pools),
         "GET /reef/scenarios/{scenario}/releases/compare": _compare(pools),
+        "GET /reef/scenarios/{scenario}/export": _export(pools),
         "GET /reef/scenarios/{scenario}/aliases": _scenario_route(pools, "GET", "/reef/scenarios/{scenario}/aliases",
                                                                   "/aliases", pool=pools.harness),
         "PUT /reef/scenarios/{scenario}/aliases/{name}": _alias_move(pools),
