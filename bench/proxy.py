@@ -34,6 +34,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--scoped-tokens", type=int, default=0, metavar="N",
                         help="also measure a second Reef ('reef-scoped') with N scoped tokens (rate limits on), "
                              "called with the last of them, interleaved with the plain one")
+    parser.add_argument("--tracing", action="store_true",
+                        help="also measure a Reef ('reef-tracing') exporting OTLP to a collector that is down "
+                             "(observability.tracing on, nothing listening), interleaved with the plain one")
 
 
 class Client:
@@ -109,6 +112,10 @@ def latency(targets: dict[str, common.Child], rounds: int, per_round: int, warmu
         result["ratio_scoped_over_plain"] = {
             p: round(added["reef-scoped"][p] / added["reef"][p], 3) if added["reef"][p] > 0 else None
             for p in ("p50", "p95", "p99", "median_of_round_medians")}
+    if "reef" in added and "reef-tracing" in added:
+        result["ratio_tracing_over_plain"] = {
+            p: round(added["reef-tracing"][p] / added["reef"][p], 3) if added["reef"][p] > 0 else None
+            for p in ("p50", "p95", "p99", "median_of_round_medians")}
     if "reef" in added and "litellm" in added:
         result["ratio_reef_over_litellm"] = {
             p: round(added["reef"][p] / added["litellm"][p], 3) if added["litellm"][p] > 0 else None
@@ -131,6 +138,13 @@ def run(args) -> dict:
             children.append(scoped)
             targets["reef-scoped"] = scoped
             tokens["reef-scoped"] = common.scoped_token(args.scoped_tokens - 1)
+        if args.tracing:  # the acceptance of #40: a dead collector adds under 5% at p50
+            dead = f"http://127.0.0.1:{common.free_port()}/v1/traces"
+            tracing = common.start_reef(targets["stub"].url, workdir / "data-tracing",
+                                        "observability.tracing.enabled=true",
+                                        f"observability.tracing.endpoint={dead}", name="reef-tracing")
+            children.append(tracing)
+            targets["reef-tracing"] = tracing
         lat = latency(targets, args.rounds, args.per_round, args.warmup, tokens)
         rss_after_latency = {c.name: c.peak_rss_mib() for c in children}
         runs: list[dict] = []
@@ -160,6 +174,10 @@ def run(args) -> dict:
     if "ratio_scoped_over_plain" in lat:
         ratio = lat["ratio_scoped_over_plain"]
         print(f"Reef with {args.scoped_tokens} scoped tokens / without, added latency: p50 x{ratio['p50']}, "
+              f"p95 x{ratio['p95']}, p99 x{ratio['p99']}, round medians x{ratio['median_of_round_medians']}")
+    if "ratio_tracing_over_plain" in lat:
+        ratio = lat["ratio_tracing_over_plain"]
+        print(f"Reef tracing to a dead collector / tracing off, added latency: p50 x{ratio['p50']}, "
               f"p95 x{ratio['p95']}, p99 x{ratio['p99']}, round medians x{ratio['median_of_round_medians']}")
     if "reef" in lat["added_ms"]:
         print(f"Reef receipts: {lat['reef_receipts']} of {lat['reef_requests']} responses; "
