@@ -13,6 +13,7 @@ BENCHMARKS = {
     "proxy": "bench.proxy",
     "throughput": "bench.throughput",
     "store": "bench.store",
+    "retention": "bench.retention",
     "publish": "bench.publish",
     "commit": "bench.commit",
     "fuzz": "bench.fuzz",

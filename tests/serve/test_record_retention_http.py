@@ -62,6 +62,9 @@ def test_a_compacted_record_reads_410_its_metadata_200(server):
     assert whole.status_code == 200 and whole.json()["compacted"] is None and "response" in whole.json()["payload"]
     metrics = httpx.get(f"{server.url}/metrics").text
     assert 'reef_records_compacted_total{reason="expired",scenario="old"} 1.0' in metrics
+    spec = httpx.get(f"{server.url}/openapi.json").json()["paths"]
+    assert "410" in spec["/reef/scenarios/{scenario}/records/{record_id}"]["get"]["responses"]
+    assert "get" in spec["/reef/scenarios/{scenario}/records/{record_id}/metadata"]
 
 
 def test_reef_gc_records(tmp_path):

@@ -57,7 +57,9 @@ async def list_records(request: Request, scenario: str, after_sequence: int = Qu
                          "next_after_sequence": next_after}, headers=_NO_STORE)
 
 
-@router.get("/reef/scenarios/{scenario}/records/{record_id}")
+@router.get("/reef/scenarios/{scenario}/records/{record_id}", responses={
+    410: {"description": "record retention compacted the body (the error names when and why); its metadata stays "
+                         "at .../metadata"}})
 async def get_record(request: Request, scenario: str, record_id: str):
     record = await path_record(request.app.state.reef, scenario, record_id)
     marker = compaction_of(record)

@@ -455,13 +455,15 @@ def _scenario_route(pools: Pools, method: str, route: str, suffix: str = "", que
 
 
 @st.composite
-def _record(draw, pools: Pools, prefix: str = "/reef/scenarios/"):
+def _record(draw, pools: Pools, prefix: str = "/reef/scenarios/", suffix: str = ""):
+    """A record read (``suffix`` ``/metadata``: its metadata); the pool's receipts get compacted while the run goes
+    on (``server_overrides``: ``fz-*`` bodies expire after 2 s), so the 410 of a compacted body is reached too."""
     segment, raw, note = draw(_path_scenario(pools))
     scenario = raw.decode("utf-8", "replace")
     receipt = draw(st.one_of(st.sampled_from(pools.receipt_list(scenario)), odd_text.map(lambda t: path_segment(t)),
                              st.sampled_from(["..", "%2F", "%00", "a%2Fb", "x" * 5000])))
-    target = f"{prefix}{segment}/records/{receipt}"
-    return draw(request_case(pools, "GET", f"{prefix}{{scenario}}/records/{{record_id}}", target,
+    target = f"{prefix}{segment}/records/{receipt}{suffix}"
+    return draw(request_case(pools, "GET", f"{prefix}{{scenario}}/records/{{record_id}}{suffix}", target,
                              names=[raw], note=note))
 
 
@@ -668,6 +670,7 @@ def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
         "GET /reef/scenarios/{scenario}/records": _scenario_route(pools, "GET", "/reef/scenarios/{scenario}/records",
                                                                   "/records", ("after_sequence", "limit")),
         "GET /reef/scenarios/{scenario}/records/{record_id}": _record(pools),
+        "GET /reef/scenarios/{scenario}/records/{record_id}/metadata": _record(pools, suffix="/metadata"),
         "GET /reef/scenarios/{scenario}/commits": _commits(pools),
         "GET /reef/scenarios/{scenario}/releases/compare": _compare(pools),
         "GET /reef/scenarios/{scenario}/export": _export(pools),

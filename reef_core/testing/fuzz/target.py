@@ -28,7 +28,9 @@ def server_overrides() -> list[str]:
             "rpm:1000000,tpm:100000000,budget_tokens:1000000000}]",
             # The harness scenarios take instructions (POST /reef/train), the others refuse them (auto mode).
             f"routes=[{{pattern:'{HARNESS_PREFIX}*',recipe:gepa,overrides:['recipe.training_mode=hybrid']}},"
-            f"{{pattern:'{SKILLS_PREFIX}*',recipe:skillclaw,overrides:['{seed}']}}]", "server.log_level=warning"]
+            f"{{pattern:'{SKILLS_PREFIX}*',recipe:skillclaw,overrides:['{seed}']}}]", "server.log_level=warning",
+            # The plain pool's bodies expire fast, so reads and retries of compacted records (410) are fuzzed too.
+            "storage.retention.interval_s=1", "storage.retention.scenarios=[{pattern:'fz-*',max_age:2s}]"]
 
 
 def prepare(host: str, port: int, pid: int, log_path: Path, deletable: int = 6) -> Target:
