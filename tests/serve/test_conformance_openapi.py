@@ -61,6 +61,10 @@ def test_the_bodies_are_the_doors(document):
     assert set(messages["required"]) == {"model", "messages", "max_tokens"}
     report = document["paths"]["/reef/report"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert report["additionalProperties"] is False and "score" in report["properties"]
+    evaluate = document["paths"]["/reef/scenarios/{scenario}/evaluate"]["post"]
+    schema = evaluate["requestBody"]["content"]["application/json"]["schema"]
+    assert schema["additionalProperties"] is False and set(schema["required"]) == {"release", "messages"}
+    assert evaluate["x-reef-scope"] == "eval"
 
 
 def test_headers_are_declared_where_they_are_read(document):

@@ -546,6 +546,22 @@ def _alias_history(draw, pools: Pools):
                              names=[raw], note=note))
 
 
+@st.composite
+def _evaluate(draw, pools: Pools):
+    """``POST .../evaluate``: a release id, an alias or ``candidate``, a chat and its generation settings, mutated."""
+    segment, raw, note = draw(_path_scenario(pools, pools.harness))
+    ids = [r for rs in pools.releases.values() for r in rs] or ["0" * 40]
+    release = st.one_of(st.sampled_from(ids), st.sampled_from(["production", "candidate", *ALIAS_NAMES]), odd_text)
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool"]),
+                                     "content": st.one_of(words, st.just([{"type": "text", "text": "hi"}]))})
+    valid = st.fixed_dictionaries({"release": release, "messages": st.lists(message, min_size=1, max_size=3)},
+                                  optional={"max_tokens": st.integers(1, 8), "temperature": st.floats(0, 2),
+                                            "seed": st.integers(0, 2**63 - 1), "model": words})
+    drawn = draw(mutated_body(valid, ("release", "messages", "max_tokens", "temperature", "seed")))
+    return draw(request_case(pools, "POST", "/reef/scenarios/{scenario}/evaluate",
+                             f"/reef/scenarios/{segment}/evaluate", body=drawn, admin=True, names=[raw], note=note))
+
+
 def _release_body(pools: Pools):
     def body(draw):
         ids = [r for rs in pools.releases.values() for r in rs] or ["0" * 40]
@@ -622,23 +638,15 @@ def _plain_post(draw, pools: Pools, route: str):
     return draw(request_case(pools, "POST", route, route, body=(data, "form body")))
 
 
-def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
-    """``METHOD /openapi/path`` -> strategy of cases for that route."""
-    plain = ["/reef/scenarios/{scenario}/releases", "/reef/scenarios/{scenario}/status",
-             "/reef/scenarios/{scenario}/samples", "/reef/scenarios/{scenario}/evaluations"]
-    routes = {
-        "GET /healthz": _plain_get(pools, "/healthz"),
-        "GET /v1/models": _plain_get(pools, "/v1/models"),
-        "GET /reef/scenarios": _plain_get(pools, "/reef/scenarios"),
-        "GET /reef/status": _plain_get(pools, "/reef/status"),
-        "GET /metrics": _plain_get(pools, "/metrics"),
-        "GET /docs": _plain_get(pools, "/docs"),
-        # The dashboard (HTML; forms are urlencoded, so a JSON body is a malformed form to it).
+def _ui_routes(pools: Pools) -> dict[str, st.SearchStrategy]:
+    """The dashboard's routes (HTML; forms are urlencoded, so a JSON body is a malformed form to it)."""
+    return {
         "GET /ui": _plain_get(pools, "/ui"),
         "GET /ui/login": _plain_get(pools, "/ui/login"),
         "POST /ui/login": _plain_post(pools, "/ui/login"),
         "POST /ui/logout": _plain_post(pools, "/ui/logout"),
-        "GET /ui/scenarios/{scenario}": _scenario_route(pools, "GET", "/ui/scenarios/{scenario}", prefix="/ui/scenarios/"),
+        "GET /ui/scenarios/{scenario}": _scenario_route(pools, "GET", "/ui/scenarios/{scenario}",
+                                                        prefix="/ui/scenarios/"),
         "GET /ui/scenarios/{scenario}/records": _scenario_route(
             pools, "GET", "/ui/scenarios/{scenario}/records", "/records", ("after", "type", "tag"),
             prefix="/ui/scenarios/"),
@@ -658,6 +666,21 @@ def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
         "POST /ui/scenarios/{scenario}/promote": _scenario_route(
             pools, "POST", "/ui/scenarios/{scenario}/promote", "/promote", admin=True, body=_release_body(pools),
             pool=pools.harness, prefix="/ui/scenarios/"),
+    }
+
+
+def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
+    """``METHOD /openapi/path`` -> strategy of cases for that route."""
+    plain = ["/reef/scenarios/{scenario}/releases", "/reef/scenarios/{scenario}/status",
+             "/reef/scenarios/{scenario}/samples", "/reef/scenarios/{scenario}/evaluations"]
+    routes = {
+        "GET /healthz": _plain_get(pools, "/healthz"),
+        "GET /v1/models": _plain_get(pools, "/v1/models"),
+        "GET /reef/scenarios": _plain_get(pools, "/reef/scenarios"),
+        "GET /reef/status": _plain_get(pools, "/reef/status"),
+        "GET /metrics": _plain_get(pools, "/metrics"),
+        "GET /docs": _plain_get(pools, "/docs"),
+        **_ui_routes(pools),
         "POST /v1/chat/completions": _inference(pools, "/v1/chat/completions", openai_chat(), OPENAI_FIELDS),
         "POST /v1/messages": _inference(pools, "/v1/messages", anthropic_messages(), ANTHROPIC_FIELDS),
         "POST /v1/messages/count_tokens": _inference(pools, "/v1/messages/count_tokens", anthropic_messages(True),
@@ -679,6 +702,7 @@ def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
         "PUT /reef/scenarios/{scenario}/aliases/{name}": _alias_move(pools),
         "GET /reef/scenarios/{scenario}/aliases/{name}/history": _alias_history(pools),
         "GET /ui/scenarios/{scenario}/compare": _compare(pools, prefix="/ui/scenarios/"),
+        "POST /reef/scenarios/{scenario}/evaluate": _evaluate(pools),
         "POST /reef/scenarios/{scenario}/rollback": _scenario_route(
             pools, "POST", "/reef/scenarios/{scenario}/rollback", "/rollback", admin=True, body=_release_body(pools),
             pool=pools.harness),
