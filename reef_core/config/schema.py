@@ -257,11 +257,51 @@ class TrainerConfig:
 
 
 @dataclass
+class RolloutArm:
+    """One arm of an ``ab`` rollout: a release of the scenario (id or alias name) and its fixed share of traffic."""
+
+    release: str = ""
+    share: float = 0.0
+
+
+@dataclass
+class RolloutConfig:
+    """How a release reaches traffic (``evaluation.rollout``; checked by :mod:`reef_core.config.rollout`)."""
+
+    #: ``immediate`` (a selected release serves everything at once), ``canary`` (it serves ``share`` of traffic
+    #: until the rule or an admin promotes or rolls it back) or ``ab`` (fixed ``arms``, no decision).
+    strategy: str = "immediate"
+    #: ``canary``: the share of traffic the canary serves (0 < share < 1).
+    share: float = 0.1
+    #: The tag whose value keeps a client on one release (``x-reef-tag-<sticky>``); without it, the record id.
+    sticky: str = "session"
+    #: ``canary``: the decision rule (``welch_t``: a one-sided Welch t-test, :mod:`reef_core.commit.canary`).
+    rule: str = "welch_t"
+    #: ``canary``: scored records each side needs before the rule decides.
+    min_scored: int = 30
+    #: ``canary``: the one-sided test level of each direction (promote, roll back).
+    alpha: float = 0.05
+    #: ``canary``: scored records each side after which an undecided canary is rolled back (null: no limit).
+    max_scored: Optional[int] = 1000
+    #: ``canary``: whether the canary's records train (false: they are dropped as ``canary_served``).
+    train_canary: bool = False
+    #: ``ab``: the releases and their shares (summing to 1).
+    arms: list[RolloutArm] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        from .rollout import check_rollout
+
+        check_rollout(self)
+
+
+@dataclass
 class EvaluationConfig:
     evaluator: Optional[str] = None
     policy: str = "always"
     #: ``auto`` serves a selected candidate at once; ``review`` holds it as pending until promoted.
     publish: str = "auto"
+    #: How a selected release reaches traffic: at once, as a canary, or A/B arms (see :class:`RolloutConfig`).
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     #: JSONL file of evaluation tasks (the ``learn.file`` format; ``pkg://<package>/<path>`` allowed): when set, the
     #: gate evaluates every candidate and the current release on these tasks instead of the trainer's own.
     tasks: Optional[str] = None
