@@ -41,7 +41,7 @@ from ..errors import ConfigError, Conflict, NotFound, ReefError, ScenarioQuarant
 from ..grow.eval_engine import EvalGeneration
 from ..observe.instructions import TRAINING_MODES
 from ..observe.records import RecordStore, Scenario
-from . import inference
+from . import inference, rollout
 from .evaluate import Evaluator
 from .follower import HeadWatcher, ScenarioFollower, head_channel, notify_head_moved
 from .lease import LeaseHolder, psycopg_dsn
@@ -86,6 +86,8 @@ class Deployment:
         self._learners: dict[str, Any] = {}
         self._learners_lock = threading.RLock()  # also guards the writer lock, taken by start() or a learner
         self._quarantined: dict[str, str] = {}  # scenario -> why it could not start
+        #: ``ab`` rollouts: scenario -> (the head the arms were resolved under, [(arm, release id or None)]).
+        self._ab_arms: dict[str, tuple[str | None, list]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._writer_lock: WriterLock | None = None
         self.pool = LearnerPool(workers=cfg.trainer.learner_workers)
@@ -120,7 +122,8 @@ class Deployment:
                 load_tasks(binding.evaluation.tasks, key="evaluation.tasks" if name == cfg.recipe.name
                            else f"evaluation.tasks of recipe {name!r}")
         for binding in self.recipes.values():
-            self.surface(binding.config.surface, binding.config.surface_options)
+            surface = self.surface(binding.config.surface, binding.config.surface_options)
+            rollout.check_binding(binding, surface, role=self.role, workers=cfg.server.workers)
 
     # -- recipes and scenarios ----------------------------------------------------------------
 
@@ -652,6 +655,7 @@ class Deployment:
         reason = aliases.check_reason(reason)
         rows = self.release_rows(scenario.name)
         row = aliases.target(release_id, rows)
+        self._ab_arms.pop(scenario.name, None)  # an A/B arm may name this alias
         if name != aliases.PRODUCTION:
             move = self._alias_log(required=True).move(scenario.name, name, row["release_id"], by=by, reason=reason)
             return {"scenario": scenario.name, **move, "moved": move["from"] != move["to"]}
@@ -701,6 +705,93 @@ class Deployment:
                           "content_id": row.get("content_id"), "surface": kind, "recorded": False}
         return answer
 
+    # -- rollouts: canary and A/B (loop/rollout.py) ------------------------------------------------
+
+    def rolls_out(self, scenario: Scenario) -> bool:
+        """Whether the scenario's recipe assigns requests to releases (``evaluation.rollout`` canary or ab)."""
+        return self.recipe(scenario).evaluation.rollout.strategy != "immediate"
+
+    def rollout_plan(self, scenario: Scenario, tags: dict | None, record_id: str) -> tuple[str | None, dict | None]:
+        """The release a request is assigned to (None: the head) and what its record keeps (``payload.rollout``),
+        by the request's sticky key. Blocking for ``ab`` (its arms are resolved through the release chain and the
+        alias log, once per head and alias move)."""
+        config = self.recipe(scenario).evaluation.rollout
+        key = rollout.sticky_key(tags, record_id, config.sticky)
+        if config.strategy == "canary":
+            canary = getattr(self._learners.get(scenario.name), "canary", None)
+            if canary is None:
+                return None, None
+            if rollout.in_canary(scenario.name, canary.release_id, key, canary.share):
+                return canary.release_id, {"strategy": "canary", "canary": canary.release_id, "arm": rollout.CANARY,
+                                           **({} if config.train_canary else {"trains": False})}
+            return None, {"strategy": "canary", "canary": canary.release_id, "arm": rollout.PRODUCTION}
+        arms = self._resolved_arms(scenario, config.arms)
+        arm, release_id = arms[rollout.ab_arm(scenario.name, config.arms, key)]
+        info = {"strategy": "ab", "arm": arm, "release_id": release_id}
+        if release_id is None:  # the arm names nothing the scenario has (yet): the head serves, the record says so
+            return None, {**info, "unresolved": True}
+        return (None if release_id == self.serving_version(scenario) else release_id), info
+
+    def _resolved_arms(self, scenario: Scenario, arms: list) -> list[tuple[str, str | None]]:
+        from .aliases import named
+
+        head = self.serving_version(scenario)
+        cached = self._ab_arms.get(scenario.name)
+        if cached is not None and cached[0] == head:
+            return cached[1]
+        rows, now = self.release_rows(scenario.name), self._aliases_now(scenario.name)
+        resolved = [(arm.release, named(arm.release, rows, now)) for arm in arms]
+        self._ab_arms[scenario.name] = (head, resolved)
+        return resolved
+
+    def canary_state(self, scenario: Scenario) -> dict:
+        """The scenario's rollout: the running canary with its scores by arm and the rule's answer, or the A/B arms
+        with each one's scored records and mean, and the last canary decision in the chain."""
+        config = self.recipe(scenario).evaluation.rollout
+        out: dict = {"scenario": scenario.name, "strategy": config.strategy, "canary": None, "test": None,
+                     "production_release_id": None, "last_decision": None}
+        if not self.is_active(scenario.name):
+            return out
+        learner = self.learner(scenario)
+        if hasattr(learner, "canary_state"):
+            out.update(learner.canary_state())
+        rows = self.release_rows(scenario.name)
+        last = next((row for row in rows if isinstance((row.get("source") or {}).get("canary"), dict)), None)
+        if last is not None:
+            decision, source = last["source"]["canary"], last["source"]
+            out["last_decision"] = {"release_id": last["release_id"], "operation": last.get("operation"),
+                                    "at": last.get("created_at"), "canary": decision.get("release_id"),
+                                    "decision": decision.get("decision"), "evidence": decision.get("evidence"),
+                                    "by": source.get("by"), "reason": source.get("reason")}
+        if config.strategy == "ab":
+            from .release_compare import scores_by_release, version_table
+
+            groups = {g.release_id: g for g in scores_by_release(self.store.replay(scenario.name),
+                                                                   version_table(rows))[0]}
+            out["arms"] = []
+            for (arm, release_id), spec in zip(self._resolved_arms(scenario, config.arms), config.arms):
+                group = groups.get(release_id)
+                out["arms"].append({"release": arm, "release_id": release_id, "share": spec.share,
+                                    "scored": len(group.scores) if group else 0,
+                                    "mean": group.mean if group else None})
+        return out
+
+    def decide_canary(self, scenario: Scenario, action, reason, by: str) -> dict:
+        """An admin's promote or rollback of the running canary (checked first: 400 naming ``action`` or
+        ``reason``, 409 without a canary); the decision release keeps who, why and the evidence so far."""
+        from .aliases import check_reason
+
+        if action not in ("promote", "rollback"):
+            raise ValidationFailed("action: 'promote' or 'rollback'", param="action")
+        reason = check_reason(reason)
+        learner = self.learner(scenario) if self.is_active(scenario.name) else None
+        if getattr(learner, "canary", None) is None:
+            raise Conflict(f"scenario {scenario.name!r} has no canary running")
+        canary_id = learner.canary.release_id
+        release = learner.conclude_canary(action, by=by, reason=reason)
+        return {"scenario": scenario.name, "canary": canary_id, "action": action, "release_id": release.release_id,
+                "by": by, "reason": reason, "evidence": (release.source or {}).get("canary", {}).get("evidence")}
+
     def commit_rows(self, scenario: Scenario, after_step, limit: int, record_id: str | None) -> list[dict]:
         return self.learner(scenario).commit_rows(after_step, limit, record_id)
 
@@ -726,11 +817,13 @@ class Deployment:
         return inference.find_retry(self, scenario, request_hash, record_id, **lookup)
 
     async def plan_inference(self, scenario: Scenario, client_dialect: str, route: str, body: dict,
-                             forward_headers: dict[str, str], pin: str | None = None):
+                             forward_headers: dict[str, str], pin: str | None = None, tags: dict | None = None,
+                             record_id: str | None = None):
         """:func:`reef_core.loop.inference.plan`: the engine request for a validated body of ``scenario``; ``pin``:
-        the ``x-reef-release`` a request names (an alias or a release id)."""
+        the ``x-reef-release`` a request names (an alias or a release id); ``tags`` and ``record_id`` key a rollout's
+        sticky assignment."""
         return await inference.plan(self, scenario, client_dialect, route, body, forward_headers,
-                                    self.cfg.engine.max_new_tokens, pin=pin)
+                                    self.cfg.engine.max_new_tokens, pin=pin, tags=tags, record_id=record_id)
 
     def pinned_release(self, scenario: Scenario, value: str) -> str | None:
         """The release a request pinning ``value`` is served by, or None for the head (``production``, or the

@@ -97,13 +97,17 @@ class Plan:
     response_headers: dict[str, str] = field(default_factory=dict)
     #: The ``x-reef-release`` value that pinned a release other than the head (kept in the record).
     pinned: str | None = None
+    #: The rollout's assignment of this request (``payload.rollout``: strategy, arm, the canary or the arm's release).
+    rollout: dict | None = None
 
 
 async def plan(dep, scenario, client_dialect: str, route: str, body: dict, forward_headers: dict[str, str],
-               max_new_tokens: int, pin: str | None = None) -> Plan:
+               max_new_tokens: int, pin: str | None = None, tags: dict | None = None,
+               record_id: str | None = None) -> Plan:
     """The engine request for a validated ``body`` of ``scenario`` (resolved, not necessarily stored yet);
     ``pin`` (``x-reef-release``) names the release to serve instead of the head, resolved before anything is
-    created."""
+    created. Without a pin, a rollout (canary or A/B, :mod:`reef_core.loop.rollout`) may assign the request to
+    another release by its sticky key (``tags``, else ``record_id``)."""
     pinned = await asyncio.to_thread(dep.pinned_release, scenario, pin) if pin is not None else None
     engine = dep.engine
     engine_dialect = client_dialect if client_dialect in engine.dialects else engine.dialects[0]
@@ -117,7 +121,9 @@ async def plan(dep, scenario, client_dialect: str, route: str, body: dict, forwa
     # no release to serve, and asking its surface would leave state behind for a request that may be refused.
     recipe_surface = dep.surface_for(scenario)
     surface = recipe_surface if dep.is_active(scenario.name) else None
-    release_id, headers = None, {}
+    release_id, headers, assigned = None, {}, None
+    if surface is not None and route != "count_tokens" and pin is None and dep.rolls_out(scenario):
+        pinned, assigned = await asyncio.to_thread(dep.rollout_plan, scenario, tags, record_id or new_record_id())
     if surface is not None and route != "count_tokens":
         if pinned is not None:  # a pinnable (harness) surface shapes this one request with the pinned release
             body, release_id = surface.prepare_pinned(scenario.name, client_dialect, body, pinned)
@@ -130,7 +136,8 @@ async def plan(dep, scenario, client_dialect: str, route: str, body: dict, forwa
     request = EngineRequest(dialect=engine_dialect, route=engine_route, body=upstream_body, headers=forward_headers,
                             version=pinned or dep.serving_version(scenario), tokens=trains_weights)
     return Plan(scenario=scenario, engine_dialect=engine_dialect, engine_request=request, release_id=release_id,
-                response_headers=headers, pinned=pin if pinned is not None else None)
+                response_headers=headers, pinned=pin if pin is not None and pinned is not None else None,
+                rollout=assigned)
 
 
 @dataclass
@@ -170,6 +177,8 @@ class Exchange:
             payload["release_id"] = self.plan.release_id  # the harness release that shaped the request
         if self.plan.pinned:
             payload["pinned"] = self.plan.pinned  # the alias (or id) that chose the release, not the head
+        if self.plan.rollout:
+            payload["rollout"] = self.plan.rollout  # which side of a canary or which A/B arm served it
         if self.retry_of:
             payload["retry_of"] = self.retry_of  # the incomplete attempt this request repeats
         if self.responses_entry is not None:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..commit.commitlog import CommitLog
+from ..commit.canary import COLLECTING, PROMOTE, decide
 from ..commit.committer import Committer
 from ..commit.crashpoints import crash_point
 from ..commit.gate import Candidate, Decision, EvaluationResult, run_gate
@@ -40,6 +41,7 @@ from ..errors import ActivationFailed, ConfigError, Conflict, NotFound, ReefErro
 from ..grow.trainer import CandidateUpdate, TrainContext, Trainer, TrainerSetup
 from ..observe.instructions import pending_entry
 from ..observe.processor import Batch, DropCounter, drop_reason
+from . import rollout as rollouts
 from .ports import LearnerPorts, LearnerSettings
 from .taskfile import load_tasks
 
@@ -92,6 +94,11 @@ class ScenarioLearner:
                            if getattr(settings.evaluation, "tasks", None) else None)
         self.checkpoint_every = settings.checkpoint_every
         self.publish_mode = settings.evaluation.publish
+        #: ``evaluation.rollout``; with ``canary``, a selected release serves a share of traffic first.
+        self.rollout = settings.evaluation.rollout
+        #: The canary running now (read by serving for each request), its tally, and the last decision (status).
+        self.canary: rollouts.Canary | None = None
+        self.canary_tally: rollouts.CanaryTally | None = None
         self.head: Release | None = None
         self.live_release_id: str | None = None
         self.versions_since_checkpoint = 0
@@ -127,6 +134,7 @@ class ScenarioLearner:
             self.processor.restore(consumed)
         if self.head is None:
             self._create()
+        self._recover_canary()
         if self.head is not None and self.surface is not None and self.training_disabled is None:
             # A scenario that may not move the engine's weights serves what the owner serves: nothing to restore.
             self._serve_head_at_start()
@@ -221,7 +229,9 @@ class ScenarioLearner:
         self._running = True
         try:
             self._ingest()
-            if self._trains() and self._has_work():
+            self._canary_turn()
+            # One canary at a time: ready batches wait for its decision, then train against the head it leaves.
+            if self._trains() and self.canary is None and self._has_work():
                 if self._instruction_due():
                     self._instruction_step()
                 else:
@@ -273,6 +283,8 @@ class ScenarioLearner:
                     self.instructions[record.record_id] = record
             else:
                 self.processor.ingest(record)
+            if self.canary_tally is not None:
+                self.canary_tally.observe(record)
             self.last_sequence = max(self.last_sequence, record.sequence or 0)
 
     def _step(self, batch=None, settle=None) -> None:
@@ -282,10 +294,17 @@ class ScenarioLearner:
         try:
             self._train_step(batch, settle)
         finally:
-            if self.log.last_step() > since:
-                for row in self.log.rows(after_step=since, limit=100):
-                    if row.get("operation") == "training":
-                        self.ports.notify("reef_step_committed", scenario=self.name, row=row)
+            self._announce_steps(since)
+
+    def _announce_steps(self, since: int) -> None:
+        """``reef_step_committed`` for the training rows after step ``since``; a failed read only costs the notices."""
+        try:
+            for step in range(since + 1, self.log.last_step() + 1):  # one read a row (the PostgreSQL log's too)
+                row = self.log.row(step)
+                if row.get("operation") == "training":
+                    self.ports.notify("reef_step_committed", scenario=self.name, row=row)
+        except Exception:  # noqa: BLE001 - the step is committed whatever its listeners hear
+            log.warning("scenario %s: steps after %d not announced", self.name, since, exc_info=True)
 
     def _train_step(self, batch=None, settle=None) -> None:
         """Train one batch (the processor's pending one unless given); ``settle`` acknowledges or drops it (the
@@ -392,7 +411,11 @@ class ScenarioLearner:
         accepted_at = time.perf_counter()
         with self.lock:
             consumed = list(batch.record_ids)
-            hold = self.publish_mode == "review"
+            canary = self.rollout.strategy == "canary"
+            hold = self.publish_mode == "review" or canary
+            source = update.source or {"kind": "training"}
+            if canary:  # held out of the chain, served to a share of traffic until decided
+                source = {**source, "rollout": rollouts.canary_source(self.rollout)}
             durable = hold or self.surface is None or self.surface.kind != "weights" or (
                 (self.versions_since_checkpoint + 1) % self.checkpoint_every == 0)
             evaluation = decision.evaluation.to_dict() if decision.evaluation else None
@@ -401,13 +424,14 @@ class ScenarioLearner:
                 release, _row = self.committer.publish(
                     update.files, expected_head=self.head.release_id if self.head else None,
                     consumed_ids=consumed, algorithm_state=update.algorithm_state, metrics=metrics,
-                    evaluation=evaluation, decision=decision.to_dict(), source=update.source or {"kind": "training"},
-                    hold=hold)
+                    evaluation=evaluation, decision=decision.to_dict(), source=source, hold=hold)
                 if hold:
                     settle.acknowledge(batch.batch_id)
                     self.ports.records.mark_consumed(self.name, consumed, _row["step"])
                     self.trainer.rejected(update)  # the policy keeps serving what it served
                     self.counters["selected"] += 1
+                    if canary:
+                        self._start_canary(release)
                     return
                 self.head = release
                 release_id = release.release_id
@@ -563,6 +587,81 @@ class ScenarioLearner:
         tmp.write_text(json.dumps(self.release_metrics))
         os.replace(tmp, path)
 
+    # -- the canary (loop/rollout.py, commit/canary.py) -------------------------------------------------------
+
+    def _recover_canary(self) -> None:
+        """The canary no release has decided on yet, from the chain (a restart mid-canary finds it; its tally is
+        rebuilt as the records are replayed)."""
+        found = rollouts.running_canary(self.artifacts.releases(self.name), self.current_release_id())
+        if found is None:
+            return
+        if self.rollout.strategy != "canary":
+            log.warning("scenario %s: canary %s is undecided but evaluation.rollout.strategy is %s: it stays held "
+                        "(promote it, or set the strategy back to canary)", self.name, found.release_id,
+                        self.rollout.strategy)
+            return
+        self.canary, self.canary_tally = found, rollouts.CanaryTally(found.release_id)
+
+    def _start_canary(self, release: Release) -> None:
+        self.canary = rollouts.Canary(release.release_id, self.rollout.share, self.rollout.sticky,
+                                      release.created_at, self.current_release_id())
+        self.canary_tally = rollouts.CanaryTally(release.release_id)
+        log.info("scenario %s: release %s is the canary (share %g)", self.name, release.release_id,
+                 self.rollout.share)
+
+    def canary_test(self) -> dict | None:
+        """The rule's answer on the running canary's scores so far, or None without a canary."""
+        tally = self.canary_tally
+        if self.canary is None or tally is None:
+            return None
+        r = self.rollout
+        return decide(tally.sides[rollouts.CANARY], tally.sides[rollouts.PRODUCTION], alpha=r.alpha,
+                      min_scored=r.min_scored, max_scored=r.max_scored)
+
+    def _canary_turn(self) -> None:
+        """Apply the rule when a score arrived for the running canary; a decision is published at once."""
+        tally = self.canary_tally
+        if self.canary is None or tally is None or not tally.changed:
+            return
+        tally.changed = False
+        evidence = self.canary_test()
+        if evidence is not None and evidence["decision"] != COLLECTING:
+            self.conclude_canary(evidence["decision"], by="rule", reason=evidence["why"], evidence=evidence)
+
+    def conclude_canary(self, action: str, *, by: str, reason: str, evidence: dict | None = None) -> Release:
+        """Promote the canary (it becomes the head through the promote path) or roll it back (the head republished:
+        a release recording the withdrawal); either release keeps the decision and its evidence in
+        ``source.canary`` and its commit-log row. Conflict when no canary runs."""
+        with self.lock:
+            canary = self.canary
+            if canary is None:
+                raise Conflict(f"scenario {self.name!r} has no canary running")
+            evidence = evidence or self.canary_test()
+            note = {"by": by, "reason": reason,
+                    "canary": {"release_id": canary.release_id, "decision": action, "evidence": evidence}}
+            log.info("scenario %s: canary %s %s by %s: %s", self.name, canary.release_id,
+                     "promoted" if action == PROMOTE else "rolled back", by, reason)
+            if action == PROMOTE:
+                return self.republish("promote", canary.release_id, note)
+            return self.republish("rollback", self.head.release_id, note)
+
+    def _canary_decided(self, operation: str, release_id: str, note: dict | None) -> None:
+        """A republish decided the running canary (its decision release, or a plain promote of it): it stops
+        serving, and the batches that waited for it train."""
+        canary = self.canary
+        decision = (note or {}).get("canary") or {}
+        if canary is None or not (decision.get("release_id") == canary.release_id
+                                  or (operation == "promote" and release_id == canary.release_id)):
+            return
+        self.canary, self.canary_tally = None, None
+        self.wake()
+
+    def canary_state(self) -> dict:
+        """The running canary, its scores by arm and the rule's current answer (``GET .../canary``)."""
+        canary = self.canary
+        return {"canary": canary.row() if canary is not None else None,
+                "production_release_id": self.current_release_id(), "test": self.canary_test()}
+
     # -- operations and reads ----------------------------------------------------------------------
 
     def current_release_id(self) -> str | None:
@@ -584,6 +683,7 @@ class ScenarioLearner:
             expected = self.head.release_id if self.head else None
             release, _row = (self.committer.rollback if operation == "rollback" else self.committer.promote)(
                 release_id, expected_head=expected, note=note)
+            self._canary_decided(operation, release_id, note)
             self.head = release
             self.live_release_id = None
             served = self._activate_committed(release.release_id, before)
@@ -664,7 +764,8 @@ class ScenarioLearner:
             "trainer": self.recipe.trainer,
             # The recipe's own gate (a routed recipe's evaluation section, not the top level's).
             "gate": {"policy": self.settings.evaluation.policy, "evaluator": self.settings.evaluation.evaluator,
-                     "publish": self.publish_mode},
+                     "publish": self.publish_mode, "rollout": self.rollout.strategy},
+            "canary": self.canary.release_id if self.canary is not None else None,
             "counters": dict(self.counters),
             "last_metrics": self.last_metrics,
             "last_error": self.last_error,

@@ -18,6 +18,7 @@ from reef_core.serve.errors import dialect_for_path, error_body, new_error_id
 from reef_core.serve.process.forward import ForwardToPrimary
 from reef_core.serve.routes.inference import InferenceCall
 from reef_core.serve.routes.names import scenario_header
+from reef_core.serve.routes import canary
 from reef_core.serve.schema import install_openapi
 from reef_core.serve.middleware import metrics
 from reef_core.serve.routes import (aliases, docs, evaluate, harness, imports, install, instructions, reads,
@@ -91,6 +92,7 @@ def create_app(deployment, forward_to: str | None = None) -> FastAPI:
                    evaluate.router, harness.router, install.router, skills.router, metrics.router, ui.router,
                    docs.router):
         app.include_router(router)
+    app.include_router(canary.router)
     scenario_routes.mount(app, getattr(deployment, "pm", None))
 
     _install_error_handlers(app)

@@ -403,6 +403,9 @@ _RELEASE = {"type": "object", "required": ["release_id"], "additionalProperties"
 _ALIAS_MOVE = {"type": "object", "required": ["release", "reason"], "additionalProperties": False, "properties": {
     "release": {"type": "string", "minLength": 1, "maxLength": 200, "description": "a release id of the scenario"},
     "reason": {"type": "string", "minLength": 1, "maxLength": 500, "description": "why (kept in the audit)"}}}
+_CANARY_DECISION = {"type": "object", "required": ["action", "reason"], "additionalProperties": False, "properties": {
+    "action": {"enum": ["promote", "rollback"], "description": "promote the canary, or roll it back"},
+    "reason": {"type": "string", "minLength": 1, "maxLength": 500, "description": "why (kept in the release)"}}}
 
 _EVALUATE = {"type": "object", "required": ["release", "messages"], "additionalProperties": False, "properties": {
     "release": {"type": "string", "minLength": 1, "maxLength": 200,
@@ -423,7 +426,8 @@ _INFERENCE_HEADERS = [
     _header(RECORD_ID_HEADER, "a client-chosen receipt (a retry with it answers the stored exchange)"),
     _header("Idempotency-Key", "a retry with the same key answers the stored exchange"),
     *[_header(f"{TAG_PREFIX}{name}", f"stored as the record's tag {name!r}; any x-reef-tag-<name> header is, "
-              "up to 32 of them") for name in ("session", "client", "trial")],
+              "up to 32 of them; a rollout keeps one session (or evaluation.rollout.sticky tag) on one release") for
+      name in ("session", "user", "client", "trial")],
     _header(PIN_HEADER, "an alias or release id to serve this request instead of the head (admin or pin scope; "
             "harness surfaces only)")]
 
@@ -442,6 +446,7 @@ OPENAPI_ADDITIONS: dict[tuple[str, str], tuple[dict | None, list[dict]]] = {
     ("post", "/reef/scenarios/{scenario}/rollback"): (_json(_RELEASE), []),
     ("post", "/reef/scenarios/{scenario}/promote"): (_json(_RELEASE), []),
     ("put", "/reef/scenarios/{scenario}/aliases/{name}"): (_json(_ALIAS_MOVE), []),
+    ("post", "/reef/scenarios/{scenario}/canary"): (_json(_CANARY_DECISION), []),
     ("post", "/reef/scenarios/{scenario}/evaluate"): (_json(_EVALUATE), []),
     ("post", "/reef/scenarios/{scenario}/skills/close-day"): (
         _json({"type": "object", "maxProperties": 0, "description": "no fields"}, required=False), []),

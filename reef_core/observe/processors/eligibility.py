@@ -40,6 +40,7 @@ CROSS_INCARNATION = "cross_incarnation"  # produced by another engine incarnatio
 FUTURE_VERSION = "future_version"  # produced by a version newer than the serving one
 UNKNOWN_VERSION = "unknown_version"  # no version recorded, or an unparseable one different from serving
 COMPACTED = "compacted"  # record retention dropped the body (expired or over budget) before it could train
+CANARY_SERVED = "canary_served"  # served by a canary of a recipe that does not train on them (rollout.train_canary)
 
 STALENESS_REASONS = (STALE, CROSS_INCARNATION, FUTURE_VERSION, UNKNOWN_VERSION)
 
@@ -102,11 +103,15 @@ class StalenessPolicy:
 
 
 def unusable_reason(record: Record) -> str | None:
-    """Why an inference record can never train (incomplete or failed, not a chat), or ``None``."""
+    """Why an inference record can never train (incomplete or failed, served by a canary whose records do not train,
+    not a chat), or ``None``."""
     if is_compacted(record):
         return COMPACTED
     if not record.complete or record.payload.get("error"):
         return INCOMPLETE
+    rollout = record.payload.get("rollout")
+    if isinstance(rollout, dict) and rollout.get("trains") is False:
+        return CANARY_SERVED
     if record.payload.get("route", "chat") not in ("chat", "messages"):
         return NOT_CHAT
     return None

@@ -163,7 +163,7 @@ class InferenceCall:
             return self._replay(retry.replay, stream=bool(body.get("stream")))
         self.record_id = retry.record_id
         plan = await dep.plan_inference(self.scenario, self.client_dialect, self.route, body, _forward_headers(request),
-                                        pin=self.pin)
+                                        pin=self.pin, tags=self.tags, record_id=self.record_id)
         self.scenario, self.engine_dialect, self.engine_request = plan.scenario, plan.engine_dialect, plan.engine_request
         self.extra_headers = plan.response_headers
         self.exchange = Exchange(
