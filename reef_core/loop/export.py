@@ -61,7 +61,7 @@ class Selection:
 
     after_sequence: int = 0
     since_time: float | None = None
-    #: A release id of the scenario (:func:`release_named` resolves a prefix), with the versions it served.
+    #: A release id of the scenario (:func:`release_named` resolves a prefix); a record's is :func:`served_release`.
     release: str | None = None
     scored_only: bool = False
 
@@ -293,7 +293,6 @@ class Tally:
 def lines(iterate: Iterate, fmt: str, selection: Selection, versions: Mapping[str, str],
           tally: Tally | None = None) -> Iterator[dict]:
     """The export's lines (``openai-jsonl`` / ``reef-jsonl``) or rows (``hf`` / ``parquet``) as JSON-ready dicts."""
-    check_format(fmt, "format")
     tally = tally if tally is not None else Tally()
     reports = read_reports(iterate) if selection.wants_reports_first(fmt) else None
     exported: set[str] = set()  # reef-jsonl: a report is kept only when what it quotes was exported
@@ -325,15 +324,13 @@ def json_line(row: dict) -> str:
     return canonical_json(row) + "\n"
 
 
-
 #: How the route names its parameters (the CLI passes its flags: ``--since``...).
 PARAMS = {"format": "format", "since": "since", "release": "release"}
 
 
 def plan(replay: Callable[[str, int], Iterator], scenario: str, release_rows: list[dict], fmt: str, *,
-         since: str | None = None,
-         release: str | None = None, scored_only: bool = False, names: Mapping[str, str] = PARAMS,
-         tally: Tally | None = None) -> Iterator[dict]:
+         since: str | None = None, release: str | None = None, scored_only: bool = False,
+         names: Mapping[str, str] = PARAMS, tally: Tally | None = None) -> Iterator[dict]:
     """Check every argument now (:class:`ValidationFailed` / :class:`NotFound` naming it as ``names`` says), then
     return the export's rows, read lazily through ``replay(scenario, after_sequence)`` (the store's page-by-page
     read; the route has sent nothing yet when this refuses)."""
