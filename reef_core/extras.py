@@ -21,8 +21,6 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "client": ("httpx",),
     # reef export --format hf|parquet: a Hugging Face datasets directory or a Parquet file
     "export": ("datasets", "pyarrow"),
-    # reef export --format hf|parquet: a Hugging Face datasets directory or a Parquet file
-    "export": ("datasets", "pyarrow"),
     # observability.tracing: the OpenTelemetry SDK and its OTLP exporters (http/protobuf and grpc)
     "otel": ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http", "opentelemetry.exporter.otlp.proto.grpc"),
 }
