@@ -2,7 +2,7 @@
 
 Revision ID: 0005
 Revises: 0004
-Create Date: 2027-01-20
+Create Date: 2026-12-03
 """
 
 import sqlalchemy as sa
