@@ -136,7 +136,7 @@ def test_each_routed_recipe_trains_with_its_own_sections_and_gate(tmp_path):
         assert next(r for r in releases if r["current"])["release_id"] == math[-1]["release_id"]
         status = httpx.get(f"{url}/reef/scenarios/math-1/status").json()
         assert status["recipe"] == "duo_weights" and status["counters"]["selected"] == 2
-        assert status["gate"] == {"policy": "always", "evaluator": None, "publish": "auto"}
+        assert status["gate"] == {"policy": "always", "evaluator": None, "publish": "auto", "rollout": "immediate"}
         assert status["current_version"].endswith(":2")  # two weight swaps served
 
         # support-1: its candidate decided by `floor` (nothing reaches 2.0) and rejected; the seed still serves.
@@ -145,7 +145,7 @@ def test_each_routed_recipe_trains_with_its_own_sections_and_gate(tmp_path):
         assert support[1]["decision"]["policy"] == "floor" and support[1]["decision"]["decision"] == "reject"
         status = httpx.get(f"{url}/reef/scenarios/support-1/status").json()
         assert status["recipe"] == "duo_harness" and status["counters"]["rejected"] == 1
-        assert status["gate"] == {"policy": "floor", "evaluator": None, "publish": "auto"}
+        assert status["gate"] == {"policy": "floor", "evaluator": None, "publish": "auto", "rollout": "immediate"}
         assert status["current_release_id"] == support[0]["release_id"]
 
         # Each recipe's surface options hold: support requests carry the injected harness, math requests do not.

@@ -65,6 +65,10 @@ def test_the_bodies_are_the_doors(document):
     schema = evaluate["requestBody"]["content"]["application/json"]["schema"]
     assert schema["additionalProperties"] is False and set(schema["required"]) == {"release", "messages"}
     assert evaluate["x-reef-scope"] == "eval"
+    canary = document["paths"]["/reef/scenarios/{scenario}/canary"]
+    schema = canary["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert schema["additionalProperties"] is False and set(schema["required"]) == {"action", "reason"}
+    assert schema["properties"]["action"]["enum"] == ["promote", "rollback"] and "get" in canary
 
 
 def test_headers_are_declared_where_they_are_read(document):

@@ -547,6 +547,17 @@ def _alias_history(draw, pools: Pools):
 
 
 @st.composite
+def _canary_decision(draw, pools: Pools):
+    """``POST .../canary``: promote or roll back with a reason, or odd values, mutated (409 without a canary)."""
+    segment, raw, note = draw(_path_scenario(pools, pools.harness))
+    valid = st.fixed_dictionaries({"action": st.one_of(st.sampled_from(["promote", "rollback"]), odd_text),
+                                   "reason": st.one_of(words, odd_text)})
+    drawn = draw(mutated_body(valid, ("action", "reason")))
+    return draw(request_case(pools, "POST", "/reef/scenarios/{scenario}/canary", f"/reef/scenarios/{segment}/canary",
+                             body=drawn, admin=True, names=[raw], note=note))
+
+
+@st.composite
 def _evaluate(draw, pools: Pools):
     """``POST .../evaluate``: a release id, an alias or ``candidate``, a chat and its generation settings, mutated."""
     segment, raw, note = draw(_path_scenario(pools, pools.harness))
@@ -701,6 +712,9 @@ def route_strategies(pools: Pools) -> dict[str, st.SearchStrategy]:
                                                                   "/aliases", pool=pools.harness),
         "PUT /reef/scenarios/{scenario}/aliases/{name}": _alias_move(pools),
         "GET /reef/scenarios/{scenario}/aliases/{name}/history": _alias_history(pools),
+        "GET /reef/scenarios/{scenario}/canary": _scenario_route(pools, "GET", "/reef/scenarios/{scenario}/canary",
+                                                                 "/canary", pool=pools.harness),
+        "POST /reef/scenarios/{scenario}/canary": _canary_decision(pools),
         "GET /ui/scenarios/{scenario}/compare": _compare(pools, prefix="/ui/scenarios/"),
         "POST /reef/scenarios/{scenario}/evaluate": _evaluate(pools),
         "POST /reef/scenarios/{scenario}/rollback": _scenario_route(
