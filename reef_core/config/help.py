@@ -43,7 +43,7 @@ def _value(value: Any) -> str:
 
 def _wrapped(label: str, items: list[str], indent: int = 14) -> list[str]:
     """``label`` then ``items`` separated by two spaces, wrapped under the first item."""
-    lines, line = [], f"  {label.ljust(indent - 2)}"
+    lines, line = [], f"  {(label + ' ').ljust(indent - 2)}"  # a label as wide as the indent still gets a blank
     for item in items:
         if line.strip() and len(line) + len(item) + 2 > _WIDTH and len(line) > indent:
             lines.append(line.rstrip())
@@ -64,9 +64,15 @@ def section_lines(cfg) -> list[str]:
             if not isinstance(section, (list, dict)):
                 scalars.append(f"{field.name}={_value(section)}")
             continue
+        if len(dataclasses.fields(section)) == 1 and dataclasses.is_dataclass(getattr(section, dataclasses.fields(
+                section)[0].name)):  # a section of one subsection (observability.tracing): show the subsection's keys
+            inner = dataclasses.fields(section)[0].name
+            section, prefix = getattr(section, inner), f"{inner}."
+        else:
+            prefix = ""
         names = [f.name for f in dataclasses.fields(section)]
         shown = [name for name in COMMON_KEYS.get(field.name, ()) if name in names] or names[:4]
-        items = [f"{name}={_value(getattr(section, name))}" for name in shown]
+        items = [f"{prefix}{name}={_value(getattr(section, name))}" for name in shown]
         rest = len(names) - len(shown)
         if rest:
             items.append(f"(+{rest} more)")
