@@ -153,6 +153,7 @@ def components(binding: RecipeBinding) -> list[tuple[str, str, str]]:
              ("processor", binding.config.processor, "recipe.processor"),
              ("trainer", binding.config.trainer, "recipe.trainer"),
              ("surface", binding.config.surface, "recipe.surface"),
+             *(("surface", name, f"recipe.surfaces[{i}]") for i, name in enumerate(binding.config.surfaces or ())),
              ("selection_policy", binding.evaluation.policy, "evaluation.policy"),
              ("evaluator", binding.evaluation.evaluator, "evaluation.evaluator")]
     return [(kind, name, key) for kind, name, key in named if name]
@@ -179,8 +180,30 @@ def check_components(binding: RecipeBinding, plugin_manager: PluginManager) -> d
                 if component.check_options is not None:  # a typo'd option: refused now, not on each step
                     component.check_options(recipe=binding.config)
         except ReefError as exc:
-            if binding.default:
+            if binding.default and not key.startswith("recipe.surfaces["):
                 raise
             raise type(exc)(f"{binding.where()}: {key}: {exc.message}", **exc.details) from None
         checked[kind] = name
     return checked
+
+
+def composite_parts(config, where: str = "") -> tuple[tuple[str, ...], tuple[str, ...], dict[str, dict]]:
+    """A composite recipe's ``(surfaces, changes, options by surface)``; a ConfigError naming the key for a
+    ``recipe.surfaces``/``changes``/``surface_options`` that cannot be served (``where``: the binding's prefix)."""
+    surfaces, changes, options = list(config.surfaces or ()), list(config.changes or ()), config.surface_options or {}
+    if config.surface:
+        raise ConfigError(f"{where}recipe.surfaces: set either recipe.surface (one surface) or recipe.surfaces "
+                          f"(several), not both")
+    if len(surfaces) < 2:
+        raise ConfigError(f"{where}recipe.surfaces: a composite names two or more surfaces; one is recipe.surface")
+    if any(not isinstance(n, str) or not n for n in surfaces) or len(set(surfaces)) != len(surfaces):
+        raise ConfigError(f"{where}recipe.surfaces: a list of distinct surface names, not {surfaces!r}")
+    outside = [n for n in changes if n not in surfaces]
+    if outside or len(set(changes)) != len(changes):
+        raise ConfigError(f"{where}recipe.changes: names the surfaces of recipe.surfaces ({', '.join(surfaces)}) its "
+                          f"candidates change, once each; not {outside[0] if outside else changes!r}")
+    for name, value in options.items():
+        if name not in surfaces or not isinstance(value, dict):
+            raise ConfigError(f"{where}recipe.surface_options.{name}: with recipe.surfaces, surface_options maps "
+                              f"each of {', '.join(surfaces)} to its options")
+    return tuple(surfaces), tuple(changes or surfaces[:1]), {n: dict(options.get(n) or {}) for n in surfaces}

@@ -316,6 +316,11 @@ class RecipeConfig:
     processor: Optional[str] = None
     trainer: Optional[str] = None
     surface: Optional[str] = None
+    #: A composite scenario's surfaces, in activation order (``[weights, harness]``), instead of ``surface``; its
+    #: ``surface_options`` then maps each surface name to that surface's options (``reef_core.surfaces.composite``).
+    surfaces: list[str] = field(default_factory=list)
+    #: Which of ``surfaces`` the trainer's candidates change (the others are carried forward); empty: the first one.
+    changes: list[str] = field(default_factory=list)
     report_schema: Optional[str] = None
     #: ``auto`` (batches form from traffic; ``POST /reef/train`` refused), ``hybrid`` (each instruction gets a step
     #: first, traffic trains as in auto) or ``manual`` (only instructions start steps; traffic trains with them). See

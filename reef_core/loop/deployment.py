@@ -35,7 +35,7 @@ from typing import Any
 from ..commit.commitlog import CommitLog, WriterLock
 from ..commit.pg_log import PgCommitLog
 from ..commit.release import scenario_path
-from ..config.recipes import RecipeBinding, check_components, recipe_bindings
+from ..config.recipes import RecipeBinding, check_components, composite_parts, recipe_bindings
 from ..config.schema import ReefConfig
 from ..errors import ConfigError, Conflict, NotFound, ReefError, ScenarioQuarantined, ValidationFailed
 from ..grow.eval_engine import EvalGeneration
@@ -49,6 +49,7 @@ from .pool import LearnerPool
 from .record_retention import RetentionWorker
 from .ports import LearnerPorts, LearnerSettings, ServingPorts
 from .taskfile import load_tasks
+from ..surfaces.composite import CompositeSurface, changed_kinds
 
 log = logging.getLogger("reef.serve")
 
@@ -83,6 +84,7 @@ class Deployment:
         self._scenario_lock = asyncio.Lock()
         self._report_schemas: dict[str, Any] = {}
         self._surfaces: dict[tuple[str, str], Any] = {}  # (surface name, its options as JSON) -> instance
+        self._composites: dict[str, Any] = {}  # a composite recipe's settings as JSON -> its CompositeSurface
         self._learners: dict[str, Any] = {}
         self._learners_lock = threading.RLock()  # also guards the writer lock, taken by start() or a learner
         self._quarantined: dict[str, str] = {}  # scenario -> why it could not start
@@ -122,7 +124,7 @@ class Deployment:
                 load_tasks(binding.evaluation.tasks, key="evaluation.tasks" if name == cfg.recipe.name
                            else f"evaluation.tasks of recipe {name!r}")
         for binding in self.recipes.values():
-            surface = self.surface(binding.config.surface, binding.config.surface_options)
+            surface = self.recipe_surface(binding.config, "" if binding.default else f"{binding.where()}: ")
             rollout.check_binding(binding, surface, role=self.role, workers=cfg.server.workers)
 
     # -- recipes and scenarios ----------------------------------------------------------------
@@ -195,7 +197,7 @@ class Deployment:
         """Whether a new scenario of this recipe is served from a creation release its trainer seeds (a harness
         recipe with a trainer), so it must exist before its first request is answered."""
         surface = self.surface_for(scenario)
-        return (surface is not None and getattr(surface, "kind", None) == "harness"
+        return (surface is not None and "harness" in changed_kinds(surface)
                 and bool(self.recipe(scenario).config.trainer))
 
     async def create_scenario(self, name: str) -> Scenario:
@@ -262,10 +264,25 @@ class Deployment:
             self._surfaces[key] = found
         return found
 
+    def recipe_surface(self, config, where: str = ""):
+        """The surface a recipe names: ``recipe.surface``, or a composite of ``recipe.surfaces`` (one per recipe
+        settings; its parts are the shared surfaces :meth:`surface` builds)."""
+        if not config.surfaces:
+            if config.changes and list(config.changes) != [config.surface]:
+                raise ConfigError(f"{where}recipe.changes: names surfaces of recipe.surfaces; with recipe.surface "
+                                  f"{config.surface!r} it is [{config.surface}] or unset")
+            return self.surface(config.surface, config.surface_options)
+        key = json.dumps([config.surfaces, config.changes, config.surface_options], sort_keys=True, default=str)
+        found = self._composites.get(key)
+        if found is None:
+            names, changes, options = composite_parts(config, where)
+            found = CompositeSurface({n: self.surface(n, options[n]) for n in names}, changes, self.artifacts)
+            self._composites[key] = found
+        return found
+
     def surface_for(self, scenario: Scenario):
         """The surface of the scenario's recipe."""
-        config = self.recipe(scenario).config
-        return self.surface(config.surface, config.surface_options)
+        return self.recipe_surface(self.recipe(scenario).config)
 
     def settings_for(self, scenario: Scenario) -> LearnerSettings:
         """The learner settings of the scenario's recipe (its trainer and evaluation sections)."""

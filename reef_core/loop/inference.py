@@ -23,6 +23,7 @@ from ..engines.base import EngineRequest, TokenData
 from ..engines.translate import translate_request
 from ..errors import Conflict
 from ..observe.model import Record
+from ..surfaces.composite import kinds_of
 
 
 def new_record_id() -> str:
@@ -132,7 +133,7 @@ async def plan(dep, scenario, client_dialect: str, route: str, body: dict, forwa
         headers = surface.response_headers(scenario.name, release_id)
     upstream_body = translate_request(body, client_dialect, engine_dialect, max_new_tokens)
     # Token data is what a weights recipe trains on; other scenarios may take an engine's plain route.
-    trains_weights = getattr(recipe_surface, "kind", None) == "weights"
+    trains_weights = "weights" in kinds_of(recipe_surface)
     request = EngineRequest(dialect=engine_dialect, route=engine_route, body=upstream_body, headers=forward_headers,
                             version=pinned or dep.serving_version(scenario), tokens=trains_weights)
     return Plan(scenario=scenario, engine_dialect=engine_dialect, engine_request=request, release_id=release_id,

@@ -22,6 +22,7 @@ restores the last durable release; the step counter and consumed ids survive thr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -44,6 +45,7 @@ from ..observe.processor import Batch, DropCounter, drop_reason
 from . import rollout as rollouts
 from .ports import LearnerPorts, LearnerSettings
 from .taskfile import load_tasks
+from ..surfaces.composite import changed_kinds
 
 log = logging.getLogger("reef.learner")
 
@@ -79,7 +81,7 @@ class ScenarioLearner:
         self._trainer_lock = threading.Lock()
         #: Why this scenario does not train (records are still stored and observed), or None.
         self.training_disabled: str | None = None
-        if self.recipe.trainer and self.surface is not None and self.surface.kind == "weights":
+        if self.recipe.trainer and self.surface is not None and "weights" in changed_kinds(self.surface):
             # One engine, one base: one full-weight scenario, or any number of LoRA scenarios (own adapters).
             try:
                 self.surface.claim(scenario, lora=bool(settings.trainer.lora))
@@ -155,6 +157,8 @@ class ScenarioLearner:
         files, source = {}, {"kind": "seed"}
         if self._trainer is not None:
             files = self._trainer.initial_files()
+            if files and hasattr(self.surface, "carry"):  # a composite: the other parts start from their creation
+                files = self.surface.carry(files, lambda: {})
         if not files and self.surface is not None:
             files, source = self.surface.creation_files(), {"kind": "base"}
         if files:
@@ -203,6 +207,13 @@ class ScenarioLearner:
     def _files(self, release_id: str):
         return lambda: self.artifacts.read_files(release_id)
 
+    def _trainer_files(self, release_id: str):
+        """A release's files as the trainer sees them (of a composite, its changed part's, unprefixed)."""
+        view = getattr(self.surface, "trainer_view", None)
+        if view is None:
+            return self._files(release_id)
+        return lambda: view(self.artifacts.read_files(release_id))
+
     def _load_start_model(self):
         """The model a weights trainer starts from: the scenario's head checkpoint, else the base."""
         from ..surfaces.weights import base_reference, state_dict_from_files
@@ -210,7 +221,7 @@ class ScenarioLearner:
         load_base_model = self.ports.serving.load_base_model
         model, tokenizer = load_base_model()
         if self.head is not None:
-            files = self.artifacts.read_files(self.head.release_id)
+            files = self._trainer_files(self.head.release_id)()
             if base_reference(files) is None:  # a creation release is the base itself
                 model.load_state_dict(state_dict_from_files(files, load_base_model), strict=False)
         return model, tokenizer
@@ -320,7 +331,7 @@ class ScenarioLearner:
                                serving_release_id=self.current_release_id(),
                                serving_version=self.serving_version(),
                                algorithm_state=(self.log.last_row() or {}).get("algorithm_state"),
-                               current_files=self._files(self.head.release_id) if self.head else (lambda: {}))
+                               current_files=self._trainer_files(self.head.release_id) if self.head else (lambda: {}))
         started = time.perf_counter()
         try:
             update = self.trainer.train(batch, ctx)
@@ -347,6 +358,9 @@ class ScenarioLearner:
             self.counters["skipped"] += 1
             raise
         train_s = time.perf_counter() - started
+        if update is not None and hasattr(self.surface, "carry") and self.head is not None:
+            # A composite: the parts the trainer does not change carry the head's content forward.
+            update = dataclasses.replace(update, files=self.surface.carry(update.files, self._files(self.head.release_id)))
         if update is None:
             consumed = settle.drop(batch.batch_id, "trainer_skipped")
             self._commit_rejection(consumed, {"skipped": True}, None, None)
