@@ -84,7 +84,12 @@ def read_release(dep, surface, scenario: str, release_id: str | None) -> tuple[A
     if release_id is None:
         served = surface.current(scenario)
         if served is None or served.release_id is None:
-            raise NotFound(f"scenario {scenario!r} has no harness release yet")
+            # The chain's head is committed before this process activates it: a client that saw it current in the
+            # releases list reads it from the store meanwhile.
+            head = next((r.get("release_id") for r in dep.release_rows(scenario) if r.get("current")), None)
+            if head is None:
+                raise NotFound(f"scenario {scenario!r} has no harness release yet")
+            return read_release(dep, surface, scenario, head)
         release_id = served.release_id
         files = dict(served.files)
         try:
