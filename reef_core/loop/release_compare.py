@@ -59,7 +59,8 @@ def version_table(release_rows: Iterable[Mapping]) -> dict[str, str]:
     return table
 
 
-def _score(value) -> float | None:
+def reported_score(value) -> float | None:
+    """A report's ``score`` as a finite float; None for the unscored sentinel, booleans and anything else."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     value = float(value)
@@ -80,7 +81,7 @@ def scores_by_release(records: Iterable, versions: Mapping[str, str]) -> tuple[l
                 release = versions.get(record.payload.get("release_id"))
             served[record.record_id] = (release, record.created_at)
         elif record.kind == "report":
-            score = _score(record.payload.get("score"))
+            score = reported_score(record.payload.get("score"))
             if score is None:
                 continue
             for ref in record.references:

@@ -17,12 +17,12 @@
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass, field
 
 from ..commit.canary import Side
 from ..errors import ConfigError
 from .aliases import pinnable
+from .release_compare import reported_score
 
 CANARY, PRODUCTION = "canary", "production"
 
@@ -121,13 +121,6 @@ def running_canary(releases: list, head_id: str | None) -> Canary | None:
     return None
 
 
-def _score(value) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
-
-
 @dataclass
 class CanaryTally:
     """Reported scores of the records assigned while one canary runs, by arm; a record reported again keeps its
@@ -146,7 +139,7 @@ class CanaryTally:
             if isinstance(info, dict) and info.get("canary") == self.canary_id and info.get("arm") in self.sides:
                 self.arms[record.record_id] = info["arm"]
         elif record.kind == "report":
-            score = _score(record.payload.get("score"))
+            score = reported_score(record.payload.get("score"))
             if score is None:
                 return
             for ref in record.references:

@@ -12,10 +12,9 @@ import asyncio
 from fastapi import APIRouter, Query, Request
 from starlette.responses import JSONResponse
 
-from reef_core.errors import ValidationFailed
 from reef_core.serve.middleware.auth import ADMIN
 from reef_core.serve.middleware.tenancy import principal_of
-from reef_core.serve.routes.inference import read_json_body
+from reef_core.serve.routes.inference import admin_fields
 from reef_core.serve.routes.names import path_scenario
 
 router = APIRouter()
@@ -37,11 +36,7 @@ async def move_alias(request: Request, scenario: str, name: str):
     ``production`` serves the release (a rollback, or a promote of a release held for review)."""
     dep = request.app.state.reef
     found = await path_scenario(dep, scenario)
-    body = await read_json_body(request, dep.server.max_admin_body_bytes)
-    unknown = sorted(set(body) - _FIELDS)
-    if unknown:
-        raise ValidationFailed(f"{unknown[0]}: unknown field (an alias move takes release and reason)",
-                               param=unknown[0])
+    body = await admin_fields(request, dep, _FIELDS, "an alias move takes release and reason")
     by = principal_of(request.scope).name
     moved = await asyncio.to_thread(dep.move_alias, found, name, body.get("release"), body.get("reason"), by)
     return JSONResponse(moved, headers=_NO_STORE)

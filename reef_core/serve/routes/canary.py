@@ -12,10 +12,9 @@ import asyncio
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse
 
-from reef_core.errors import ValidationFailed
 from reef_core.serve.middleware.auth import ADMIN
 from reef_core.serve.middleware.tenancy import principal_of
-from reef_core.serve.routes.inference import read_json_body
+from reef_core.serve.routes.inference import admin_fields
 from reef_core.serve.routes.names import path_scenario
 
 router = APIRouter()
@@ -38,11 +37,7 @@ async def decide_canary(request: Request, scenario: str):
     the evidence so far; 409 when no canary runs."""
     dep = request.app.state.reef
     found = await path_scenario(dep, scenario)
-    body = await read_json_body(request, dep.server.max_admin_body_bytes)
-    unknown = sorted(set(body) - _FIELDS)
-    if unknown:
-        raise ValidationFailed(f"{unknown[0]}: unknown field (a canary decision takes action and reason)",
-                               param=unknown[0])
+    body = await admin_fields(request, dep, _FIELDS, "a canary decision takes action and reason")
     by = principal_of(request.scope).name
     decided = await asyncio.to_thread(dep.decide_canary, found, body.get("action"), body.get("reason"), by)
     return JSONResponse(decided, headers=_NO_STORE)

@@ -85,6 +85,16 @@ async def read_json_body(request: Request, limit: int) -> dict:
     return parse_json_object(await read_body(request, limit))
 
 
+async def admin_fields(request: Request, dep, fields: set[str], takes: str) -> dict:
+    """An admin decision's body (an alias move, a canary decision): a JSON object of only ``fields``; an unknown
+    field is a 400 naming it and saying what the route ``takes``."""
+    body = await read_json_body(request, dep.server.max_admin_body_bytes)
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise ValidationFailed(f"{unknown[0]}: unknown field ({takes})", param=unknown[0])
+    return body
+
+
 def tags_of(request: Request) -> dict[str, str]:
     tags = {}
     for key, value in request.headers.items():
