@@ -15,20 +15,33 @@ from tests.grow.test_activation_failure import _commits, _releases, _status, _tr
 PIRATE, BAD = "Answer as a pirate.", "Answer badly."
 
 
+def _lora_files(seed: int) -> dict[str, bytes]:
+    """A random LoRA adapter of the tiny model as the weights part's files (``weights/adapter/...``)."""
+    import json
+
+    from safetensors.torch import save
+
+    from reef_core.models.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from reef_core.models.loading import build_tiny_model
+    from reef_core.testing.adapters import random_adapter
+
+    adapter, _ = random_adapter(build_tiny_model(seed=0)[0], seed)
+    return {f"weights/{ADAPTER_CONFIG}": json.dumps(adapter.config).encode(),
+            f"weights/{ADAPTER_WEIGHTS}": save({k: v.contiguous() for k, v in adapter.tensors.items()})}
+
+
 class CompositeTrainer(Trainer):
-    """Step 1: weights that load and a prompt; step 2: the same weights only (the prompt is carried);
-    step 3: a new prompt with weights that do not load (harness activates first, then weights fail)."""
+    """Step 1: a LoRA adapter only (the creation's empty prompt is carried); step 2: a prompt only (the adapter is
+    carried); step 3: a new prompt with weights that do not load (harness activates first, then weights fail)."""
 
     calls = 0
 
     def train(self, batch, ctx):
-        from safetensors.torch import save
-
         self.calls += 1
         if self.calls == 1:
-            return CandidateUpdate(files={"weights/model.safetensors": save({}), "harness/system_prompt.md": PIRATE.encode()})
+            return CandidateUpdate(files=_lora_files(1))
         if self.calls == 2:
-            return CandidateUpdate(files={"weights/model.safetensors": save({})})
+            return CandidateUpdate(files={"harness/system_prompt.md": PIRATE.encode()})
         return CandidateUpdate(files={"weights/model.safetensors": b"not safetensors", "harness/system_prompt.md": BAD.encode()})
 
 
@@ -41,8 +54,13 @@ def _system_prompt(url: str, scenario: str) -> tuple[str, str]:
     return (first["content"] if first["role"] == "system" else ""), answer.headers.get("x-reef-release-id")
 
 
-def _files(url: str, scenario: str, release_id: str) -> dict:
-    return httpx.get(f"{url}/reef/scenarios/{scenario}/releases/{release_id}/files").json()
+def _greedy(url: str, scenario: str) -> str:
+    """The reply to a fixed chat at temperature 0 (compared only between releases with the same prompt)."""
+    answer = httpx.post(f"{url}/v1/chat/completions", headers={"x-reef-scenario": scenario}, timeout=60,
+                        json={"model": "m", "temperature": 0, "max_tokens": 8,
+                              "messages": [{"role": "user", "content": "hello there"}]})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]["message"]["content"]
 
 
 def test_composite_release_activates_and_rolls_back_atomically(serve_trainer):
@@ -53,14 +71,15 @@ def test_composite_release_activates_and_rolls_back_atomically(serve_trainer):
                        "+recipe.surface_options.harness.inject=system",
                        "+recipe.processor_options.batch_size=1") as url:
         s = "combo"
-        first = _train_one_step(url, s, 1)[0]["release_id"]
-        assert _system_prompt(url, s) == (PIRATE, first)
-        releases = {r["release_id"]: r for r in _releases(url, s)}
-        assert releases[first]["operation"] == "training"
+        base_reply = _greedy(url, s)
+        first = _train_one_step(url, s, 1)[0]["release_id"]  # weights only: the empty prompt is carried
+        assert _system_prompt(url, s) == ("", first)
+        lora_reply = _greedy(url, s)
+        assert lora_reply != base_reply  # the weights part serves: the adapter changed the greedy reply
+        assert _releases(url, s)[0]["operation"] == "training"
 
-        second = _train_one_step(url, s, 2)[1]["release_id"]  # weights only: the prompt is carried forward
+        second = _train_one_step(url, s, 2)[1]["release_id"]  # a prompt only: the adapter is carried forward
         assert _system_prompt(url, s) == (PIRATE, second)
-        assert releases[first]["content_id"] == {r["release_id"]: r for r in _releases(url, s)}[second]["content_id"]
 
         commits = _train_one_step(url, s, 4)  # harness moved, then weights failed: harness restored
         assert [c["operation"] for c in commits[2:]] == ["training", "restore"]
@@ -75,6 +94,7 @@ def test_composite_release_activates_and_rolls_back_atomically(serve_trainer):
         assert rolled.status_code == 200, rolled.text
         prompt, served = _system_prompt(url, s)
         assert prompt == "" and served == rolled.json()["release_id"]  # no prompt, base weights: both parts
+        assert _greedy(url, s) == base_reply
         assert _commits(url, s)[-1]["operation"] == "rollback"
 
 
