@@ -42,7 +42,7 @@ def test_a_store_from_before_0004_keeps_its_records_and_then_scopes_ids(target):
     finally:
         engines.dispose()
     with RecordStore.open(url, data_dir, **opts) as store:  # migrates 0003 -> head
-        assert current_revision(store._engines) == "0004"
+        assert current_revision(store._engines) >= "0004"  # migrated to the head (0004 or a later revision)
         kept = store.get("before", "shared")
         assert kept is not None and kept.payload == {"v": 0} and kept.content_hash == old.content_hash
         a = store.append_sync(Record(record_id="shared", scenario="team-a", kind="inference", payload={"v": 1}))

@@ -14,7 +14,7 @@ from reef_core.config import compose_config
 from reef_core.config.schema import ServerConfig
 from reef_core.errors import ConfigError
 from reef_core.serve.app import ADMIN, create_app, iter_routes
-from reef_core.serve.middleware.auth import TokenSet, is_loopback
+from reef_core.serve.middleware.auth import EVAL, TokenSet, is_loopback
 from reef_core.loop.assemble import build_deployment
 from reef_core.serve.process.server import check_bind
 
@@ -37,7 +37,8 @@ def _routes(tmp_path, fake_upstream_url):
                 if method == "HEAD":
                     continue
                 path = re.sub(r"\{[^}]+\}", "x", route.path)
-                yield method, path, getattr(route, "openapi_extra", None) == ADMIN
+                # an admin route, or one of a scope a plain token lacks (eval): refused to it, allowed to admin
+                yield method, path, getattr(route, "openapi_extra", None) in (ADMIN, EVAL)
     finally:
         app.state.reef.store.close()
 
