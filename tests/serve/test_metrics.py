@@ -130,6 +130,12 @@ class _Deployment:
     def plugin_failures(self):
         return {}
 
+    def tracing_stats(self):
+        return None
+
+    def compaction_counts(self):
+        return {}
+
 
 def test_scrape_of_100_scenarios_is_cheap_and_bounded():
     metrics = ServeMetrics(_Deployment(110), 100)

@@ -238,8 +238,7 @@ class DeploymentCollector:
 
     def _tracing(self):
         """The OTLP exporter (``observability.tracing``): spans sent, dropped by reason, sampled out, failed exports."""
-        # A stand-in deployment without the method (a test's) has no exporter either.
-        stats = self.dep.tracing_stats() if hasattr(self.dep, "tracing_stats") else None
+        stats = self.dep.tracing_stats()
         if stats is None:
             return
         yield CounterMetricFamily("reef_tracing_spans_exported", "Spans the collector accepted",
