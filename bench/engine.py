@@ -39,10 +39,11 @@ llm = Llama(model_path=path, n_ctx=1024, n_threads=threads, verbose=False)
 messages = json.loads(sys.argv[4])
 print(json.dumps({"ready": True}), flush=True)
 for _ in sys.stdin:
-    t = time.perf_counter()
+    c, t = time.process_time(), time.perf_counter()
     out = llm.create_chat_completion(messages=messages, max_tokens=tokens, temperature=0.0)
-    dt = time.perf_counter() - t
-    print(json.dumps({"tokens": out["usage"]["completion_tokens"], "s": dt}), flush=True)
+    dt, cpu = time.perf_counter() - t, time.process_time() - c
+    print(json.dumps({"tokens": out["usage"]["completion_tokens"], "s": dt, "cpu_s": cpu,
+                      "text": out["choices"][0]["message"]["content"]}), flush=True)
 """
 
 
@@ -65,10 +66,14 @@ class _Llama:
         json.loads(self.proc.stdout.readline())  # ready
 
     def once(self) -> tuple[int, float]:
+        out = self.sample()
+        return out["tokens"], out["s"]
+
+    def sample(self) -> dict:
+        """One completion: its tokens, wall and CPU seconds, and text."""
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
-        out = json.loads(self.proc.stdout.readline())
-        return out["tokens"], out["s"]
+        return json.loads(self.proc.stdout.readline())
 
     def close(self) -> None:
         self.proc.stdin.close()

@@ -47,9 +47,46 @@ def test_the_served_engine_is_composed_like_reef_serve():
     assert stream.recipe_overrides("tiny", []) == ["+recipe=sao", "+sao_profile=tiny"]
 
 
-@pytest.mark.parametrize("argv", [["--rounds", "0"], ["--tokens", "0"], ["--threads", "0"]])
+@pytest.mark.parametrize("argv", [["--rounds", "0"], ["--tokens", "0"], ["--threads", "0"], ["--concurrency", "0"],
+                                  ["--concurrency", "8", "--rounds", "0"]])
 def test_bad_arguments_are_refused_before_anything_starts(argv):
     parser = argparse.ArgumentParser()
     stream.add_arguments(parser)
     with pytest.raises(SystemExit):
         stream.run(parser.parse_args(argv))
+
+
+def test_concurrent_requests_are_different_greedy_streams():
+    bodies = stream.concurrent_bodies(8, 32)
+    assert len({b["messages"][0]["content"] for b in bodies}) == 8
+    assert all(b["temperature"] == 0 and b["stream"] and b["max_tokens"] == 32 for b in bodies)
+    assert all(b["stream_options"] == {"include_usage": True} for b in bodies)
+
+
+def test_a_concurrent_stream_is_read_to_its_text_and_usage():
+    import asyncio
+    import json
+
+    import httpx
+
+    def handler(request):
+        assert request.headers["x-reef-scenario"] == stream.SCENARIO
+        events = [{"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+                  {"choices": [{"delta": {"content": "Once"}}]}, {"choices": [{"delta": {"content": " upon"}}]},
+                  {"choices": [], "usage": {"completion_tokens": 2}}]
+        body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await stream._astream(client, "http://reef", stream.concurrent_bodies(1, 2)[0])
+
+    assert asyncio.run(go()) == {"tokens": 2, "text": "Once upon"}
+
+
+@pytest.mark.parametrize("argv, why", [(["--no-llama"], "--no-llama"), (["--model", "tiny"], "GGUF")])
+def test_llama_cpp_is_skipped_with_the_reason(argv, why):
+    parser = argparse.ArgumentParser()
+    stream.add_arguments(parser)
+    llama, skipped = stream._llama(parser.parse_args(argv), 1)
+    assert llama is None and why in skipped
