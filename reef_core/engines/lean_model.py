@@ -14,7 +14,8 @@ Only what the lean pass computes exactly is taken: a ``llama`` config with SiLU,
 ``rope_parameters``, ``pretraining_tp`` 1, no attention or MLP bias, one ``model.safetensors`` stored in bf16 holding
 exactly the model's tensors. Anything else (float32 checkpoints among them: Reef's tiny models, trained releases)
 returns None and loads through transformers as before. :func:`load_tokenizer` loads a ``PreTrainedTokenizerFast``
-directory by that class, which is what ``AutoTokenizer`` resolves it to, without the model config it would read first.
+directory through :mod:`reef_core.models.tokenizer` (the ``tokenizers`` library, no transformers import), else by
+that class, which is what ``AutoTokenizer`` resolves it to, without the model config it would read first.
 """
 
 from __future__ import annotations
@@ -165,7 +166,14 @@ def load(model_dir: Path) -> LeanLlama | None:
 
 
 def load_tokenizer(model_dir: Path):
-    """The tokenizer of ``model_dir``, as ``AutoTokenizer.from_pretrained`` loads it."""
+    """The tokenizer of ``model_dir``, as ``AutoTokenizer.from_pretrained`` loads it: through the ``tokenizers``
+    library alone when :mod:`reef_core.models.tokenizer` reproduces it exactly (no transformers import at start-up),
+    else transformers' own."""
+    from reef_core.models import tokenizer
+
+    lean = tokenizer.load(model_dir)
+    if lean is not None:
+        return lean
     try:
         cls = json.loads((Path(model_dir) / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError):
