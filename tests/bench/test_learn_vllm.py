@@ -72,6 +72,18 @@ def test_side_by_side_ratios_are_vllm_over_local():
     assert only_local["decode tok/s (1 stream)"] == [20.0, None, None]
 
 
+def test_the_publish_target_line_says_median_and_every_release_apart():
+    arms = {"local": {"publish_ms": {"n": 5, "p50": 90.0, "p90": 180.0, "max": 400.0}},
+            "vllm": {"publish_ms": {"n": 4, "p50": 70.0, "p90": 110.0, "max": 2100.0}},
+            "none": {"publish_ms": {"n": 0}}}
+    lines = learn_vllm.publish_target_lines(arms)
+    assert len(lines) == 2
+    assert lines[0].startswith("local:") and lines[0].endswith("target <= 1000 ms: met)")
+    assert "max 2100.0 ms over 4 releases" in lines[1] and "met at the median, not by every release" in lines[1]
+    slow = learn_vllm.publish_target_lines({"vllm": {"publish_ms": {"n": 1, "p50": 1500.0, "max": 1500.0}}})
+    assert slow[0].endswith("NOT met)")
+
+
 def test_a_round_is_settled_once_nothing_is_left_to_train():
     idle = {"learner": "idle", "processor": {"ready": False, "batch": None, "pending_units": 3}}
     assert learn_vllm.settled(idle)
