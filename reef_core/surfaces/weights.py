@@ -37,7 +37,6 @@ engine copies each tensor onto its own ``engine.device`` when it loads it, so th
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import threading
@@ -58,16 +57,11 @@ __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "BASE_REFERENCE", "MODEL_FILE", 
 
 
 def model_digest(model_dir: Path) -> str:
-    """``sha256:<hex>`` over every file of a model directory (relative path and bytes, in path order)."""
-    digest = hashlib.sha256()
-    root = Path(model_dir)
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-        with path.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
-        digest.update(b"\0")
-    return f"sha256:{digest.hexdigest()}"
+    """``sha256:<hex>`` over every file of a model directory (relative path and bytes, in path order); hashed once
+    per content, remembered across starts (:mod:`reef_core.models.digest`)."""
+    from ..models.digest import model_digest as cached
+
+    return cached(model_dir)
 
 
 def state_dict_from_files(files: Mapping[str, bytes], load_base_model: Callable[[], tuple[Any, Any]] | None):
