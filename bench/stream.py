@@ -366,6 +366,7 @@ def run_concurrent(args) -> dict:
           f"alternating rounds; logs in {workdir}; load avg at start {machine['load_avg_1m_at_start']}", flush=True)
     modes = ("1 stream", f"{n} streams")
     rates_ = {(name, mode): [] for name in servers for mode in modes}
+    per_cpu = {key: [] for key in rates_}  # tokens per CPU second of the server process: barely moved by the load
     texts: list[set] = [set() for _ in bodies]
     loads: list[float] = []
 
@@ -377,16 +378,20 @@ def run_concurrent(args) -> dict:
             return await asyncio.gather(*(_astream(client, url, b) for b in bodies))
 
         for mode, fn in ((modes[0], sequential), (modes[1], together))[::1 if r % 2 == 0 else -1]:
-            t = time.perf_counter()
+            pid = servers[name].pid
+            before, cpu, t = thread_cpu(pid), servers[name].cpu_seconds(), time.perf_counter()
             out = await fn()
-            s = time.perf_counter() - t
+            s, cpu = time.perf_counter() - t, servers[name].cpu_seconds() - cpu
+            split = thread_split(pid, before, thread_cpu(pid))
             tokens = sum(o["tokens"] for o in out)
             rates_[name, mode].append(tokens / s)
+            per_cpu[name, mode].append(tokens / cpu)
             for seen, o in zip(texts, out):
                 seen.add(o["text"])
             loads.append(round(os.getloadavg()[0], 2))
-            print(f"  round {r + 1}: {name}: {mode}: {tokens} tokens in {s:.1f} s = {tokens / s:.1f} tok/s "
-                  f"(load {loads[-1]})", flush=True)
+            print(f"  round {r + 1}: {name}: {mode}: {tokens} tokens in {s:.1f} s = {tokens / s:.1f} tok/s, "
+                  f"{tokens / cpu:.1f} tokens per CPU second of the server; its main thread {split['main_s']:.2f} s, engine "
+                  f"thread {split['busiest_other_s']:.2f} s (load {loads[-1]})", flush=True)
 
     async def rounds() -> None:
         limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
@@ -407,9 +412,12 @@ def run_concurrent(args) -> dict:
             child.stop()
     med = {key: statistics.median(v) for key, v in rates_.items()}
     ratios = {name: med[name, modes[1]] / med[name, modes[0]] for name in servers}
-    print(common.table(["server", "streams", "tok/s median", "tok/s best", "x 1 stream"],
+    cpu_med = {key: statistics.median(v) for key, v in per_cpu.items()}
+    print(common.table(["server", "streams", "tok/s median", "tok/s best", "x 1 stream", "tokens/CPU s",
+                        "x 1 stream (CPU)"],
                        [[name, mode, round(med[name, mode], 1), round(max(rates_[name, mode]), 1),
-                         round(med[name, mode] / med[name, modes[0]], 2)] for name, mode in rates_]))
+                         round(med[name, mode] / med[name, modes[0]], 2), round(cpu_med[name, mode], 1),
+                         round(cpu_med[name, mode] / cpu_med[name, modes[0]], 2)] for name, mode in rates_]))
     same = all(len(seen) == 1 for seen in texts)
     ratio = ratios["reef serve"]
     print(f"{n} streams / 1 stream through reef serve: x{ratio:.2f} (target >= x{TARGET_CONCURRENT}: "
@@ -422,5 +430,6 @@ def run_concurrent(args) -> dict:
     problems = [] if same else ["a request's greedy text differs between concurrent and sequential streams"]
     return {"machine": machine, "model": args.model, "tokens": args.tokens, "concurrency": n, "rounds": args.rounds,
             "rates": {f"{name}: {mode}": v for (name, mode), v in rates_.items()}, "ratio": ratio,
+            "tokens_per_cpu_s": {f"{name}: {mode}": v for (name, mode), v in per_cpu.items()},
             "ratios": ratios, "target": TARGET_CONCURRENT, "same_text": same, "loads": loads,
             "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "problems": problems}
