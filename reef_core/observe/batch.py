@@ -12,7 +12,7 @@ import json
 import sqlite3
 import time
 from collections import namedtuple
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +118,8 @@ class _DriverSql:
     insert_records: str
     copy_records: str  # PostgreSQL: COPY ... FROM STDIN of the same columns
     select_by_ids: str  # "{marks}" is replaced by one placeholder per id
+    select_by_keys: str  # PostgreSQL: the rows of (record_id[], scenario[]) arrays, joined on the primary key
+    kinds_by_keys: str  # the same, record_id, scenario and kind only
     reserve_sequence: str
     mark: str
 
@@ -140,10 +142,17 @@ def _driver_sql(conn: sa.Connection) -> _DriverSql:
     mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
     columns = ", ".join(prep.quote(column.name) for column in records.columns)
     seq = table(record_sequences)
+    # The planner knows the join on both primary-key columns finds at most one row per key and searches the index;
+    # for "record_id IN (...)" on a table without fresh statistics (a new store, one growing fast) it estimated
+    # a third of the table and scanned all of it, per batch.
+    by_keys = (f"FROM unnest({mark}::text[], {mark}::text[]) AS k(record_id, scenario) JOIN {table(records)} AS r "
+               f"ON r.record_id = k.record_id AND r.scenario = k.scenario")
     found = _DriverSql(
         insert_records=f"INSERT INTO {table(records)} ({columns}) VALUES ({', '.join([mark] * len(records.columns))})",
         copy_records=f"COPY {table(records)} ({columns}) FROM STDIN",
         select_by_ids=f"SELECT {columns} FROM {table(records)} WHERE {prep.quote('record_id')} IN ({{marks}})",
+        select_by_keys=f"SELECT {', '.join('r.' + prep.quote(c.name) for c in records.columns)} {by_keys}",
+        kinds_by_keys=f"SELECT r.record_id, r.scenario, r.kind {by_keys}",
         # Same upsert as queries.reserve_sequences: the counter row's lock keeps concurrent writers apart.
         reserve_sequence=(f"INSERT INTO {seq} (scenario, last_sequence) VALUES ({mark}, {mark}) "
                           f"ON CONFLICT (scenario) DO UPDATE SET last_sequence = {seq}.last_sequence + "
@@ -220,11 +229,21 @@ def _chunks(items: Sequence, size: int = IN_CHUNK) -> Iterable[Sequence]:
         yield items[start:start + size]
 
 
+def _pg_by_keys(conn: sa.Connection, sql: str, wanted: set[Key]) -> Iterator:
+    """PostgreSQL rows of ``sql`` (one of the ``*_by_keys`` statements) for ``wanted`` keys, chunk by chunk."""
+    for chunk in _chunks(sorted(wanted)):
+        yield from conn.exec_driver_sql(sql, ([rid for _, rid in chunk], [scenario for scenario, _ in chunk]))
+
+
 def fetch_records(conn: sa.Connection, keys: Iterable[Key]) -> dict[Key, Record]:
     """Stored records among ``keys`` (``(scenario, record_id)``), by key."""
     wanted = set(keys)
     found: dict[Key, Record] = {}
     sql = _driver_sql(conn)
+    if conn.dialect.name == "postgresql":
+        for row in _pg_by_keys(conn, sql.select_by_keys, wanted):
+            found[(row.scenario, row.record_id)] = row_to_record(row)
+        return found
     for chunk in _chunks(sorted({rid for _, rid in wanted})):
         text = sql.select_by_ids.replace("{marks}", ", ".join([sql.mark] * len(chunk)))
         for row in _select_rows(conn, text, tuple(chunk)):
@@ -237,6 +256,10 @@ def fetch_ref_info(conn: sa.Connection, keys: Iterable[Key]) -> dict[Key, str]:
     """The kind of the stored records among ``keys`` (no payloads read)."""
     wanted = set(keys)
     found: dict[Key, str] = {}
+    if conn.dialect.name == "postgresql":
+        for row in _pg_by_keys(conn, _driver_sql(conn).kinds_by_keys, wanted):
+            found[(row.scenario, row.record_id)] = row.kind
+        return found
     for chunk in _chunks(sorted({rid for _, rid in wanted})):
         for row in conn.execute(q.REF_INFO_BY_ID, {"ids": list(chunk)}):
             if (row.scenario, row.record_id) in wanted:
@@ -291,11 +314,15 @@ def apply_appends(conn: sa.Connection, dialect: str, batch: list[AppendRequest])
     Raises only on database errors (the caller then rolls back and retries request by request).
     """
     wanted = {key_of(r) for req in batch for r in req.records}
-    keyed = [(req.records[0].scenario, req.idempotency_key) for req in batch if req.idempotency_key is not None]
+    keyed: dict[str, set[str]] = {}  # scenario -> the idempotency keys the batch names in it
+    for req in batch:
+        if req.idempotency_key is not None:
+            keyed.setdefault(req.records[0].scenario, set()).add(req.idempotency_key)
     stored_keys: dict[tuple[str, str], str] = {}
-    for chunk in _chunks(sorted({key for _, key in keyed})):
-        for row in conn.execute(q.keys_by_key(dialect), {"keys": list(chunk)}):
-            stored_keys[(row.scenario, row.idempotency_key)] = row.record_id
+    for scenario, names in keyed.items():
+        for chunk in _chunks(sorted(names)):
+            for row in conn.execute(q.keys_by_key(dialect), {"scenario": scenario, "keys": list(chunk)}):
+                stored_keys[(row.scenario, row.idempotency_key)] = row.record_id
     existing = fetch_records(conn, wanted | {(s, rid) for (s, _), rid in stored_keys.items()})
 
     refs = {(r.scenario, ref) for req in batch if req.check_references for r in req.records if r.kind == "report"

@@ -27,7 +27,10 @@ RECORDS_BY_IDS = sa.select(records).where(records.c.scenario == sa.bindparam("sc
                                           records.c.record_id.in_(sa.bindparam("ids", expanding=True)))
 REF_INFO_BY_ID = (sa.select(records.c.record_id, records.c.scenario, records.c.kind)
                   .where(records.c.record_id.in_(sa.bindparam("ids", expanding=True))))
+#: A scenario's rows among the idempotency keys ``keys``: by both primary-key columns, an index search (by the key
+#: alone, the primary key's second column, both backends scanned the whole table).
 KEYS_BY_KEY = sa.select(idempotency_keys).where(
+    idempotency_keys.c.scenario == sa.bindparam("scenario"),
     idempotency_keys.c.idempotency_key.in_(sa.bindparam("keys", expanding=True)))
 INSERT_KEY = sa.insert(idempotency_keys)
 #: Point a key at the retry that replaced the incomplete record it named (bind names differ from the columns').
@@ -70,7 +73,7 @@ def reserve_sequences(dialect: str) -> sa.Insert:
 
 @cache
 def keys_by_key(dialect: str) -> sa.Select:
-    """The rows of the given idempotency keys (param ``keys``). On PostgreSQL the rows are locked until commit: a
+    """A scenario's rows of the given idempotency keys (params ``scenario``, ``keys``). On PostgreSQL the rows are locked until commit: a
     second writer process that wants to repoint the same key waits, then reads where the first one left it."""
     return KEYS_BY_KEY.with_for_update() if dialect == "postgresql" else KEYS_BY_KEY
 
