@@ -38,7 +38,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from reef_core.engines.base import TOKENS_EVENT, DirectResponse, EngineResponse, StreamEvent, TokenData
 from reef_core.engines.translate import stream_translator, translate_error, translate_response
 from reef_core.errors import PayloadTooLarge, ReefError, ValidationFailed
-from reef_core.loop.inference import Exchange, new_record_id
+from reef_core.loop.inference import Exchange, Retry, new_record_id
 from reef_core.observe.model import Record, canonical_bytes
 from reef_core.engines.sse import encode_event
 from reef_core.names import header_text
@@ -165,10 +165,13 @@ class InferenceCall:
             self.client_dialect, self.route = "openai", "chat"
         self.client_body = body
 
-        retry = await asyncio.to_thread(
-            dep.find_retry, self.scenario.name, self.request_hash, self.client_record_id or new_record_id(),
-            client_record_id=self.client_record_id, idempotency_key=self.idempotency_key,
-            sdk_retry=_retry_count(request) > 0)
+        sdk_retry = _retry_count(request) > 0
+        if self.client_record_id or self.idempotency_key or sdk_retry:
+            retry = await asyncio.to_thread(
+                dep.find_retry, self.scenario.name, self.request_hash, self.client_record_id or new_record_id(),
+                client_record_id=self.client_record_id, idempotency_key=self.idempotency_key, sdk_retry=sdk_retry)
+        else:  # names no earlier attempt: nothing to look up, so no worker-thread hop (a scheduler wake-up each way)
+            retry = Retry(record_id=new_record_id())
         if retry.replay is not None:
             return self._replay(retry.replay, stream=bool(body.get("stream")))
         self.record_id = retry.record_id
