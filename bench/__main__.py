@@ -29,9 +29,35 @@ BENCHMARKS = {
     "results": "bench.results",
 }
 
+#: How each benchmark meets what users run (issue #41: a benchmark measures what the user runs). ``None``: it starts
+#: the real ``reef serve`` command line itself and measures through it. Otherwise it times a part alone (a component
+#: figure, useful for profiling) and the string names the benchmark that measures the same path through ``reef
+#: serve``; ``bench/README.md`` reports the two side by side.
+THROUGH_SERVER: dict[str, str | None] = {
+    "proxy": None,
+    "throughput": None,
+    "store": "throughput (every receipt a durable record, at 1 and 64 connections)",
+    "retention": "proxy (the records it compacts are what reef serve stored)",
+    "publish": None,
+    "commit": "publish (commit_ms and publish_latency_ms, measured by reef serve's learner)",
+    "fuzz": None,
+    "topk": "stream (the served config captures top-K as +recipe=sao does)",
+    "engine": "stream",
+    "stream": None,
+    "replicas": None,
+    "batch": None,
+    "ready": None,
+    "learn-smollm2": None,
+    "learn-vllm": None,
+    "train": "publish (train_s of every step from reef serve's commit log)",
+    "results": None,
+}
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    epilog = "measured alone (the same path through reef serve): " + "; ".join(
+        f"{name} ({via})" for name, via in THROUGH_SERVER.items() if via)
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__, epilog=epilog)
     sub = parser.add_subparsers(dest="name", metavar="NAME", required=True)
     modules = {}
     for name, path in BENCHMARKS.items():
