@@ -81,6 +81,9 @@ def serve(cfg: ReefConfig) -> int:
                             # JSON: uvicorn's own lines go through the root handler too, one object a line.
                             **({"log_config": None} if cfg.server.log_format == "json" else {}),
                             timeout_graceful_shutdown=30)
+    # Most of start-up's objects exist now: collected and frozen while the engine may still be loading, so that the
+    # freeze once uvicorn listens (what its start-up and the lifespan built) is short.
+    freeze_startup_objects()
     if workers == 1:
         server = _announcing_server(config, ready_banner(cfg))
         server.run()
@@ -117,11 +120,13 @@ def freeze_startup_objects() -> None:
     """What start-up built (modules, config, the engine, plugins) lives as long as the server process: moved out of
     the cyclic collector's sight, a full collection walks only what requests leave behind, so it no longer adds
     milliseconds to the request it lands on (the latency tail). Only for a server process: objects frozen here are
-    never collected as cycles."""
+    never collected as cycles. The collector runs from here on (``reef serve`` keeps it off during start-up); called
+    again, it collects and freezes only what was built since."""
     import gc
 
     gc.collect()
     gc.freeze()
+    gc.enable()
 
 
 def _announcing_server(config, banner: str, pool: WorkerPool | None = None):
