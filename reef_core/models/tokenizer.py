@@ -60,7 +60,8 @@ class LeanTokenizer:
         return {"input_ids": self._backend.encode(text, add_special_tokens=False).ids}
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return self._backend.decode([ids] if isinstance(ids, int) else list(ids), skip_special_tokens=skip_special_tokens)
+        ids = [ids] if isinstance(ids, int) else list(ids)
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def get_vocab(self) -> dict[str, int]:
         return self._backend.get_vocab(with_added_tokens=True)
