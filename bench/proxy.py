@@ -4,6 +4,9 @@ Method (after cuihuan/llm-gateway-bench): interleaved rounds. Each round sends `
 requests to each target (stub direct, Reef, LiteLLM) over a kept-alive connection, in an order that rotates from
 round to round, so drift in the machine's load hits every target alike. Added latency at a percentile is the
 proxied percentile minus the direct one; the median of per-round median differences is reported as well.
+The plain client (``http.client``, one kept-alive connection) is the floor; ``stub-sdk``/``reef-sdk`` are the same
+calls through the ``openai`` SDK (what a user's code runs: httpx, keep-alive, its own headers), compared with each
+other (``--no-sdk`` skips them).
 
 Reef runs with the upstream engine and its default durable store: SQLite in WAL mode with ``synchronous=FULL``,
 so every reply waited for its record's fsync. LiteLLM runs with default settings and no database.
@@ -31,6 +34,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-throughput", action="store_true", help="latency only")
     throughput.add_workers_argument(parser)
     parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM proxy")
+    parser.add_argument("--no-sdk", action="store_true",
+                        help="skip the openai SDK client rows (stub-sdk, reef-sdk)")
     parser.add_argument("--scoped-tokens", type=int, default=0, metavar="N",
                         help="also measure a second Reef ('reef-scoped') with N scoped tokens (rate limits on), "
                              "called with the last of them, interleaved with the plain one")
@@ -63,18 +68,46 @@ class Client:
         self.conn.close()
 
 
+class SdkClient:
+    """The same call through the ``openai`` SDK (httpx, one kept-alive connection, the SDK's own headers)."""
+
+    def __init__(self, url: str, token: str = common.TOKEN):
+        import json
+
+        import openai
+
+        self.client = openai.OpenAI(base_url=url + "/v1", api_key=token, max_retries=0, timeout=30,
+                                    default_headers={"x-reef-scenario": "bench-latency-sdk"})
+        self.body = json.loads(common.chat_body())
+
+    def call(self) -> tuple[float, dict]:
+        started = time.perf_counter()
+        raw = self.client.chat.completions.with_raw_response.create(**self.body)
+        raw.parse()
+        elapsed = (time.perf_counter() - started) * 1000
+        return elapsed, {k.lower(): v for k, v in raw.headers.items()}
+
+    def close(self) -> None:
+        self.client.close()
+
+
 def latency(targets: dict[str, common.Child], rounds: int, per_round: int, warmup: int,
-            tokens: dict[str, str] | None = None) -> dict:
+            tokens: dict[str, str] | None = None, sdk: bool = False) -> dict:
     clients = {name: Client(child.url, (tokens or {}).get(name, common.TOKEN)) for name, child in targets.items()}
-    samples: dict[str, list[float]] = {name: [] for name in targets}
-    round_medians: dict[str, list[float]] = {name: [] for name in targets}
+    served_by = {name: name for name in targets}  # client row -> the target (process) it calls
+    if sdk:
+        for name in ("stub", "reef"):
+            clients[f"{name}-sdk"] = SdkClient(targets[name].url)
+            served_by[f"{name}-sdk"] = name
+    samples: dict[str, list[float]] = {name: [] for name in clients}
+    round_medians: dict[str, list[float]] = {name: [] for name in clients}
     overhead_header: list[float] = []
     receipts = 0
     try:
         for client in clients.values():
             for _ in range(warmup):
                 client.call()
-        names = list(targets)
+        names = list(clients)
         cpu_before = {name: child.cpu_seconds() for name, child in targets.items()}
         for r in range(rounds):
             order = names[r % len(names):] + names[:r % len(names)]
@@ -85,28 +118,32 @@ def latency(targets: dict[str, common.Child], rounds: int, per_round: int, warmu
                     times.append(ms)
                     if name.startswith("reef"):
                         receipts += "x-reef-agent-record-id" in headers
+                    if name.startswith("reef") and not name.endswith("-sdk"):
                         overhead_header.append(float(headers.get("x-reef-overhead-ms", "nan")))
                 samples[name].extend(times)
                 round_medians[name].append(statistics.median(times))
-        cpu_ms = {name: round((child.cpu_seconds() - cpu_before[name]) * 1000 / len(samples[name]), 3)
-                  for name, child in targets.items()}
+        # Per request the process served, whichever client sent it (the SDK rows share their target's figure).
+        cpu_ms = {name: round((targets[served_by[name]].cpu_seconds() - cpu_before[served_by[name]]) * 1000
+                              / sum(len(samples[n]) for n in clients if served_by[n] == served_by[name]), 3)
+                  for name in clients}
     finally:
         for client in clients.values():
             client.close()
     stats = {name: common.percentiles(values) for name, values in samples.items()}
     added = {}
-    for name in targets:
-        if name == "stub":
+    for name in clients:
+        if served_by[name] == "stub":
             continue
-        added[name] = {p: round(stats[name][p] - stats["stub"][p], 3) for p in ("p50", "p95", "p99")}
+        base = "stub-sdk" if name.endswith("-sdk") else "stub"  # each client against the stub through itself
+        added[name] = {p: round(stats[name][p] - stats[base][p], 3) for p in ("p50", "p95", "p99")}
         added[name]["median_of_round_medians"] = round(statistics.median(
-            a - b for a, b in zip(round_medians[name], round_medians["stub"])), 3)
+            a - b for a, b in zip(round_medians[name], round_medians[base])), 3)
     # The stub's own CPU includes the requests the proxies forwarded to it: the sum is what one call costs.
     result = {"rounds": rounds, "per_round": per_round, "latency_ms": stats, "added_ms": added,
               "server_cpu_ms_per_request": cpu_ms}
     if "reef" in targets:
         result["reef_receipts"] = receipts
-        result["reef_requests"] = sum(len(samples[n]) for n in targets if n.startswith("reef"))
+        result["reef_requests"] = sum(len(samples[n]) for n in clients if n.startswith("reef"))
         result["reef_overhead_header_ms"] = common.percentiles(overhead_header)
     if "reef" in added and "reef-scoped" in added:
         result["ratio_scoped_over_plain"] = {
@@ -145,7 +182,7 @@ def run(args) -> dict:
                                         f"observability.tracing.endpoint={dead}", name="reef-tracing")
             children.append(tracing)
             targets["reef-tracing"] = tracing
-        lat = latency(targets, args.rounds, args.per_round, args.warmup, tokens)
+        lat = latency(targets, args.rounds, args.per_round, args.warmup, tokens, sdk=not args.no_sdk)
         rss_after_latency = {c.name: c.peak_rss_mib() for c in children}
         runs: list[dict] = []
         if not args.no_throughput:
@@ -189,9 +226,7 @@ def run(args) -> dict:
         print(f"Throughput (wrk, {args.duration:g} s per run)")
         print(common.table(throughput.HEADERS, throughput.table_rows(runs)))
         problems = throughput.check(runs)
-        ratio = throughput.workers_ratio(runs)
-        if ratio:
-            print(f"{ratio[0]} / reef (one process) at 64 connections: x{ratio[1]} req/s")
+        throughput.print_ratios(runs)
     if lat.get("reef_receipts") != lat.get("reef_requests"):
         problems.append("a Reef response came back without a receipt")
     print()
@@ -204,6 +239,10 @@ def run(args) -> dict:
         "added_p50_le_2ms": reef_added.get("p50", 1e9) <= 2.0,
         "added_p99_le_5ms": reef_added.get("p99", 1e9) <= 5.0,
         "reef_1000_rps_at_64": (c64 or {}).get("rps", 0) >= 1000 if c64 else None,
+        # issue #41: the plain client and the openai SDK alike
+        "added_p50_le_1ms": all(lat["added_ms"][n]["p50"] <= 1.0 for n in ("reef", "reef-sdk") if n in lat["added_ms"]),
+        "added_p99_le_2ms": all(lat["added_ms"][n]["p99"] <= 2.0 for n in ("reef", "reef-sdk") if n in lat["added_ms"]),
+        "reef_half_the_stub_at_64": throughput.stub_share(runs) >= 0.5 if c64 else None,
         "records_equal_receipts": not problems,
     }
     return {"machine": machine, "wall_s": round(time.monotonic() - began, 1), "latency": lat,

@@ -62,6 +62,27 @@ def workers_ratio(rows: list[dict], connections: int = 64) -> tuple[str, float] 
     return None
 
 
+def stub_share(rows: list[dict], connections: int = 64, target: str = "reef") -> float:
+    """``target``'s req/s over the direct stub's at ``connections``, both measured in the same run (issue #41's
+    throughput row: >= 0.5 with the default config); 0.0 when either is missing."""
+    by_target = {r["target"]: r for r in rows if r["connections"] == connections}
+    stub, proxied = by_target.get("stub"), by_target.get(target)
+    if not stub or not proxied or not stub["rps"]:
+        return 0.0
+    return round(proxied["rps"] / stub["rps"], 3)
+
+
+def print_ratios(rows: list[dict]) -> None:
+    """The ratios at 64 connections: each proxy over the stub, and the workers over one process."""
+    shares = {r["target"]: stub_share(rows, 64, r["target"]) for r in rows if r["connections"] == 64
+              and r["target"] != "stub"}
+    if shares:
+        print("req/s over the stub's at 64 connections: " + ", ".join(f"{k} x{v}" for k, v in shares.items()))
+    ratio = workers_ratio(rows)
+    if ratio:
+        print(f"{ratio[0]} / reef (one process) at 64 connections: x{ratio[1]} req/s")
+
+
 def wrk(url: str, connections: int, duration: float, scenario: str, receipts_dir: Path | None = None) -> dict:
     """One wrk run against ``url``; returns wrk's counters plus requests/s (and receipt ids when asked)."""
     if shutil.which("wrk") is None:
@@ -189,9 +210,7 @@ def run(args) -> dict:
         shutil.rmtree(workdir, ignore_errors=True)
     problems = check(rows)
     print(common.table(HEADERS, table_rows(rows)))
-    ratio = workers_ratio(rows)
-    if ratio:
-        print(f"{ratio[0]} / reef (one process) at 64 connections: x{ratio[1]} req/s")
+    print_ratios(rows)
     for problem in problems:
         print("PROBLEM:", problem)
     return {"machine": machine, "duration_s": args.duration, "runs": rows,
