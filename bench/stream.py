@@ -184,6 +184,11 @@ def rates(samples: list[dict]) -> dict:
             "cpu_s_median": statistics.median(s["cpu_s"] for s in samples)}
 
 
+def _per_cpu(a: dict, b: dict) -> float:
+    """How many more tokens ``a`` makes per CPU second than ``b`` (median tokens / median CPU s per request)."""
+    return (a["tokens"] / a["cpu_s_median"]) / (b["tokens"] / b["cpu_s_median"])
+
+
 def _llama(args, threads: int) -> tuple[object | None, str | None]:
     """llama.cpp on ``threads`` (``bench engine``'s contender), or None and why it is skipped."""
     if args.no_llama:
@@ -290,7 +295,8 @@ def run(args) -> dict:
         ratio_llama = serve / rows["llama.cpp"]["tok_s_median"]
         print(f"reef serve / llama.cpp ({served_threads} thread(s)): x{ratio_llama:.2f} (target >= x{TARGET_LLAMA}: "
               f"{'met' if ratio_llama >= TARGET_LLAMA else 'NOT met'}); engine alone / llama.cpp: "
-              f"x{base / rows['llama.cpp']['tok_s_median']:.2f}")
+              f"x{base / rows['llama.cpp']['tok_s_median']:.2f}; per CPU second (tokens / CPU s of each process, "
+              f"which the load barely moves): reef serve / llama.cpp x{_per_cpu(rows['reef serve'], rows['llama.cpp']):.2f}")
     else:
         print(f"llama.cpp skipped: {llama_skipped}")
     if "engine (bench engine)" in rows:

@@ -90,3 +90,8 @@ def test_llama_cpp_is_skipped_with_the_reason(argv, why):
     stream.add_arguments(parser)
     llama, skipped = stream._llama(parser.parse_args(argv), 1)
     assert llama is None and why in skipped
+
+
+def test_the_per_cpu_ratio_compares_tokens_per_cpu_second():
+    assert stream._per_cpu({"tokens": 128, "cpu_s_median": 2.0}, {"tokens": 64, "cpu_s_median": 0.5}) == \
+        pytest.approx(0.5)
