@@ -137,6 +137,7 @@ _LAZY = {
     "TorchTrainer": "reef_core.grow.torch_backend",
     "TorchTrainerOptions": "reef_core.grow.torch_backend",
     "adamw": "reef_core.grow.optim",
+    "clipped_step": "reef_core.grow.optim",
     "build_tiny_model": "reef_core.models.loading",
     "build_tiny_tokenizer": "reef_core.models.loading",
 }
@@ -174,7 +175,7 @@ if TYPE_CHECKING:
     )
     from reef_core.models.loading import build_tiny_model, build_tiny_tokenizer
     from reef_core.grow.objective import Objective, Prepared, ValueModel, action_logits, sequence_logprobs, token_sum
-    from reef_core.grow.optim import adamw
+    from reef_core.grow.optim import adamw, clipped_step
     from reef_core.grow.reference import ReferenceModel, ReferenceScores
     from reef_core.grow.token_batch import TokenBatch, TokenDataError, TokenRow, row_from_sample, row_from_tokens
     from reef_core.grow.torch_backend import TorchTrainer, TorchTrainerOptions
@@ -208,7 +209,7 @@ __all__ = [
     "dis_weight", "clipped_surrogate", "grpo_advantages", "centered_kl_advantages",
     "explained_variance", "length_adaptive_lambda", "skip_observation_gae",
     "entropic_beta", "entropic_loo", "entropic_kl", "entropic_adaptive_beta_loo", "ENTROPIC_TARGET_KL",
-    "TorchTrainer", "TorchTrainerOptions", "adamw", "build_tiny_model", "build_tiny_tokenizer",
+    "TorchTrainer", "TorchTrainerOptions", "adamw", "clipped_step", "build_tiny_model", "build_tiny_tokenizer",
     # commit: the gate and the release chain
     "Candidate", "Current", "Decision", "EvaluationResult", "Evaluator", "SelectionPolicy",
     "ArtifactStore", "FileValue", "Release", "scenario_key", "scenario_path",

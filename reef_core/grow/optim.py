@@ -9,6 +9,7 @@ not support (another device, a dtype without a fused kernel) get the default imp
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -41,3 +42,38 @@ def adamw(params: Iterable[Tensor], **options) -> torch.optim.AdamW:
         except (RuntimeError, ValueError):  # a torch build without the kernel for this device
             pass
     return torch.optim.AdamW(params, **options)
+
+
+def clipped_step(optimizer: torch.optim.Optimizer, params: list[Tensor], max_norm: float | None, *,
+                 step_nonfinite: bool = False) -> float:
+    """Clip the global gradient norm of ``params`` to ``max_norm`` (``None``: no clipping) and step ``optimizer``
+    once, as ``clip_grad_norm_`` then ``step()`` would; returns the norm before clipping.
+
+    ``clip_grad_norm_`` rescales every gradient in a pass of its own, even by a factor of 1. Here a factor of 1
+    touches nothing (exact), and a fused AdamW takes the factor into its own pass (``grad_scale``, the hook torch's
+    ``GradScaler`` uses: the kernel divides each gradient by ``1 / factor``, equal to the multiplication up to an
+    ulp). A non-finite norm steps nothing, unless ``step_nonfinite`` (then as ``clip_grad_norm_`` + ``step()``)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    norm = float(total)
+    limit = float("inf") if max_norm is None else float(max_norm)
+    if not math.isfinite(norm):
+        if step_nonfinite:
+            torch.nn.utils.clip_grads_with_norm_(params, limit, total)
+            optimizer.step()
+        return norm
+    coef = limit / (total + 1e-6)  # clip_grad_norm_'s factor, in the norm's dtype
+    if float(coef) >= 1.0:
+        optimizer.step()
+    elif optimizer.defaults.get("fused"):
+        optimizer.grad_scale = coef.reciprocal()  # read by the fused step, then dropped
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale
+    else:
+        torch.nn.utils.clip_grads_with_norm_(params, limit, total)
+        optimizer.step()
+    return norm

@@ -65,7 +65,7 @@ from reef_core.errors import ConfigError
 from reef_core.models.device import resolve_device
 from reef_core.grow.eval_engine import EvalEngine, EvalGeneration
 from reef_core.grow.objective import Objective, lora_targets
-from reef_core.grow.optim import adamw
+from reef_core.grow.optim import adamw, clipped_step
 from reef_core.grow.reference import AdapterBaseReference, ReferenceModel, SharedBaseReference
 from reef_core.grow.token_batch import TokenBatch
 from reef_core.grow.trainer import CandidateUpdate, TrainContext, Trainer
@@ -650,11 +650,7 @@ class TorchTrainer(Trainer):
             total += float(loss.detach())
             for key, value in parts.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
-        norm = torch.nn.utils.clip_grad_norm_(
-            self._params, self.max_grad_norm if self.max_grad_norm is not None else float("inf"))
-        grad_norm = float(norm)
-        if math.isfinite(grad_norm):
-            self._optimizer.step()
+        grad_norm = clipped_step(self._optimizer, self._params, self.max_grad_norm)  # no step if non-finite
         self._optimizer.zero_grad(set_to_none=True)
         return total, sums, grad_norm
 

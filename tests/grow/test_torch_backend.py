@@ -422,3 +422,110 @@ def test_a_rollback_to_the_creation_release_resyncs_the_policy_to_the_base(tok, 
     assert torch.allclose(logits(trainer.policy), base, atol=1e-6)
     trainer.rejected(None)  # and that is the new rollback point
     assert torch.allclose(logits(trainer.policy), base, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- the step is the plain step, faster
+
+
+def plain_logprobs(model, tb):
+    """The straightforward computation: every position's full-vocabulary log_softmax, then the batch's tokens."""
+    logits = model(input_ids=tb.input_ids, attention_mask=tb.attention_mask).logits[:, :-1]
+    picked = torch.log_softmax(logits.float(), -1).gather(-1, tb.input_ids[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(picked, (1, 0))
+
+
+def test_action_positions_only_give_the_plain_log_probs(tok):
+    model, _ = build_tiny_model(seed=0, tokenizer=tok)
+    tb = TokenBatch.from_rows(rows(tok, 4), pad_token_id=tok.pad_token_id)  # rows of unequal lengths (padding)
+    with torch.no_grad():
+        fast, plain = sequence_logprobs(model, tb), plain_logprobs(model, tb)
+    first = int(torch.nonzero(tb.action_mask.sum(0) > 0)[0])
+    assert torch.allclose(fast[:, first:], plain[:, first:], rtol=0, atol=1e-5)
+    assert (fast[:, :first] == 0).all()
+
+
+def test_value_model_skipping_the_last_position_equals_the_full_forward(tok):
+    model, _ = build_tiny_model(seed=0, tokenizer=tok)
+    critic = ValueModel.from_policy(model)
+    torch.nn.init.normal_(critic.head.weight)
+    tb = TokenBatch.from_rows(rows(tok, 3), pad_token_id=tok.pad_token_id)
+    with torch.no_grad():
+        hidden = critic.body(input_ids=tb.input_ids, attention_mask=tb.attention_mask).last_hidden_state
+        full = torch.nn.functional.pad(critic.head(hidden).squeeze(-1)[:, :-1], (1, 0))
+        got = critic(tb.input_ids, tb.attention_mask)
+    assert got.shape == full.shape and got.dtype == torch.float32
+    assert torch.allclose(got, full, rtol=0, atol=1e-6)
+    assert torch.equal(critic(tb.input_ids[:, :1], tb.attention_mask[:, :1]), torch.zeros(tb.size, 1))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3, None])
+def test_clipped_step_is_clip_grad_norm_then_step(fused, max_norm):
+    from reef_core.grow.optim import clipped_step
+
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((7, 5), (11,), (3, 3))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = torch.optim.AdamW(params, lr=0.1, fused=fused)
+    ref = torch.optim.AdamW(twins, lr=0.1)
+    for step in range(3):
+        for p, q in zip(params, twins):
+            g = torch.randn(p.shape, generator=gen)
+            p.grad, q.grad = g.clone(), g.clone()
+        norm = clipped_step(opt, params, max_norm)
+        expected = torch.nn.utils.clip_grad_norm_(twins, max_norm if max_norm is not None else float("inf"))
+        ref.step()
+        assert norm == pytest.approx(float(expected), rel=1e-6)
+        for p, q in zip(params, twins):
+            assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+    assert not hasattr(opt, "grad_scale")
+
+
+def test_clipped_step_with_a_non_finite_norm_steps_only_when_asked():
+    from reef_core.grow.optim import clipped_step
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+    p.grad = torch.tensor([1.0, float("nan"), 0.0])
+    assert math.isnan(clipped_step(opt, [p], 1.0))
+    assert torch.equal(p.detach(), torch.ones(3)) and not opt.state
+    assert math.isnan(clipped_step(opt, [p], 1.0, step_nonfinite=True))
+    assert torch.isnan(p.detach()).all()  # as clip_grad_norm_ then step() would: the caller chose to step
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_trainer_step_equals_a_plain_hf_step(tok, lora):
+    """Two trainer steps (clipping active) against the same steps written plainly: full logits, log_softmax,
+    clip_grad_norm_, torch's default AdamW; the weights agree to float rounding."""
+    opts = TorchTrainerOptions(lr=1e-2, max_grad_norm=0.05, lora=lora, lora_rank=4, lora_alpha=8)
+    trainer = TorchTrainer(Reinforce(), loader(tok), opts)
+    plain, _ = build_tiny_model(seed=0, tokenizer=tok)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            plain = get_peft_model(plain, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, bias="none",
+                                                     target_modules="all-linear", task_type="CAUSAL_LM"))
+    else:
+        plain.requires_grad_(True)
+    plain.eval()
+    params = [p for p in plain.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
+    for seed in (0, 1):
+        tb = TokenBatch.from_rows(rows(tok, 4, seed=seed), pad_token_id=tok.pad_token_id)
+        update = trainer.step(tb)
+        opt.zero_grad(set_to_none=True)
+        mask = tb.action_mask > 0
+        adv = tb.rewards.unsqueeze(1) * tb.action_mask
+        loss = -token_sum(adv * plain_logprobs(plain, tb), mask) / tb.norm_tokens
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, 0.05)
+        opt.step()
+        assert float(norm) > 0.05  # the clipping path ran
+        assert update.metrics["grad_norm"] == pytest.approx(float(norm), rel=1e-4)
+        assert update.metrics["loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
+    mine = dict(trainer.policy.named_parameters())
+    for name, p in plain.named_parameters():
+        # AdamW divides by sqrt(v): a near-zero gradient's rounding can move its weight by a sliver of lr (1e-2)
+        assert torch.allclose(mine[name], p, rtol=1e-5, atol=1e-5), name

@@ -36,6 +36,7 @@ from reef_core.api import (
     ValidationFailed,
     ValueModel,
     adamw,
+    clipped_step,
     dis_weight,
     explained_variance,
     grpo_advantages,
@@ -272,8 +273,10 @@ class SAOObjective(DISObjective):
                 loss.backward()
                 total += float(loss.detach())
             if self.critic_max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(_trained(self.critic), float(self.critic_max_grad_norm))
-            self.critic_optimizer.step()
+                clipped_step(self.critic_optimizer, _trained(self.critic), float(self.critic_max_grad_norm),
+                             step_nonfinite=True)
+            else:
+                self.critic_optimizer.step()
             self.critic_optimizer.zero_grad(set_to_none=True)
             critic_losses.append(total)
         self.critic_updates += self.critic_steps_per_actor

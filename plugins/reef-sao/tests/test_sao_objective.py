@@ -297,3 +297,40 @@ def test_a_reported_rollout_without_log_probs_is_refused_by_the_sao_trainer(tok)
     assert info.value.status == 400
     assert all(torch.equal(v, trainer.policy.state_dict()[k]) for k, v in before.items())
     assert trainer.objective.json_state()["batches"] == 0  # the critic did not step either
+
+
+def test_the_critic_steps_equal_plain_critic_steps(tok):
+    """SAO's critic steps (last position skipped, clipping folded into the fused AdamW) against the same steps
+    written plainly: a full body forward + head, MSE to the first pass's returns, clip_grad_norm_, torch's
+    default AdamW; the critic's weights and the actor's advantages agree to float rounding."""
+    from reef_core.api import ValueModel, skip_observation_gae
+
+    objective = sao(critic_lr=1e-2, critic_max_grad_norm=0.05)
+    trainer = TorchTrainer(objective, lambda: build_tiny_model(seed=0, tokenizer=tok), TorchTrainerOptions(lr=1e-2))
+    rows = [row_from_tokens([1, 2, 3, 7], [4, 5, 6], [-6.0] * 3, 1.0), row_from_tokens([1, 9], [8, 4], [-5.0] * 2, 0.0)]
+    batch = TokenBatch.from_rows(rows, pad_token_id=tok.pad_token_id)
+    plain = ValueModel.from_policy(build_tiny_model(seed=0, tokenizer=tok)[0])
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.0)  # the critic's default
+    mask = batch.action_mask > 0
+
+    def values():
+        hidden = plain.body(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        return nn.functional.pad(plain.head(hidden).squeeze(-1)[:, :-1], (1, 0))
+
+    for step in range(2):  # the trainer's step runs both critic steps; plain, one after the other
+        if step == 0:
+            prepared = objective.prepare(trainer.policy, batch)
+        opt.zero_grad(set_to_none=True)
+        v = values()
+        if step == 0:
+            returns = skip_observation_gae(v.detach(), batch.action_mask, batch.rewards)[1]
+        last = v.detach()
+        loss = torch.where(mask, (v - returns) ** 2, torch.zeros_like(v)).sum() / batch.norm_tokens
+        loss.backward()
+        assert float(torch.nn.utils.clip_grad_norm_(list(plain.parameters()), 0.05)) > 0.05  # clipping ran
+        opt.step()
+    mine = dict(objective.critic.named_parameters())
+    for name, p in plain.named_parameters():
+        assert torch.allclose(mine[name], p, rtol=1e-5, atol=1e-5), name  # (AdamW: see the trainer's test)
+    adv, _ = objective.advantages(last, batch)
+    assert torch.allclose(prepared.batch.extras["advantages"], adv.float(), rtol=1e-5, atol=1e-6)
