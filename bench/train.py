@@ -18,6 +18,8 @@ section's defaults) or full weights, AdamW at the same learning rate, gradient n
 Rounds interleave the contenders (the order rotates each round), so a busy shared machine slows them alike; the
 ratios in one run are the figures to compare. Each contender's weights move with its own steps (as in training);
 the first step of each is a warm-up, not timed. ``--profile PATH`` writes a cProfile summary of ``reef-sao`` steps.
+The run ends with issue #41's target for ``reef-sao`` and ``reef-grpo-dis`` (at most x0.70 of their plain step, wall
+and CPU, in this run). Both plain steps use ``weight_decay=0``, as the trainer and the critic do.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from bench import common
 
 LR = 1e-5
 CRITIC_LR = 1e-5
+#: issue #41: a Reef step costs at most this much of the plain HF step on the same batch (reef-sao vs hf-sao,
+#: reef-grpo-dis vs hf-step)
+TARGET = 0.7
 
 
 def add_arguments(parser) -> None:
@@ -154,7 +159,8 @@ def _hf(loader, args, batch, critic_steps: int):
         model.eval()
     params = [p for p in model.parameters() if p.requires_grad]
     fused = {"fused": True} if args.hf_fused else {}
-    opt = torch.optim.AdamW(params, lr=LR, **fused)
+    # weight_decay 0: the trainer's and the critic's setting (torch's AdamW defaults to 0.01)
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, **fused)
     ids, attn = batch.input_ids, batch.attention_mask
     mask = batch.action_mask > 0
     n_tokens = max(int(mask.sum()), 1)
@@ -166,7 +172,7 @@ def _hf(loader, args, batch, critic_steps: int):
         torch.nn.init.zeros_(critic_head.weight)
         torch.nn.init.zeros_(critic_head.bias)
         critic_params = list(critic.parameters()) + list(critic_head.parameters())
-        critic_opt = torch.optim.AdamW(critic_params, lr=CRITIC_LR, **fused)
+        critic_opt = torch.optim.AdamW(critic_params, lr=CRITIC_LR, weight_decay=0.0, **fused)
 
     def values() -> torch.Tensor:
         v = critic_head(critic(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state).squeeze(-1)
@@ -309,6 +315,11 @@ def run(args) -> dict:
           f"load avg at start {machine['load_avg_1m_at_start']}")
     print(common.table(["contender", "s median", "s best", "critic s", "actor s", "cpu s", "ratio to", "cpu ratio"],
                        rows))
+    for name, base in (("reef-sao", "hf-sao"), ("reef-grpo-dis", "hf-step")):
+        if name in med and base in med:
+            wall, cpu = ratios[name], ratios[f"{name} cpu"]
+            print(f"target (issue #41) {name} <= x{TARGET:.2f} of {base} ({mode}): wall x{wall:.2f}, cpu x{cpu:.2f}: "
+                  f"{'met' if max(wall, cpu) <= TARGET else 'not met'}")
     if "reef-sao" in med and "reef-sao-torch-adamw" in med:
         before = med["reef-sao"]["total"] / med["reef-sao-torch-adamw"]["total"]
         ratios["reef-sao/reef-sao-torch-adamw"] = before
@@ -321,5 +332,5 @@ def run(args) -> dict:
     print(f"load avg at end {load_end}")
     return {"machine": machine, "model": args.model, "batch": args.batch, "prompt": args.prompt,
             "response": args.response, "lora": not args.full, "hf_fused": args.hf_fused,
-            "critic_steps": args.critic_steps,
+            "critic_steps": args.critic_steps, "target": TARGET,
             "load_avg_1m_at_end": load_end, **result, "median": med, "ratios": ratios, "problems": []}
