@@ -45,7 +45,7 @@ THROUGH_SERVER: dict[str, str | None] = {
     "engine": "stream",
     "stream": None,
     "replicas": None,
-    "batch": None,
+    "batch": "stream --concurrency 8 (N streams through reef serve vs one after another)",
     "ready": None,
     "learn-smollm2": None,
     "learn-vllm": None,
