@@ -35,6 +35,12 @@ def test_bench_train_times_every_contender_on_the_tiny_model(tmp_path, capsys):
     assert result["ratios"]["hf-sao"] == 1.0 and result["ratios"]["reef-sao"] > 0
     out = capsys.readouterr().out
     assert "reef-sao actor phase / hf-step" in out and "x1.00 hf-step" in out
+    # issue #41's target, judged for both Reef rows against their plain step in this run
+    assert result["target"] == 0.7
+    for name, base in (("reef-sao", "hf-sao"), ("reef-grpo-dis", "hf-step")):
+        line = f"target (issue #41) {name} <= x0.70 of {base}"
+        verdict = "met" if max(result["ratios"][name], result["ratios"][f"{name} cpu"]) <= 0.7 else "not met"
+        assert any(row.startswith(line) and row.endswith(f": {verdict}") for row in out.splitlines()), line
 
 
 @pytest.mark.parametrize("argv", [["--batch", "3"], ["--rounds", "0"], ["--contenders", "reef-sao,nope"]])
