@@ -25,21 +25,18 @@ def action_logits(model: nn.Module, batch: TokenBatch) -> tuple[int, Tensor]:
     """``(first, logits)``: the model's next-token logits ``[B, L - first, V]`` where ``logits[:, j]`` scores the token
     at position ``first + j`` (it is read at ``first + j - 1``); ``first`` is the batch's first action column (>= 1).
 
-    Only those positions are computed (``logits_to_keep``), so a long prompt costs no vocabulary-sized logits; the
-    batch's last column is not fed at all (it scores no token, and a causal model's earlier positions never see
-    it), which is exact and saves one position's pass through every layer."""
+    Only those positions are computed (``logits_to_keep``), so a long prompt costs no vocabulary-sized logits."""
     length = batch.seq_len
     cols = torch.nonzero(batch.action_mask.sum(dim=0) > 0)
     first = int(cols[0]) if cols.numel() else length - 1
     first = max(first, 1)
-    keep = length - first  # logits at positions first-1 .. L-2
-    cut = length - 1 if keep > 0 else length  # (a one-column batch scores nothing; fed whole, as it is)
-    kwargs: dict[str, Any] = {"input_ids": batch.input_ids[:, :cut], "attention_mask": batch.attention_mask[:, :cut],
-                              "use_cache": False}
-    if keep > 0 and "logits_to_keep" in _base_forward_params(model):
-        kwargs["logits_to_keep"] = keep  # (0 would mean every position)
+    keep = length - first + 1  # logits at positions first-1 .. L-1
+    kwargs: dict[str, Any] = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "use_cache": False}
+    if "logits_to_keep" in _base_forward_params(model):
+        kwargs["logits_to_keep"] = keep
     logits = model(**kwargs).logits
-    return first, logits[:, logits.shape[1] - keep:]  # (a model without logits_to_keep returned every position)
+    logits = logits[:, -keep:]  # (a model without logits_to_keep returned every position)
+    return first, logits[:, :-1]  # the last position scores no token of the batch
 
 
 def sequence_logprobs(model: nn.Module, batch: TokenBatch) -> Tensor:

@@ -244,12 +244,8 @@ class ValueModel(nn.Module):
         return critic
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        # The last position's hidden state is read by no value, and a causal body's earlier positions never see
-        # it: the body runs on the first L - 1 positions (exact, one position's pass less).
-        out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-        if input_ids.shape[1] < 2:
-            return out
-        mask = attention_mask[:, :-1] if attention_mask is not None else None
-        hidden = self.body(input_ids=input_ids[:, :-1], attention_mask=mask, use_cache=False).last_hidden_state
-        out[:, 1:] = self.head(hidden.float()).squeeze(-1)
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        v = self.head(hidden.float()).squeeze(-1)
+        out = torch.zeros_like(v)
+        out[:, 1:] = v[:, :-1]
         return out

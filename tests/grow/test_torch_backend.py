@@ -444,7 +444,7 @@ def test_action_positions_only_give_the_plain_log_probs(tok):
     assert (fast[:, :first] == 0).all()
 
 
-def test_value_model_skipping_the_last_position_equals_the_full_forward(tok):
+def test_value_model_gives_each_position_the_value_of_the_state_before_it(tok):
     model, _ = build_tiny_model(seed=0, tokenizer=tok)
     critic = ValueModel.from_policy(model)
     torch.nn.init.normal_(critic.head.weight)

@@ -300,7 +300,7 @@ def test_a_reported_rollout_without_log_probs_is_refused_by_the_sao_trainer(tok)
 
 
 def test_the_critic_steps_equal_plain_critic_steps(tok):
-    """SAO's critic steps (last position skipped, clipping folded into the fused AdamW) against the same steps
+    """SAO's critic steps (clipping folded into the fused AdamW) against the same steps
     written plainly: a full body forward + head, MSE to the first pass's returns, clip_grad_norm_, torch's
     default AdamW; the critic's weights and the actor's advantages agree to float rounding."""
     from reef_core.api import ValueModel, skip_observation_gae
