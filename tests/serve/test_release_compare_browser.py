@@ -21,10 +21,19 @@ def browser():
     yield from chromium("1280,1400")
 
 
-def follow(driver, element) -> None:
+def loaded(driver) -> None:
+    WebDriverWait(driver, 30).until(lambda d: d.execute_script("return document.readyState") == "complete")
+
+
+def follow(driver, by: str, value: str) -> None:
+    """Click what ``(by, value)`` finds on the loaded page and wait until the next page has loaded: an element found
+    while a page still loads can be gone by the time it is clicked ("Node ... does not belong to the document",
+    seen once in a CI run)."""
+    loaded(driver)
     page = driver.find_element(By.TAG_NAME, "html")
-    element.click()
+    driver.find_element(by, value).click()
     WebDriverWait(driver, 30).until(staleness_of(page))
+    loaded(driver)
 
 
 def test_compare_page(tmp_path, fake_upstream_url, browser):
@@ -32,9 +41,9 @@ def test_compare_page(tmp_path, fake_upstream_url, browser):
         first, second = loop.served
         browser.get(f"{loop.url}/ui/login")
         browser.find_element(By.NAME, "token").send_keys(TOKEN)
-        follow(browser, browser.find_element(By.CSS_SELECTOR, "button[type=submit]"))
-        follow(browser, browser.find_element(By.LINK_TEXT, loop.scenario))
-        follow(browser, browser.find_element(By.LINK_TEXT, "compare releases"))
+        follow(browser, By.CSS_SELECTOR, "button[type=submit]")
+        follow(browser, By.LINK_TEXT, loop.scenario)
+        follow(browser, By.LINK_TEXT, "compare releases")
         assert "Compare releases" in browser.title
 
         sides = {row.get_attribute("data-side"): row for row in browser.find_elements(By.CSS_SELECTOR, "tr.side")}
@@ -55,6 +64,6 @@ def test_compare_page(tmp_path, fake_upstream_url, browser):
 
         # Another pair through the form: b - a of the same release is zero.
         Select(browser.find_element(By.NAME, "b")).select_by_value(first)
-        follow(browser, browser.find_element(By.CSS_SELECTOR, "form button"))
+        follow(browser, By.CSS_SELECTOR, "form button")
         assert browser.find_element(By.CSS_SELECTOR, "#difference .mean").text == "+0.000"
         assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
