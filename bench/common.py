@@ -71,11 +71,12 @@ class Child:
             return None
         return sum(_vm_hwm_kib(pid) for pid in _tree(self.pid)) / 1024
 
-    def cpu_seconds(self) -> float:
-        """User + system CPU time used so far by the process and its children (all threads)."""
+    def cpu_seconds(self, reaped: bool = False) -> float:
+        """User + system CPU time used so far by the process and its children (all threads); ``reaped``: also what
+        the children they waited for used (a short-lived subprocess that ended inside a window still counts)."""
         if self.proc is None or self.proc.poll() is not None:
             return 0.0
-        return sum(_cpu_seconds(pid) for pid in _tree(self.pid))
+        return tree_cpu_seconds(self.pid, reaped)
 
     def log_tail(self, n: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
@@ -132,12 +133,19 @@ def _tree(pid: int) -> list[int]:
     return pids
 
 
-def _cpu_seconds(pid: int) -> float:
+def stat_cpu_seconds(stat: Path, reaped: bool = False) -> float:
+    """utime + stime of a ``/proc/<pid>/stat`` or ``/proc/<pid>/task/<tid>/stat`` file (+ cutime + cstime with
+    ``reaped``); 0 when it is gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat.read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, all threads
+    return sum(int(f) for f in fields[11:15 if reaped else 13]) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(pid: int, reaped: bool = False) -> float:
+    """:func:`stat_cpu_seconds` of ``pid`` and every process below it (each process's file covers all its threads)."""
+    return sum(stat_cpu_seconds(Path(f"/proc/{p}/stat"), reaped) for p in _tree(pid))
 
 
 def _vm_hwm_kib(pid: int) -> int:

@@ -225,7 +225,7 @@ def run_rounds(base: str, args, client, kind: str, t0: float) -> dict:
 
 
 def _tree_cpu(pid: int) -> float:
-    return round(sum(common._cpu_seconds(p) for p in common._tree(pid)), 1)
+    return round(common.tree_cpu_seconds(pid), 1)
 
 
 def _tree_rss(pid: int) -> float:

@@ -138,25 +138,12 @@ def one_round(workdir: Path, name: str, args, cache: Path, root: Path) -> dict:
     return out
 
 
-def server_cpu_seconds(child: common.Child) -> float:
-    """User + system CPU of every process of the server: all their threads, and the children they waited for
-    (a short-lived subprocess that ended inside the window still counts)."""
-    total = 0.0
-    for pid in common._tree(child.pid):
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # ended meanwhile: its parent's reaped-children fields hold it
-        total += sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
-    return total / os.sysconf("SC_CLK_TCK")
-
-
 def idle_cpu_pct(child: common.Child, seconds: float) -> float:
     """The server's CPU over ``seconds`` with no request in flight, as % of one core (see the module docstring)."""
     time.sleep(IDLE_SETTLE_S)
-    cpu, t = server_cpu_seconds(child), time.perf_counter()
+    cpu, t = common.tree_cpu_seconds(child.pid, reaped=True), time.perf_counter()
     time.sleep(seconds)
-    return 100 * (server_cpu_seconds(child) - cpu) / (time.perf_counter() - t)
+    return 100 * (common.tree_cpu_seconds(child.pid, reaped=True) - cpu) / (time.perf_counter() - t)
 
 
 def summarize(rounds: list[dict], key: str, target: float | None) -> dict:
