@@ -119,7 +119,7 @@ def test_workers_answer_inference_hand_on_the_rest_and_serve_new_releases_at_onc
 
     wait_until(lambda: counted() == len(receipts), timeout=5, what="the primary's /metrics counting every request")
     # A report through the worker reaches the primary's learner; its step's release serves on the worker's
-    # connection within a second (follow_interval_s is 60: the primary told the worker).
+    # connection within seconds (follow_interval_s is 60: the primary told the worker).
     status, _, body = post(conn, "/reef/report", {"score": 1.0, "references": [receipts[-1]]})
     assert status == 200, body
 
@@ -132,7 +132,9 @@ def test_workers_answer_inference_hand_on_the_rest_and_serve_new_releases_at_onc
     assert status == 200, body
     rolled = body["release_id"]
     assert rolled not in (seed, trained)
-    wait_until(lambda: release() == rolled, timeout=1, what="the worker serving the rollback")
+    # Within seconds, far inside follow_interval_s (1 s was the tightest deadline here; a loaded CI run once failed
+    # this test, its failing line not kept).
+    wait_until(lambda: release() == rolled, timeout=5, what="the worker serving the rollback")
     # Errors keep their dialect when handed on: an unknown route, a refused scenario name.
     conn.request("GET", "/reef/nothing-here")
     answer = conn.getresponse()
