@@ -41,9 +41,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from git.exc import GitCommandError
-
-from reef_core.commit._git import ZERO, Git, check_git_lfs
+from reef_core.commit._git import ZERO, Git, GitCommandError, check_git_lfs
 from reef_core.commit._objects import ObjectWriter
 from reef_core.commit.refs import LocalRefs, RefUpdate, RemoteRefs
 from reef_core.commit.release import (

@@ -8,7 +8,6 @@ Local: ``git update-ref --stdin`` (start/prepare/commit); git checks each old va
 ref lock. One such process stays open per store and runs every transaction in turn (a fork and
 exec per transaction cost more than the transaction); a failed transaction ends it and the next
 one starts a new one. Refs are read from the files backend directly (:func:`_read_refs`).
-GitPython's own ref writer does not compare old values, so it is never used here.
 Remote: ``git push --atomic --force-with-lease=<ref>:<old>`` from a local bare mirror; the
 remote checks the lease under its ref locks.
 """
@@ -23,9 +22,8 @@ import time
 import weakref
 from dataclasses import dataclass
 
-from git.exc import GitCommandError
 
-from reef_core.commit._git import ZERO, Git, git_env
+from reef_core.commit._git import ZERO, Git, GitCommandError, git_env
 from reef_core.errors import Conflict, StorageUnavailable
 
 # Wait up to 2 s for a ref lock held by a concurrent writer instead of failing at once.
