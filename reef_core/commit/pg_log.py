@@ -19,11 +19,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from reef_core.commit.commitlog import _same, normalize_row
 from reef_core.commit.release import scenario_path
 from reef_core.errors import Conflict, StorageUnavailable, ValidationFailed
+
+
+def _pg_insert(table: sa.Table):
+    # Imported when used: a SQLite deployment never loads the PostgreSQL dialect.
+    from sqlalchemy.dialects.postgresql import insert
+
+    return insert(table)
+
 
 _METADATA = sa.MetaData()
 COMMIT_LOG = sa.Table(
@@ -152,7 +159,7 @@ class PgCommitLog:
                                         .where(COMMIT_LOG.c.scenario == self.scenario)).scalar_one())
                 if expected_step == last:
                     inserted = conn.execute(
-                        pg_insert(COMMIT_LOG)
+                        _pg_insert(COMMIT_LOG)
                         .values(scenario=self.scenario, step=expected_step + 1, row=text)
                         .on_conflict_do_nothing().returning(COMMIT_LOG.c.step)).first()
                     if inserted is not None:

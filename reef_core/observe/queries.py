@@ -10,15 +10,19 @@ from __future__ import annotations
 from functools import cache
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 
 from reef_core.observe.schema import (consumed_ids, idempotency_keys, record_sequences, records, scenarios,
                                      usage_counters)
 
 
 def dialect_insert(dialect: str, table: sa.Table):
-    """An INSERT construct with ON CONFLICT support for the dialect (``sqlite`` or ``postgresql``)."""
-    return (postgresql.insert if dialect == "postgresql" else sqlite.insert)(table)
+    """An INSERT construct with ON CONFLICT support for the dialect (``sqlite`` or ``postgresql``). The dialect's
+    module is imported when first used: a SQLite deployment never loads the PostgreSQL one."""
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    return insert(table)
 
 
 RECORD_BY_ID = sa.select(records).where(records.c.scenario == sa.bindparam("scenario"),

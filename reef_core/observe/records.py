@@ -39,7 +39,7 @@ import sqlalchemy as sa
 from reef_core.errors import ConfigError, Conflict, NotFound, StorageUnavailable, ValidationFailed
 from reef_core.observe import queries as q
 from reef_core.observe.batch import AppendRequest, fetch_ref_info, row_to_record, validate_references
-from reef_core.observe.engine import Engines, create_engines, migrate, resolve_url
+from reef_core.observe.engine import Engines, create_engines, ensure_schema, resolve_url
 from reef_core.observe.model import Record, Scenario, check_identifier
 from reef_core.observe.writer import Writer, WriterStats
 
@@ -73,7 +73,7 @@ class RecordStore:
             raise ConfigError("batch_size and max_pending must be positive and linger_s not negative")
         engines = create_engines(resolve_url(url, Path(data_dir)), schema=schema, synchronous=synchronous)
         try:
-            migrate(engines)
+            ensure_schema(engines)
         except BaseException:
             engines.dispose()
             raise

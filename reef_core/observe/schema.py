@@ -1,8 +1,10 @@
 """Table definitions the record store queries (SQLAlchemy Core).
 
 The tables are declared without a schema; a PostgreSQL store maps them into its own schema with
-``schema_translate_map``, so one process can hold stores in several schemas. The DDL itself lives in the Alembic
-migrations (``reef_core/observe/migrations``); ``tests/observe`` checks that the two agree.
+``schema_translate_map``, so one process can hold stores in several schemas. The Alembic migrations
+(``reef_core/observe/migrations``) bring an older store to :data:`HEAD_REVISION`; a new store is created from these
+definitions and stamped at it (Alembic's recipe for a new database). ``tests/observe`` checks that a migrated store
+and a created one have the same DDL, and that :data:`HEAD_REVISION` is the migrations' head.
 """
 
 from __future__ import annotations
@@ -13,6 +15,16 @@ metadata = sa.MetaData()
 
 #: Alembic's bookkeeping table for this store, kept apart from any other Alembic history in the same database.
 VERSION_TABLE = "reef_records_alembic_version"
+#: The newest migration's revision: the schema these tables describe. Raise it with every new migration.
+HEAD_REVISION = "0005"
+
+#: The version table as Alembic creates it (its primary key named as Alembic names it), for stamping a new store.
+version_table = sa.Table(
+    VERSION_TABLE,
+    sa.MetaData(),
+    sa.Column("version_num", sa.String(32), nullable=False),
+    sa.PrimaryKeyConstraint("version_num", name=f"{VERSION_TABLE}_pkc"),
+)
 
 scenarios = sa.Table(
     "scenarios",
@@ -28,8 +40,8 @@ records = sa.Table(
     metadata,
     # Record ids are scenario-scoped: each scenario is its own namespace of ids (#37 D5), so no team can learn of,
     # claim or be locked out of another's.
-    sa.Column("record_id", sa.String(255), primary_key=True),
-    sa.Column("scenario", sa.String(255), primary_key=True),
+    sa.Column("record_id", sa.String(255), nullable=False),
+    sa.Column("scenario", sa.String(255), nullable=False),
     sa.Column("kind", sa.String(16), nullable=False),
     sa.Column("sequence", sa.BigInteger(), nullable=False),
     sa.Column("created_at", sa.Double(), nullable=False),
@@ -42,6 +54,8 @@ records = sa.Table(
     sa.Column("payload", sa.JSON(), nullable=False),
     # Packed top-K log-probs of the payload's token data (reef_core.topk); NULL when none were captured.
     sa.Column("top_k", sa.LargeBinary(), nullable=True),
+    # Named as migration 0004 names it (PostgreSQL's default name), so a new SQLite store matches a migrated one.
+    sa.PrimaryKeyConstraint("record_id", "scenario", name="records_pkey"),
     sa.UniqueConstraint("scenario", "sequence", name="uq_records_scenario_sequence"),
     sa.Index("ix_records_request_hash", "scenario", "request_hash", "created_at"),
 )

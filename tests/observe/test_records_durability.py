@@ -19,7 +19,7 @@ from alembic.script import ScriptDirectory
 from alembic.config import Config
 
 from reef_core.errors import ConfigError
-from reef_core.observe.engine import MIGRATIONS_DIR, current_revision
+from reef_core.observe.engine import MIGRATIONS_DIR, create_engines, current_revision, migrate, resolve_url
 from reef_core.observe.records import Record, RecordStore
 from reef_core.observe.schema import VERSION_TABLE, metadata
 
@@ -117,6 +117,12 @@ def test_migrations_reach_head_and_match_the_table_definitions(target):
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     head = ScriptDirectory.from_config(config).get_current_head()
+    # Built by the migrations from nothing (RecordStore.open would create a new store from the definitions).
+    engines = create_engines(resolve_url(url, data_dir), schema=opts.get("schema"))
+    try:
+        migrate(engines)
+    finally:
+        engines.dispose()
     with RecordStore.open(url, data_dir, **opts) as store:
         engines = store._engines
         assert current_revision(engines) == head
