@@ -138,16 +138,10 @@ class _Engine:
 
 
 def thread_cpu(pid: int) -> dict[int, float]:
-    """User + system CPU seconds of every thread of ``pid`` (from ``/proc/<pid>/task/<tid>/stat``)."""
-    out = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / tick
-    return out
+    """User + system CPU seconds of every thread of ``pid`` (:func:`bench.common.stat_cpu_seconds` of each
+    ``/proc/<pid>/task/<tid>/stat``); a thread that ended while read (0 s) is left out, as one that has not run."""
+    seconds = {int(task.name): common.stat_cpu_seconds(task / "stat") for task in Path(f"/proc/{pid}/task").glob("*")}
+    return {tid: cpu for tid, cpu in seconds.items() if cpu > 0}
 
 
 def thread_split(pid: int, before: dict[int, float], after: dict[int, float]) -> dict:

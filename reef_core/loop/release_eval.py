@@ -216,7 +216,7 @@ def private_generator(cfg: Any, generation: EvalGeneration, max_new_tokens: int,
 
 
 def weights_releases(generator: EvalEngine) -> WeightsReleases:
-    from ..surfaces.weights import model_digest
+    from ..models.digest import model_digest
 
     return WeightsReleases(generator, functools.cache(lambda: model_digest(generator.model_dir)))  # hashed once
 

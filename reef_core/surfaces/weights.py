@@ -40,10 +40,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..models.adapter import AdapterWeights
+from ..models.digest import model_digest
 from ..models.release_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_REFERENCE, MODEL_FILE, base_reference
 from ..errors import ConfigError, Conflict, ValidationFailed
 from ..versions import ServedVersion, adapter_key
@@ -54,14 +54,6 @@ log = logging.getLogger("reef.surfaces")
 
 #: The files that carry a weights release (written by ``reef_core.grow.torch_backend``).
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "BASE_REFERENCE", "MODEL_FILE", "WeightsSurface"]
-
-
-def model_digest(model_dir: Path) -> str:
-    """``sha256:<hex>`` over every file of a model directory (relative path and bytes, in path order); hashed once
-    per content, remembered across starts (:mod:`reef_core.models.digest`)."""
-    from ..models.digest import model_digest as cached
-
-    return cached(model_dir)
 
 
 def state_dict_from_files(files: Mapping[str, bytes], load_base_model: Callable[[], tuple[Any, Any]] | None):

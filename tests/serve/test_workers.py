@@ -233,3 +233,23 @@ def test_worker_series_add_up_and_never_go_down_when_a_worker_is_replaced():
     assert totals == {"s": 8.0, "t": 1.0}
     # A gauge of a worker that exited is gone with it.
     assert [s.value for s in series.merged("reef_record_writer_queue_depth", [])] == []
+
+
+def test_a_request_handed_to_a_primary_that_is_gone_gets_503_in_its_dialect(tmp_path):
+    import asyncio
+
+    import httpx
+
+    from reef_core.serve.process.forward import ForwardToPrimary
+
+    async def ask():
+        app = ForwardToPrimary(str(tmp_path / "no-primary.sock"))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as client:
+            answers = [await client.post("/v1/messages", json={"model": "m"}), await client.get("/reef/scenarios")]
+        await app.close()
+        return answers
+
+    anthropic, reef = asyncio.run(ask())
+    assert anthropic.status_code == 503 and anthropic.json()["type"] == "error"
+    assert anthropic.headers["retry-after"] == "1"
+    assert reef.status_code == 503 and "not reachable" in json.dumps(reef.json())

@@ -31,11 +31,14 @@ class ForwardToPrimary:
     def __init__(self, socket_path: str):
         self.socket_path = socket_path
         self._session: aiohttp.ClientSession | None = None
+        # Set with the session: what a lost connection to the primary raises (aiohttp is not imported before).
+        self._unreachable: type[BaseException] | tuple = ()
 
     def _client(self) -> aiohttp.ClientSession:
         # aiohttp is imported by a worker process only (~0.2 s of every primary's start-up otherwise, issue #41).
         import aiohttp
 
+        self._unreachable = aiohttp.ClientConnectionError
         if self._session is None or self._session.closed:
             # No total timeout: a forwarded request may legitimately wait (a report that waits for its learner).
             self._session = aiohttp.ClientSession(
@@ -50,8 +53,6 @@ class ForwardToPrimary:
             self._session = None
 
     async def __call__(self, scope, receive, send) -> None:
-        import aiohttp
-
         if scope["type"] != "http":  # no websocket routes: refuse the upgrade as the primary would
             await send({"type": "websocket.close", "code": 1000})
             return
@@ -84,7 +85,7 @@ class ForwardToPrimary:
                 async for chunk in answer.content.iter_any():
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except aiohttp.ClientConnectionError as exc:
+        except self._unreachable as exc:
             if started:  # cut mid-answer: the client's connection is closed the same way
                 raise
             log.warning("could not reach the primary process for %s %s: %s", scope["method"], scope["path"], exc)
