@@ -44,6 +44,15 @@ class GitCommandError(Exception):
         super().__init__(f"{' '.join(self.command)} exited with {status}: {err.strip()}")
 
 
+def _run(cmd: list[str], *, input: bytes | None = None, stdin=None, check: bool = True,
+         env: dict[str, str] | None = None, timeout: float | None = 600) -> subprocess.CompletedProcess:
+    """``cmd`` with :func:`git_env` and captured output; :class:`GitCommandError` when it fails and ``check``."""
+    proc = subprocess.run(cmd, input=input, stdin=stdin, capture_output=True, env=git_env(env), timeout=timeout)
+    if check and proc.returncode != 0:
+        raise GitCommandError(cmd, proc.returncode, proc.stderr, proc.stdout)
+    return proc
+
+
 def check_git_lfs() -> str:
     """Return the ``git lfs version`` string; raise ConfigError when git or git-lfs is missing."""
     if shutil.which("git") is None:
@@ -90,10 +99,7 @@ class Git:
     def init_bare(git_dir: Path) -> None:
         """Create a bare repository at ``git_dir`` (``git init --bare`` reinitialises an existing one harmlessly)."""
         git_dir.parent.mkdir(parents=True, exist_ok=True)
-        cmd = ["git", "init", "--bare", "--quiet", str(git_dir)]
-        proc = subprocess.run(cmd, capture_output=True, env=git_env(), timeout=60)
-        if proc.returncode != 0:
-            raise GitCommandError(cmd, proc.returncode, proc.stderr, proc.stdout)
+        _run(["git", "init", "--bare", "--quiet", str(git_dir)], timeout=60)
 
     def run(
         self,
@@ -109,17 +115,7 @@ class Git:
         for key, value in (config or {}).items():
             cmd += ["-c", f"{key}={value}"]
         cmd += list(args)
-        proc = subprocess.run(
-            cmd,
-            input=input,
-            stdin=stdin,
-            capture_output=True,
-            env=git_env(env),
-            timeout=timeout,
-        )
-        if check and proc.returncode != 0:
-            raise GitCommandError(cmd, proc.returncode, proc.stderr, proc.stdout)
-        return proc
+        return _run(cmd, input=input, stdin=stdin, check=check, env=env, timeout=timeout)
 
     def out(self, *args: str, **kwargs) -> str:
         return self.run(*args, **kwargs).stdout.decode().strip()

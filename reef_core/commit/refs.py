@@ -22,7 +22,6 @@ import time
 import weakref
 from dataclasses import dataclass
 
-
 from reef_core.commit._git import ZERO, Git, GitCommandError, git_env
 from reef_core.errors import Conflict, StorageUnavailable
 

@@ -38,8 +38,8 @@ class ForwardToPrimary:
         # aiohttp is imported by a worker process only (~0.2 s of every primary's start-up otherwise, issue #41).
         import aiohttp
 
-        self._unreachable = aiohttp.ClientConnectionError
         if self._session is None or self._session.closed:
+            self._unreachable = aiohttp.ClientConnectionError
             # No total timeout: a forwarded request may legitimately wait (a report that waits for its learner).
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.UnixConnector(path=self.socket_path, limit=0),
