@@ -191,16 +191,27 @@ def cmd_serve(args) -> int:
     # over them took ~15% of start-up's CPU (issue #41). It is enabled again once start-up is done
     # (serve.process.server.freeze_startup_objects).
     gc.disable()
-    from .config import compose_config
-    from .serve.process.server import serve
+    from .config.apart import compose_apart
 
-    cfg = compose_config(args.overrides)
-    # Most of start-up's cycles are the composition's (OmegaConf nodes, the override grammar's parse trees): collected
-    # here, while little else exists, in ~0.02 s; the rest of start-up is frozen uncollected (freeze_startup_objects).
-    gc.collect()
+    # Composed in a child process that exits (Hydra and OmegaConf never load here), while this one imports the
+    # server's modules and loads the plugins on the other core.
+    cfg = compose_apart(args.overrides, meanwhile=_load_server_modules)
     if cfg.server.learner:
         _check_data_dir_free(cfg)
+    from .serve.process.server import serve
+
     return serve(cfg)
+
+
+def _load_server_modules() -> None:
+    """What ``reef serve`` loads whatever the config says: the app's modules and the plugins."""
+    import importlib
+
+    for module in ("reef_core.serve.process.server", "reef_core.loop.assemble", "reef_core.serve.app"):
+        importlib.import_module(module)
+    from .plugins import get_plugin_manager
+
+    get_plugin_manager()
 
 
 def _check_data_dir_free(cfg) -> None:

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 from .. import hookimpl
-from ..sweep import METRICS_FILE
 
 
 def dry_run(cfg, output_dir: Path) -> dict:  # cfg: the job's ReefConfig
@@ -44,6 +43,7 @@ def learn(cfg, output_dir: Path) -> dict:
     """Run the recipe's learning loop offline on ``cfg.learn.file``; write ``metrics.json`` (one per job, so
     the jobs of a sweep compare) and return it without the per-rollout rewards."""
     from ..loop.offline import run_learning
+    from ..sweep import METRICS_FILE  # here: the sweep module loads Hydra, which a serving process never needs
 
     output_dir.mkdir(parents=True, exist_ok=True)
     result = run_learning(cfg, output_dir)

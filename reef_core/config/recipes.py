@@ -108,8 +108,6 @@ def check_route(index: int, route: RouteConfig) -> None:
 def recipe_bindings(cfg: ReefConfig, plugin_manager: PluginManager | None = None) -> dict[str, RecipeBinding]:
     """Recipe name -> binding: the default recipe from the top-level sections, each routed recipe composed from
     its own config group and its route's overrides. Raises :class:`ConfigError` naming the route at fault."""
-    from .compose import compose_config
-
     default = cfg.recipe
     found: dict[str, RecipeBinding] = {
         default.name: RecipeBinding(default.name, default, cfg.trainer, cfg.evaluation, default=True)}
@@ -129,6 +127,8 @@ def recipe_bindings(cfg: ReefConfig, plugin_manager: PluginManager | None = None
                     f"routes naming one recipe share its composition, so their overrides must agree")
             found[route.recipe] = dataclasses.replace(known, patterns=known.patterns + (route.pattern,))
             continue
+        from .compose import compose_config  # here: a deployment without routes never loads Hydra (config.apart)
+
         try:
             composed = compose_config([f"+recipe={route.recipe}", *overrides], plugin_manager)
         except ConfigError as exc:

@@ -17,9 +17,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
-
 from ..errors import ConfigError
 
 #: Keys whose values are secrets: ``reef config`` prints them redacted, logs never show them.
@@ -455,6 +452,10 @@ def option_default(target: str, *, _node_: Any) -> Any:
 
 
 def register_schema() -> None:
+    # Imported here: a server process reads these dataclasses without composing (reef_core.config.apart).
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
     ConfigStore.instance().store(name="reef_schema", node=ReefConfig)
     if not OmegaConf.has_resolver("reef.default"):
         OmegaConf.register_new_resolver("reef.default", option_default)

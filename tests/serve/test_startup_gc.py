@@ -1,7 +1,8 @@
 """``reef serve`` keeps the cyclic garbage collector off during start-up (its passes over the millions of objects
 imports and the model create cost ~15% of start-up's CPU, issue #41) and turns it on when start-up's objects are
-frozen (serve/process/server.py: freeze_startup_objects); the composition's cycles are collected right after it,
-the rest of start-up is frozen without a full pass (0.2 s of the main thread with the model loaded)."""
+frozen (serve/process/server.py: freeze_startup_objects); a composition in this process has its cycles collected
+right after it, the rest of start-up is frozen without a full pass (0.2 s of the main thread with the model
+loaded)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def restore_gc():
     (gc.enable if enabled else gc.disable)()
 
 
-def test_start_up_runs_without_the_collector_and_collects_the_composition(monkeypatch, restore_gc):
+def test_start_up_runs_without_the_collector_and_collects_an_in_process_composition(monkeypatch, restore_gc):
+    """Where ``reef serve`` cannot compose in a child process (threads running), it composes here and collects the
+    composition's cycles before the rest of start-up (tests/test_config_apart.py: the forked path)."""
     seen = []
     composed = []
 
@@ -37,7 +40,8 @@ def test_start_up_runs_without_the_collector_and_collects_the_composition(monkey
         composed.append(weakref.ref(cycle))
         return argparse.Namespace(server=argparse.Namespace(learner=False))
 
-    monkeypatch.setattr("reef_core.config.compose_config", compose)
+    monkeypatch.setattr("reef_core.config.apart.can_fork", lambda: False)
+    monkeypatch.setattr("reef_core.config.compose.compose_config", compose)
     monkeypatch.setattr(server, "serve", lambda cfg: seen.append((gc.isenabled(), composed[0]() is None)) or 0)
     assert cli.cmd_serve(argparse.Namespace(overrides=[])) == 0
     assert seen == [(False, True)]

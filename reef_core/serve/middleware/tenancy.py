@@ -173,12 +173,10 @@ class Tenancy:
 
 
 def _plain_dict(entry: Any, where: str) -> dict:
-    try:
-        from omegaconf import DictConfig, OmegaConf
-        if isinstance(entry, DictConfig):
-            entry = OmegaConf.to_container(entry, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is a core dependency
-        pass
+    if type(entry).__module__.startswith("omegaconf"):  # a node handed in by a caller that composed in-process;
+        from omegaconf import OmegaConf  # imported only then: a composed config holds plain dicts
+
+        entry = OmegaConf.to_container(entry, resolve=True)
     if not isinstance(entry, dict):
         raise ConfigError(f"{where} must be a mapping (got {type(entry).__name__})")
     return dict(entry)
