@@ -29,8 +29,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
 from reef_core.errors import ConfigError, ValidationFailed
 from reef_core.surfaces.harness import HarnessSurface, ServedTree, inject_system, validate_tree
 
@@ -121,6 +119,8 @@ def parse_skill(slug: str, text: str, *, max_description_chars: int = DEFAULT_MA
     match = _FRONT.match(text)
     if match is None:
         raise ValidationFailed(f"{where}: must start with a '---' front matter block (name, description, category)")
+    import yaml  # here: a server that never reads a skill does not load PyYAML
+
     try:
         front = yaml.safe_load(match.group(1))
     except yaml.YAMLError:
@@ -151,6 +151,8 @@ def parse_skill(slug: str, text: str, *, max_description_chars: int = DEFAULT_MA
 
 def render_skill(skill: Skill) -> str:
     """The SKILL.md text of ``skill`` (what :func:`parse_skill` reads back)."""
+    import yaml
+
     front = yaml.safe_dump({"name": skill.slug, "description": _one_line(skill.description),
                             "category": skill.category}, sort_keys=False, allow_unicode=True, width=1 << 20)
     return f"---\n{front}---\n\n{skill.body.strip()}\n"

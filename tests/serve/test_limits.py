@@ -263,3 +263,16 @@ def test_limits_must_be_positive_and_descriptors_are_reserved():
               "soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]; "
               "assert soft == (1280 if hard == resource.RLIM_INFINITY else min(1280, hard)), soft")
     subprocess.run([sys.executable, "-c", script], check=True)
+
+
+def test_a_websocket_upgrade_is_answered_as_plain_http(server):
+    """Reef serves no websocket (uvicorn runs with ws="none", so no websocket library loads): a request asking to
+    upgrade gets its ordinary HTTP answer and the connection stays HTTP."""
+    sock = _connect(server)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\nupgrade: websocket\r\n"
+                 b"sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+    sock.shutdown(socket.SHUT_WR)
+    status, headers, body = _answer(sock)
+    sock.close()
+    assert status == 200 and "upgrade" not in headers
+    assert json.loads(body)

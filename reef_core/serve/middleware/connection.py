@@ -1,8 +1,8 @@
 """Per-connection limits the HTTP parser does not enforce: header size and count, header and body read
 timeouts, and a cap on open connections.
 
-uvicorn's httptools protocol (the one ``uvicorn[standard]`` selects) buffers an unterminated header line without
-bound, never closes a connection that has not finished sending its headers, and only answers 503 past
+uvicorn's httptools protocol (the one uvicorn selects: httptools is a dependency) buffers an unterminated header
+line without bound, never closes a connection that has not finished sending its headers, and only answers 503 past
 ``limit_concurrency`` once a request's headers are complete (so idle sockets still count against it).
 :class:`LimitedHttpProtocol` adds those limits; every refusal is a complete response in the endpoint's error
 dialect (the path is known once the request line is parsed) with ``connection: close``.

@@ -76,7 +76,9 @@ def serve(cfg: ReefConfig) -> int:
     deployment.announce_startup()
     app = create_app(deployment)
     # The httptools protocol with Reef's connection limits (header size and count, read timeouts, connection cap).
-    config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, http=protocol_class(limits),
+    # No websocket protocol: Reef has no websocket route, and uvicorn would otherwise load a websocket library
+    # into the process when one is installed; an upgrade request is answered as plain HTTP.
+    config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, http=protocol_class(limits), ws="none",
                             log_level=cfg.server.log_level, access_log=False,
                             # JSON: uvicorn's own lines go through the root handler too, one object a line.
                             **({"log_config": None} if cfg.server.log_format == "json" else {}),
