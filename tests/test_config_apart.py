@@ -5,6 +5,7 @@ pytest process may have threads running, and then the config is composed in-proc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -45,8 +46,6 @@ def test_the_forked_composition_is_the_in_process_one_and_the_meanwhile_runs_her
         print(json.dumps({"cfg": dataclasses.asdict(cfg), "meanwhile": here == [os.getpid()], "loaded": loaded}))
     """, *overrides)
     out = json.loads(run.stdout.splitlines()[-1])
-    import dataclasses
-
     assert out["cfg"] == json.loads(json.dumps(dataclasses.asdict(compose_config(overrides))))
     assert out["cfg"]["recipe"]["name"] == "sao" and out["cfg"]["server"]["port"] == 8917
     assert out["meanwhile"] is True

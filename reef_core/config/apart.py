@@ -23,12 +23,8 @@ import traceback
 from collections.abc import Callable, Iterable
 
 from ..errors import ReefError
+from ..plugins import log as plugins_log
 from .schema import ReefConfig
-
-log = logging.getLogger("reef.config")
-
-#: The child's log records from this logger are the server's to repeat when it loads plugins itself.
-_PLUGINS_LOGGER = "reef.plugins"
 
 
 def can_fork() -> bool:
@@ -141,7 +137,8 @@ def _outcome(data: bytes, status: int) -> ReefConfig:
     if kind == "crash":
         raise RuntimeError(f"composing the config failed in its process:\n{value}")
     for name, level, text in records:
-        if kind == "error" or name != _PLUGINS_LOGGER:
+        # The plugin loader's lines are the server's to repeat when it loads the plugins itself.
+        if kind == "error" or name != plugins_log.name:
             logging.getLogger(name).log(level, "%s", text)
     if kind == "error":
         raise value
@@ -149,6 +146,5 @@ def _outcome(data: bytes, status: int) -> ReefConfig:
 
 
 def _how_it_ended(status: int) -> str:
-    if os.WIFSIGNALED(status):
-        return f"signal {os.WTERMSIG(status)}"
-    return f"exit status {os.waitstatus_to_exitcode(status)}"
+    code = os.waitstatus_to_exitcode(status)  # minus the signal's number for a process a signal ended
+    return f"signal {-code}" if code < 0 else f"exit status {code}"

@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     deployment.on_records = channel.stored
     app = create_app(deployment, forward_to=hello["primary"])
     sock = listening_socket(cfg.server.host, cfg.server.port)
-    config = uvicorn.Config(app, http=protocol_class(limits), ws="none", log_level=cfg.server.log_level, access_log=False,
+    config = uvicorn.Config(app, http=protocol_class(limits), ws="none", log_level=cfg.server.log_level,
+                            access_log=False,
                             **({"log_config": None} if cfg.server.log_format == "json" else {}),
                             timeout_graceful_shutdown=30)
     class WorkerServer(uvicorn.Server):
