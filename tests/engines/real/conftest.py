@@ -38,10 +38,11 @@ def vllm_tiny_dir(_shared_model_cache) -> Path:
     return ensure_vllm_tiny_model(Path(os.environ["REEF_MODEL_CACHE"]) / "vllm-tiny")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def real_vllm(vllm_interpreter, vllm_tiny_dir, tmp_path_factory):
-    """A real vLLM serving the tiny model, shared by a module's tests (each engine they start labels and clears
-    it: a Reef engine reloads the base and unloads Reef adapters another process left)."""
+    """A real vLLM serving the tiny model, started once for every test of this directory that asks (each engine
+    they start labels and clears it: a Reef engine reloads the base and unloads Reef adapters another process
+    left). Each start costs 20-60 s; idle, it takes under 1% of a core."""
     # The tiny model ties its embeddings: vLLM serves Reef's untied copy of it (reef_core/engines/untie.py).
     served = untied_copy(vllm_tiny_dir, tmp_path_factory.mktemp("served") / "vllm-tiny-untied")
     server = RealVLLM(served, python=vllm_interpreter, log_path=tmp_path_factory.mktemp("vllm") / "log")
